@@ -1,0 +1,429 @@
+"""Typed run configuration: one YAML file, validated into one dataclass per concern.
+
+A run config has six sections, each a dataclass below::
+
+    layout:    LayoutConfig     how raw files are laid out (MovieLens join, or a delimited file like Criteo's)
+    split:     SplitConfig      evaluation split, malformed-row budget, number of Parquet shards
+    slots:     [SlotConfig]     ID features: which field (or cross of fields) becomes which slot, and its table
+    embedding: EmbeddingConfig  embedding tables (dim, optimizer, initializer) and parameter-server shards
+    model:     ModelConfig      the dense network (DNN or DLRM)
+    trainer:   TrainerConfig    batch size, epochs, staleness bound K, NN workers, dense optimizer, seed
+
+Validation happens in each ``__post_init__`` and raises ``ValueError`` naming the offending field
+(``trainer.batch_size``); unknown keys and wrong types in YAML raise ``ValueError`` naming the key path.
+Style follows TorchRec's ``EmbeddingBagConfig`` (typed dataclasses, validated on construction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def _fail(path: str, msg: str) -> ValueError:
+    return ValueError(f"config field '{path}': {msg}")
+
+
+@dataclass
+class LayoutConfig:
+    """How the raw input is laid out. The layout is data, not code.
+
+    ``kind="movielens"``: the GroupLens files ``ratings.csv``, ``movies.csv`` and ``tags.csv`` in one folder,
+    joined on movieId. Fields produced per rating: ``userId``, ``movieId``, ``genres`` (multi-hot),
+    ``tags`` (multi-hot, tags applied to the movie by anyone strictly before the rating's timestamp),
+    ``year`` (release year parsed from the title; missing for some titles), and the dense fields
+    ``hour``, ``weekday``, ``movie_age`` (years between release and rating). Label: ``rating >= label_threshold``.
+
+    ``kind="delimited"``: one or more text files, one example per line, fields separated by ``delimiter``
+    (Criteo's Display Advertising layout: tab, ``label, I1..I13, C1..C26``, empty = missing).
+    """
+
+    kind: str = "movielens"
+    """``movielens`` or ``delimited``."""
+    ratings_file: str = "ratings.csv"
+    """movielens: file name of the ratings inside the data folder."""
+    movies_file: str = "movies.csv"
+    """movielens: file name of the movie titles and genres."""
+    tags_file: str = "tags.csv"
+    """movielens: file name of the tag applications."""
+    label_threshold: float = 4.0
+    """movielens: label = 1 where rating >= this many stars."""
+    max_tags: int = 32
+    """movielens: at most this many distinct tags per rating (the most recently applied ones)."""
+    delimiter: str = "\t"
+    """delimited: field separator."""
+    has_header: bool = False
+    """delimited: whether the first line of each file is a header to skip."""
+    columns: list[str] = field(default_factory=list)
+    """delimited: the names of the fields, in file order; a line with another field count is malformed."""
+    label_column: str = "label"
+    """delimited: the field holding the 0/1 label."""
+    dense_columns: list[str] = field(default_factory=list)
+    """delimited: numeric fields used as dense features (empty = missing = 0)."""
+    dense_transform: str = "log1p"
+    """delimited: ``log1p`` (log(1 + max(x, 0)), Criteo's usual transform) or ``none``."""
+    timestamp_column: str = ""
+    """delimited: a Unix-seconds field to split by time; empty: split by row order (files in name order)."""
+    file_pattern: str = "*"
+    """delimited: glob of the files to read when the data path is a folder."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("movielens", "delimited"):
+            raise _fail("layout.kind", f"must be 'movielens' or 'delimited', got {self.kind!r}")
+        if self.kind == "delimited":
+            if not self.columns:
+                raise _fail("layout.columns", "a delimited layout needs its column names")
+            if len(set(self.columns)) != len(self.columns):
+                raise _fail("layout.columns", "column names must be unique")
+            for name, cols in (("label_column", [self.label_column]), ("dense_columns", self.dense_columns)):
+                missing = [c for c in cols if c not in self.columns]
+                if missing:
+                    raise _fail(f"layout.{name}", f"{missing} not in layout.columns")
+            if self.timestamp_column and self.timestamp_column not in self.columns:
+                raise _fail("layout.timestamp_column", f"{self.timestamp_column!r} not in layout.columns")
+            if self.dense_transform not in ("log1p", "none"):
+                raise _fail("layout.dense_transform", "must be 'log1p' or 'none'")
+        if self.max_tags < 0:
+            raise _fail("layout.max_tags", "must be >= 0")
+
+    def dense_fields(self) -> list[str]:
+        """Names of the dense features this layout produces, in order."""
+        if self.kind == "movielens":
+            return ["hour", "weekday", "movie_age"]
+        return list(self.dense_columns)
+
+    def id_fields(self) -> list[str]:
+        """Names of the categorical fields this layout produces (usable as slot sources)."""
+        if self.kind == "movielens":
+            return ["userId", "movieId", "genres", "tags", "year"]
+        skip = {self.label_column, self.timestamp_column, *self.dense_columns}
+        return [c for c in self.columns if c not in skip]
+
+
+@dataclass
+class SplitConfig:
+    """Evaluation split, malformed-row budget and output sharding of the preprocess step."""
+
+    eval_fraction: float = 0.2
+    """The last this share of rows (by timestamp, or by row order without one) is the evaluation split."""
+    max_malformed_fraction: float = 0.01
+    """Fail the preprocess step when more than this share of rows is malformed."""
+    num_train_shards: int = 4
+    """Parquet files written for the train split (NN worker r reads files r, r+M, ...)."""
+    num_eval_shards: int = 1
+    """Parquet files written for the evaluation split."""
+    max_rows: int = 0
+    """Read at most this many examples (0 = all): for smoke runs on a tiny subset."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise _fail("split.eval_fraction", "must be in (0, 1)")
+        if not 0.0 <= self.max_malformed_fraction <= 1.0:
+            raise _fail("split.max_malformed_fraction", "must be in [0, 1]")
+        for name in ("num_train_shards", "num_eval_shards"):
+            if getattr(self, name) < 1:
+                raise _fail(f"split.{name}", "must be >= 1")
+        if self.max_rows < 0:
+            raise _fail("split.max_rows", "must be >= 0")
+
+
+@dataclass
+class SlotConfig:
+    """One ID feature (slot). Its values become feature IDs ``xxh3_64(slot name, value)`` (see ``hashing``).
+
+    Either ``source`` (one field of the layout) or ``cross`` (two or more fields: one ID per combination of
+    their values, e.g. user x genre) must be given.
+    """
+
+    name: str
+    """Slot name, unique; part of every feature ID's hash, so renaming a slot renames its IDs."""
+    source: str = ""
+    """Layout field whose values are this slot's IDs."""
+    cross: list[str] = field(default_factory=list)
+    """Layout fields crossed into this slot."""
+    table: str = "default"
+    """Embedding table (``embedding.tables[].name``) that holds this slot's rows."""
+    id_dropout: float = 0.0
+    """Training only: probability that a row's IDs of this slot are dropped to the default (zero) row,
+    so the model learns to use it for IDs never seen in training."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise _fail("slots[].name", "must not be empty")
+        if bool(self.source) == bool(self.cross):
+            raise _fail(f"slots[{self.name}]", "give exactly one of 'source' or 'cross'")
+        if self.cross and len(self.cross) < 2:
+            raise _fail(f"slots[{self.name}].cross", "a cross needs at least two fields")
+        if not 0.0 <= self.id_dropout < 1.0:
+            raise _fail(f"slots[{self.name}].id_dropout", "must be in [0, 1)")
+
+    def fields(self) -> list[str]:
+        """The layout fields this slot reads."""
+        return [self.source] if self.source else list(self.cross)
+
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+@dataclass
+class OptimizerConfig:
+    """Server-side embedding optimizer (applied by the parameter server, per table).
+
+    ``sgd``: w -= lr * g. ``adagrad``: element-wise, ``torch.optim.Adagrad`` semantics.
+    ``rowwise_adagrad``: one accumulator per row, s += mean(g^2); w -= lr * g / (sqrt(s) + eps) (FBGEMM).
+    ``adam``: ``torch.optim.Adam`` semantics with a per-row step count for bias correction.
+    """
+
+    name: str = "rowwise_adagrad"
+    lr: float = 0.05
+    eps: float = 1e-8
+    initial_accumulator: float = 0.0
+    """adagrad / rowwise_adagrad: starting value of the accumulator."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise _fail("optimizer.name", f"must be one of {OPTIMIZERS}, got {self.name!r}")
+        if self.lr <= 0:
+            raise _fail("optimizer.lr", "must be > 0")
+        if self.eps <= 0:
+            raise _fail("optimizer.eps", "must be > 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise _fail("optimizer.beta1/beta2", "must be in [0, 1)")
+
+
+@dataclass
+class TableConfig:
+    """One embedding table: the rows of the slots that name it, with one dim and one optimizer."""
+
+    name: str = "default"
+    dim: int = 16
+    """Embedding dim D (floats per row)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    init_scale: float = 0.01
+    """Rows start uniform in [-init_scale, init_scale], drawn from a generator seeded by the feature ID
+    (the same ID gets the same initial row on any shard, process or run)."""
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise _fail(f"embedding.tables[{self.name}].dim", "must be >= 1")
+        if self.init_scale < 0:
+            raise _fail(f"embedding.tables[{self.name}].init_scale", "must be >= 0")
+
+
+@dataclass
+class EmbeddingConfig:
+    """Embedding tables and their parameter-server shards."""
+
+    tables: list[TableConfig] = field(default_factory=lambda: [TableConfig()])
+    num_shards: int = 2
+    """Parameter-server shards (one process each); feature ID -> shard by ``shard_of`` (see ``hashing``)."""
+    shard_memory_bytes: int = 1 << 30
+    """Memory budget per shard in bytes (rows, optimizer state, keys, hash index, bookkeeping)."""
+    storage: str = "fp32"
+    """Storage precision of the weights: fp32 (optimizer state is always fp32)."""
+
+    def __post_init__(self) -> None:
+        if not self.tables:
+            raise _fail("embedding.tables", "at least one table is needed")
+        names = [t.name for t in self.tables]
+        if len(set(names)) != len(names):
+            raise _fail("embedding.tables", f"table names must be unique, got {names}")
+        if self.num_shards < 1:
+            raise _fail("embedding.num_shards", "must be >= 1")
+        if self.shard_memory_bytes < 1 << 16:
+            raise _fail("embedding.shard_memory_bytes", "must be at least 65536 bytes")
+        if self.storage != "fp32":
+            raise _fail("embedding.storage", "only 'fp32' is supported")
+
+    def table(self, name: str) -> TableConfig:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+@dataclass
+class ModelConfig:
+    """The dense network on top of the pooled embeddings ``float32[B, S, D]`` and dense features."""
+
+    kind: str = "dnn"
+    """``dnn``: concat(pooled embeddings, bottom(dense)) -> MLP. ``dlrm``: DLRM dot interaction (Naumov et al.
+    2019): bottom MLP on dense features to dim D, pairwise dot products of the S+1 vectors, top MLP."""
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Top MLP hidden sizes (the output layer of size 1 is added)."""
+    bottom: list[int] = field(default_factory=lambda: [64])
+    """Bottom MLP hidden sizes for the dense features (DLRM ends it at the embedding dim)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dnn", "dlrm"):
+            raise _fail("model.kind", f"must be 'dnn' or 'dlrm', got {self.kind!r}")
+        if any(h < 1 for h in self.hidden + self.bottom):
+            raise _fail("model.hidden/bottom", "layer sizes must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    """The hybrid training loop (PERSIA, Lian et al., KDD 2022, Sec. 4)."""
+
+    batch_size: int = 512
+    """Samples per NN worker per step."""
+    epochs: int = 2
+    embedding_staleness: int = 4
+    """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
+    K = 0 is fully synchronous training."""
+    num_workers: int = 2
+    """NN workers (torch DDP ranks, gloo on CPU)."""
+    dense_lr: float = 1e-3
+    """Adam learning rate of the dense network."""
+    seed: int = 0
+    threads_per_worker: int = 1
+    """torch intra-op threads per NN worker."""
+    rpc_timeout_s: float = 30.0
+    """Deadline of every parameter-server call (seconds)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "epochs", "num_workers", "threads_per_worker"):
+            if getattr(self, name) < 1:
+                raise _fail(f"trainer.{name}", "must be >= 1")
+        if self.embedding_staleness < 0:
+            raise _fail("trainer.embedding_staleness", "must be >= 0")
+        if self.dense_lr <= 0:
+            raise _fail("trainer.dense_lr", "must be > 0")
+        if self.rpc_timeout_s <= 0:
+            raise _fail("trainer.rpc_timeout_s", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    """One run: data layout, split, slots, embedding, model and trainer settings."""
+
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    slots: list[SlotConfig] = field(default_factory=list)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.slots:
+            raise _fail("slots", "at least one slot is needed")
+        names = [s.name for s in self.slots]
+        if len(set(names)) != len(names):
+            raise _fail("slots", f"slot names must be unique, got {names}")
+        known = set(self.layout.id_fields())
+        tables = {t.name for t in self.embedding.tables}
+        for s in self.slots:
+            bad = [f for f in s.fields() if f not in known]
+            if bad:
+                raise _fail(f"slots[{s.name}]", f"fields {bad} are not produced by the layout {sorted(known)}")
+            if s.table not in tables:
+                raise _fail(f"slots[{s.name}].table", f"no embedding table named {s.table!r}")
+
+    @property
+    def slot_names(self) -> list[str]:
+        return [s.name for s in self.slots]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """Build and validate from a plain dict. Raises ``ValueError`` naming an unknown key or a wrong type."""
+        return _build(cls, data, "")
+
+    def with_overrides(self, overrides: dict[str, Any]) -> "RunConfig":
+        """A copy with dotted-key overrides applied, e.g. ``{"trainer.epochs": 1}``; validated again."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            node = d
+            parts = key.split(".")
+            for p in parts[:-1]:
+                if not isinstance(node, dict) or p not in node:
+                    raise ValueError(f"config override '{key}': unknown key '{p}'")
+                node = node[p]
+            if not isinstance(node, dict) or parts[-1] not in node:
+                raise ValueError(f"config override '{key}': unknown key '{parts[-1]}'")
+            node[parts[-1]] = value
+        return RunConfig.from_dict(d)
+
+
+def _build(tp: Any, value: Any, path: str) -> Any:
+    """Convert ``value`` into type ``tp`` (dataclass, list[...], or a scalar), naming ``path`` on error."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{path or '<root>'}': expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            where = f"{path}." if path else ""
+            raise ValueError(f"config key '{where}{unknown[0]}': unknown key (known: {sorted(names)})")
+        kwargs = {k: _build(hints[k], v, f"{path}.{k}" if path else k) for k, v in value.items()}
+        return tp(**kwargs)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(f"config key '{path}': expected a list, got {type(value).__name__}")
+        out = []
+        for i, v in enumerate(value):
+            item_path = f"{path}[{v.get('name', i)}]" if isinstance(v, dict) else f"{path}[{i}]"
+            out.append(_build(item_tp, v, item_path))
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{path}': expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"config key '{path}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key '{path}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"config key '{path}': expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {path}")
+
+
+def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a run config from a YAML file, or a shipped one by name (``movielens``, ``criteo``).
+
+    Raises ``FileNotFoundError`` naming the path, ``ValueError`` naming the key for invalid content.
+    """
+    from persia_core import io
+
+    path = name_or_path
+    if not path.endswith((".yaml", ".yml")) and "/" not in path:
+        path = str(CONFIG_DIR / f"{name_or_path}.yaml")
+    if not io.exists(path):
+        shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"run config {name_or_path!r} not found (shipped configs: {shipped})")
+    text = io.read_text(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"run config {path}: not valid YAML: {e}") from e
+    try:
+        cfg = RunConfig.from_dict(data or {})
+    except ValueError as e:
+        raise ValueError(f"run config {path}: {e}") from e
+    return cfg.with_overrides(overrides) if overrides else cfg
