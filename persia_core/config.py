@@ -286,6 +286,8 @@ class TrainerConfig:
     dense_lr: float = 1e-3
     """Adam learning rate of the dense network."""
     seed: int = 0
+    shuffle: bool = True
+    """Shuffle each worker's rows every epoch (seeded by seed, epoch, rank); false: file order."""
     threads_per_worker: int = 1
     """torch intra-op threads per NN worker."""
     rpc_timeout_s: float = 30.0

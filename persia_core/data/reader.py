@@ -1,0 +1,98 @@
+"""Read the preprocess step's Parquet shards into columnar memory and cut them into batches.
+
+No Python loop per row: batches are gathered with vectorized jagged indexing (``sparse.jagged_take``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from persia_core import io
+from persia_core.data import schema as S
+from persia_core.sparse import Batch, IdBatch, jagged_take
+
+
+def read_schema(data_dir: str) -> dict:
+    """The ``schema.json`` written by preprocess. Raises ``FileNotFoundError`` naming the path."""
+    path = io.join(data_dir, S.SCHEMA_FILE)
+    if not io.exists(path):
+        raise FileNotFoundError(f"{path}: no preprocess statistics (run the preprocess step first)")
+    return json.loads(io.read_text(path))
+
+
+def _list_column(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    values = values[offsets[0] : offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+class ParquetExamples:
+    """The rows of some Parquet shards, held columnar in memory.
+
+    Args:
+        files: Parquet paths (local, ``/gcs/`` or ``gs://``).
+        slots: slot names to read (``slot_<name>`` columns).
+
+    Attributes: ``labels float32[R]``, ``dense float32[R, F]``, ``ids[slot] = (uint64[n], int64[R+1])``,
+    ``ts int64[R]``.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a missing column.
+    """
+
+    def __init__(self, files: list[str], slots: list[str]):
+        self.slots = list(slots)
+        cols = [S.LABEL, S.DENSE, S.TS, *[S.slot_column(s) for s in slots]]
+        tables = []
+        for f in files:
+            if not io.exists(f):
+                raise FileNotFoundError(f"Parquet shard not found: {f}")
+            if io.is_gcs(f):
+                import io as _io
+
+                t = pq.read_table(_io.BytesIO(io.read_bytes(f)))
+            else:
+                t = pq.read_table(f)
+            missing = [c for c in cols if c not in t.column_names]
+            if missing:
+                raise ValueError(f"{f}: missing columns {missing}")
+            tables.append(t.select(cols))
+        table = pa.concat_tables(tables) if tables else pa.Table.from_batches([], S.arrow_schema(slots)).select(cols)
+        self.num_rows = table.num_rows
+        self.labels = table.column(S.LABEL).to_numpy().astype(np.float32)
+        dv, do = _list_column(table.column(S.DENSE))
+        width = int(do[1] - do[0]) if self.num_rows else 0
+        if self.num_rows and not np.all(np.diff(do) == width):
+            raise ValueError(f"{files}: rows have different numbers of dense features")
+        self.dense = dv.astype(np.float32).reshape(self.num_rows, width)
+        self.ts = table.column(S.TS).to_numpy()
+        self.ids = {s: _list_column(table.column(S.slot_column(s))) for s in slots}
+        for s, (v, _) in self.ids.items():
+            if v.dtype != np.uint64:
+                self.ids[s] = (v.astype(np.uint64), self.ids[s][1])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def batch(self, rows: np.ndarray) -> Batch:
+        """The examples ``rows: int64[B]`` as a ``Batch`` (slots in ``self.slots`` order)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        vals, offs, total = [], [np.zeros(1, dtype=np.int64)], 0
+        for s in self.slots:
+            v, o = jagged_take(*self.ids[s], rows)
+            vals.append(v)
+            offs.append(o[1:] + total)
+            total += len(v)
+        ids = IdBatch(self.slots, np.concatenate(vals) if vals else np.zeros(0, np.uint64),
+                      np.concatenate(offs), len(rows))
+        return Batch(ids, self.dense[rows], self.labels[rows])
+
+
+def shard_files(data_dir: str, split: str) -> list[str]:
+    """Paths of the Parquet shards of ``split`` (``train`` or ``eval``) listed in ``schema.json``."""
+    sch = read_schema(data_dir)
+    return [io.join(data_dir, f) for f in sch[f"{split}_files"]]

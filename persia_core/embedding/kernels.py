@@ -1,0 +1,299 @@
+"""Compiled inner loops of the embedding table (numba ``@njit(nogil=True, cache=True)``).
+
+Hash index: linear probing over a power-of-two array of int32 row numbers (-1 = empty), keyed by Fibonacci
+hashing of the 64-bit feature ID (Knuth, TAOCP vol. 3, 6.4); deletion by backward shift (Knuth's Algorithm R),
+so no tombstones accumulate under eviction. Recency: an intrusive doubly linked list over rows (``prev``/``nxt``
+int32) with the most recently used row at the head; the tail is evicted first (LRU, as PERSIA's servers).
+
+Every function releases the GIL, so a parameter server's RPC threads keep (de)serializing while one runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+FIB = np.uint64(0x9E3779B97F4A7C15)
+EMPTY = np.int32(-1)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _home(key, shift):
+    return np.int64((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(shift))
+
+
+@njit(nogil=True, cache=True)
+def _splitmix(x):
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(nogil=True, cache=True)
+def init_row(key, seed, scale, out):
+    """Deterministic initial row of ``key``: ``out[j] = scale * (2u - 1)``, u in [0, 1) from SplitMix64 of
+    (key, seed, j). The same ID gets the same row on any shard, process or run."""
+    state = key ^ (np.uint64(seed) * np.uint64(0xD1B54A32D192ED03))
+    for j in range(out.shape[0]):
+        state = _splitmix(state)
+        u = np.float64(state >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+        out[j] = np.float32(scale * (2.0 * u - 1.0))
+
+
+@njit(nogil=True, cache=True)
+def find(index, keys, shift, key):
+    """Row of ``key`` or -1."""
+    mask = index.shape[0] - 1
+    i = _home(key, shift)
+    while True:
+        r = index[i]
+        if r == -1:
+            return -1
+        if keys[r] == key:
+            return r
+        i = (i + 1) & mask
+
+
+@njit(nogil=True, cache=True)
+def _insert(index, keys, shift, key, row):
+    mask = index.shape[0] - 1
+    i = _home(key, shift)
+    while index[i] != -1:
+        i = (i + 1) & mask
+    index[i] = row
+
+
+@njit(nogil=True, cache=True)
+def _delete(index, keys, shift, key):
+    """Remove ``key`` from the index by backward-shift deletion. Returns True if it was present."""
+    mask = index.shape[0] - 1
+    i = _home(key, shift)
+    while True:
+        r = index[i]
+        if r == -1:
+            return False
+        if keys[r] == key:
+            break
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        r = index[j]
+        if r == -1:
+            break
+        k = _home(keys[r], shift)
+        # move r back to i when its home k is not cyclically in (i, j]
+        if (j > i and (k <= i or k > j)) or (j < i and (k <= i and k > j)):
+            index[i] = r
+            i = j
+    index[i] = -1
+    return True
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _unlink(prev, nxt, head_tail, r):
+    p = prev[r]
+    n = nxt[r]
+    if p != -1:
+        nxt[p] = n
+    else:
+        head_tail[0] = n
+    if n != -1:
+        prev[n] = p
+    else:
+        head_tail[1] = p
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _push_front(prev, nxt, head_tail, r):
+    h = head_tail[0]
+    prev[r] = -1
+    nxt[r] = h
+    if h != -1:
+        prev[h] = r
+    else:
+        head_tail[1] = r
+    head_tail[0] = r
+
+
+@njit(nogil=True, cache=True)
+def rebuild_index(index, keys, shift, size):
+    """Re-insert rows ``0..size-1`` into an all-empty ``index``."""
+    index[:] = -1
+    for r in range(size):
+        _insert(index, keys, shift, keys[r], r)
+
+
+@njit(nogil=True, cache=True)
+def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, capacity, step, last_used,
+           seed, scale, out):
+    """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
+
+    create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
+    recently used row is evicted first (its key removed from the index). create=False: unseen -> zero row and
+    nothing is inserted. Found rows move to the head of the recency list and get ``last_used = step``.
+    ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
+    whose optimizer state the caller resets.
+    """
+    shift = shift_of(index)
+    n = ids.shape[0]
+    created = np.empty(n, dtype=np.int32)
+    nc = 0
+    for t in range(n):
+        key = ids[t]
+        r = find(index, keys, shift, key)
+        if r == -1:
+            if not create:
+                out[t, :] = 0.0
+                counters[3] += 1
+                continue
+            size = counters[0]
+            if size < capacity:
+                r = np.int32(size)
+                counters[0] = size + 1
+            else:
+                r = head_tail[1]  # LRU tail
+                _delete(index, keys, shift, keys[r])
+                _unlink(prev, nxt, head_tail, r)
+                counters[1] += 1
+            keys[r] = key
+            _insert(index, keys, shift, key, r)
+            init_row(key, seed, scale, weights[r])
+            _push_front(prev, nxt, head_tail, r)
+            counters[2] += 1
+            created[nc] = r
+            nc += 1
+        else:
+            _unlink(prev, nxt, head_tail, r)
+            _push_front(prev, nxt, head_tail, r)
+        last_used[r] = step
+        out[t, :] = weights[r]
+    return created[:nc]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def shift_of(index):
+    # 64 - log2(len(index)); len is a power of two
+    n = index.shape[0]
+    b = 0
+    while (1 << b) < n:
+        b += 1
+    return 64 - b
+
+
+@njit(nogil=True, cache=True)
+def find_rows(ids, index, keys):
+    """Row of each ID (int32[N], -1 where absent)."""
+    shift = shift_of(index)
+    out = np.empty(ids.shape[0], dtype=np.int32)
+    for t in range(ids.shape[0]):
+        out[t] = find(index, keys, shift, ids[t])
+    return out
+
+
+@njit(nogil=True, cache=True)
+def segment_sum(ids, grads):
+    """Sum the gradient rows of repeated IDs: ``ids: uint64[N]``, ``grads: float32[N, D]`` ->
+    (``uint64[U]`` unique IDs in first-seen order, ``float32[U, D]`` summed rows)."""
+    n = ids.shape[0]
+    order = np.argsort(ids, kind="mergesort")
+    uniq = np.empty(n, dtype=np.uint64)
+    out = np.zeros((n, grads.shape[1]), dtype=np.float32)
+    u = -1
+    prev_key = np.uint64(0)
+    for t in range(n):
+        i = order[t]
+        k = ids[i]
+        if u == -1 or k != prev_key:
+            u += 1
+            uniq[u] = k
+            prev_key = k
+        out[u, :] += grads[i]
+    return uniq[: u + 1], out[: u + 1]
+
+
+@njit(nogil=True, cache=True)
+def apply_sgd(rows, grads, weights, lr, wd):
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        if r < 0:
+            continue
+        w = weights[r]
+        for j in range(w.shape[0]):
+            g = grads[t, j] + wd * w[j]
+            w[j] = np.float32(w[j] - lr * g)
+
+
+@njit(nogil=True, cache=True)
+def apply_adagrad(rows, grads, weights, acc, lr, eps, wd):
+    """torch.optim.Adagrad (lr_decay 0): s += g*g; w -= lr * g / (sqrt(s) + eps)."""
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        if r < 0:
+            continue
+        w = weights[r]
+        s = acc[r]
+        for j in range(w.shape[0]):
+            g = np.float32(grads[t, j] + np.float32(wd) * w[j])
+            s[j] = np.float32(s[j] + g * g)
+            w[j] = np.float32(w[j] - np.float32(lr) * g / (np.float32(np.sqrt(s[j])) + np.float32(eps)))
+
+
+@njit(nogil=True, cache=True)
+def apply_rowwise_adagrad(rows, grads, weights, acc, lr, eps, wd):
+    """Row-wise Adagrad (FBGEMM ``EXACT_ROWWISE_ADAGRAD``): s += mean_j(g_j^2);
+    w -= lr * g / (sqrt(s) + eps)."""
+    d = weights.shape[1]
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        if r < 0:
+            continue
+        w = weights[r]
+        ss = 0.0
+        for j in range(d):
+            g = grads[t, j] + wd * w[j]
+            ss += g * g
+        s = np.float32(acc[r] + np.float32(ss / d))
+        acc[r] = s
+        den = np.sqrt(np.float64(s)) + eps
+        for j in range(d):
+            g = grads[t, j] + wd * w[j]
+            w[j] = np.float32(w[j] - lr * g / den)
+
+
+@njit(nogil=True, cache=True)
+def apply_adam(rows, grads, weights, m, v, steps, lr, beta1, beta2, eps, wd):
+    """torch.optim.Adam (no amsgrad) with a per-row step count for bias correction."""
+    for t in range(rows.shape[0]):
+        r = rows[t]
+        if r < 0:
+            continue
+        steps[r] += 1
+        k = steps[r]
+        bc1 = 1.0 - beta1 ** k
+        bc2 = 1.0 - beta2 ** k
+        step_size = lr / bc1
+        bc2_sqrt = np.sqrt(bc2)
+        w = weights[r]
+        mr = m[r]
+        vr = v[r]
+        for j in range(w.shape[0]):
+            g = np.float32(grads[t, j] + np.float32(wd) * w[j])
+            mr[j] = np.float32(mr[j] * np.float32(beta1) + g * np.float32(1.0 - beta1))
+            vr[j] = np.float32(vr[j] * np.float32(beta2) + g * g * np.float32(1.0 - beta2))
+            den = np.float32(np.float32(np.sqrt(vr[j])) / np.float32(bc2_sqrt)) + np.float32(eps)
+            w[j] = np.float32(w[j] - np.float32(step_size) * (mr[j] / den))
+
+
+@njit(nogil=True, cache=True)
+def lru_order(head, nxt, size):
+    """Rows from most to least recently used (``int64[size]``), following the recency list from ``head``."""
+    order = np.empty(size, dtype=np.int64)
+    r = head
+    i = 0
+    while r != -1 and i < size:
+        order[i] = r
+        r = nxt[r]
+        i += 1
+    return order[:i]

@@ -1,0 +1,264 @@
+"""The in-process embedding table: feature ID -> row + optimizer state, grown on demand, LRU-evicted at capacity.
+
+This is the reference the distributed parameter servers are tested against (the server wraps one table per
+embedding table name; the table never imports gRPC). All per-ID work runs in compiled code
+(``persia_core.embedding.kernels``); the Python here only sizes and grows arrays.
+
+Memory per row (``bytes_per_row``), everything included::
+
+    key uint64 (8) + LRU prev/next int32 (8) + last-used step int32 (4) + hash index int32 slots (4 / load)
+    + weights (4 * D) + optimizer state (rowwise_adagrad 4, adagrad 4 * D, adam 8 * D + 4, sgd 0)
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from persia_core.config import OptimizerConfig
+from persia_core.embedding import kernels as K
+
+MAX_LOAD = 0.75
+_INITIAL_ROWS = 1024
+
+
+def state_shapes(optimizer: str, dim: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Optimizer state arrays per row: name -> (per-row shape, dtype)."""
+    if optimizer == "sgd":
+        return {}
+    if optimizer == "rowwise_adagrad":
+        return {"acc": ((), np.float32)}
+    if optimizer == "adagrad":
+        return {"acc": ((dim,), np.float32)}
+    if optimizer == "adam":
+        return {"m": ((dim,), np.float32), "v": ((dim,), np.float32), "steps": ((), np.int32)}
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def row_bytes_without_index(optimizer: str, dim: int) -> int:
+    """Bytes per row excluding the hash index: key, LRU links, last-used step, weights, optimizer state."""
+    state = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                for shape, dt in state_shapes(optimizer, dim).values())
+    return 8 + 8 + 4 + 4 * dim + state
+
+
+def _index_slots(rows: int) -> int:
+    n = 1024
+    while n * MAX_LOAD < rows:
+        n *= 2
+    return n
+
+
+def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int) -> int:
+    """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes).
+
+    Raises ``ValueError`` if not even 1024 rows fit.
+    """
+    per_row = row_bytes_without_index(optimizer, dim)
+    best = 0
+    slots = 1024
+    while slots * 4 < budget_bytes:
+        cap = min(int(slots * MAX_LOAD), (budget_bytes - 4 * slots) // per_row)
+        best = max(best, cap)
+        slots *= 2
+    if best < 1024:
+        raise ValueError(f"a memory budget of {budget_bytes} bytes holds fewer than 1024 rows of dim {dim}")
+    return int(best)
+
+
+def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24) -> float:
+    """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
+    return row_bytes_without_index(optimizer, dim) + 4 * _index_slots(capacity) / capacity
+
+
+class EmbeddingTable:
+    """Feature ID -> embedding row and optimizer state, in contiguous arrays, with LRU eviction at capacity.
+
+    Args:
+        dim: embedding dim D.
+        optimizer: the server-side optimizer (``OptimizerConfig``).
+        capacity: the most rows held; beyond it the least recently looked-up rows are evicted.
+        init_scale: initial rows are uniform in [-init_scale, init_scale], seeded by the feature ID and ``seed``.
+        seed: seed of the per-ID initializer.
+
+    Thread safety: every public method takes the table's lock.
+    """
+
+    def __init__(self, dim: int, optimizer: OptimizerConfig, capacity: int, init_scale: float = 0.01,
+                 seed: int = 0):
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.dim = dim
+        self.optimizer = optimizer
+        self.capacity = int(capacity)
+        self.init_scale = float(init_scale)
+        self.seed = int(seed)
+        self.step = 0
+        self.dropped_gradients = 0
+        self.lock = threading.Lock()
+        self._alloc(min(self.capacity, _INITIAL_ROWS))
+        self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
+        self.head_tail = np.full(2, -1, dtype=np.int32)
+
+    # ---- storage -------------------------------------------------------------------------------------
+    def _alloc(self, rows: int) -> None:
+        self.keys = np.zeros(rows, dtype=np.uint64)
+        self.weights = np.zeros((rows, self.dim), dtype=np.float32)
+        self.prev = np.full(rows, -1, dtype=np.int32)
+        self.nxt = np.full(rows, -1, dtype=np.int32)
+        self.last_used = np.zeros(rows, dtype=np.int32)
+        self.state = {name: np.zeros((rows, *shape), dtype=dt)
+                      for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()}
+        self.index = np.full(_index_slots(rows), -1, dtype=np.int32)
+
+    def _grow(self, needed_rows: int) -> None:
+        rows = len(self.keys)
+        if needed_rows <= rows or rows == self.capacity:
+            return
+        new_rows = min(self.capacity, max(2 * rows, needed_rows))
+        size = int(self.counters[0])
+        old = (self.keys, self.weights, self.prev, self.nxt, self.last_used, self.state)
+        self._alloc(new_rows)
+        self.keys[:size] = old[0][:size]
+        self.weights[:size] = old[1][:size]
+        self.prev[:size] = old[2][:size]
+        self.nxt[:size] = old[3][:size]
+        self.last_used[:size] = old[4][:size]
+        for name, arr in old[5].items():
+            self.state[name][:size] = arr[:size]
+        K.rebuild_index(self.index, self.keys, K.shift_of(self.index), size)
+
+    def _reset_state(self, rows: np.ndarray) -> None:
+        if len(rows):
+            for name, arr in self.state.items():
+                arr[rows] = self.optimizer.initial_accumulator if name == "acc" else 0
+
+    # ---- API -----------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Rows held now."""
+        return int(self.counters[0])
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``, creating unseen IDs (deterministic init).
+
+        Duplicates are fine (each gets the row). At capacity, least recently used rows are evicted.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.empty((len(ids), self.dim), dtype=np.float32)
+        with self.lock:
+            self._grow(self.size + len(ids))
+            self.step += 1
+            created = K.lookup(ids, True, self.index, self.keys, self.weights, self.prev, self.nxt,
+                               self.head_tail, self.counters, self.capacity, self.step, self.last_used,
+                               self.seed, self.init_scale, out)
+            self._reset_state(created)
+        return out
+
+    def lookup_readonly(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``; an unseen ID gets the zero row and is not inserted.
+
+        Does not change recency either (evaluation must not perturb the table)."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        with self.lock:
+            rows = K.find_rows(ids, self.index, self.keys)
+            out = self.weights[np.maximum(rows, 0)]
+            out[rows < 0] = 0.0
+        return out
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """``bool[N]``: whether each ID has a row."""
+        with self.lock:
+            return K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), self.index, self.keys) >= 0
+
+    def apply_gradients(self, ids: np.ndarray, grads: np.ndarray) -> int:
+        """Apply one optimizer step to the rows of ``ids: uint64[N]`` with ``grads: float32[N, D]``.
+
+        Gradients of an ID repeated in ``ids`` are summed first and applied in one update. A gradient for an ID
+        that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
+        Raises ``ValueError`` on mismatched shapes or non-finite gradients.
+        """
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        if grads.shape != (len(ids), self.dim):
+            raise ValueError(f"grads has shape {grads.shape}, expected ({len(ids)}, {self.dim})")
+        if not np.isfinite(grads).all():
+            raise ValueError("gradient push contains inf or NaN; refused")
+        if len(ids) == 0:
+            return 0
+        uniq, summed = K.segment_sum(ids, grads)
+        o = self.optimizer
+        with self.lock:
+            rows = K.find_rows(uniq, self.index, self.keys)
+            dropped = int((rows < 0).sum())
+            self.dropped_gradients += dropped
+            if o.name == "sgd":
+                K.apply_sgd(rows, summed, self.weights, o.lr, o.weight_decay)
+            elif o.name == "rowwise_adagrad":
+                K.apply_rowwise_adagrad(rows, summed, self.weights, self.state["acc"], o.lr, o.eps, o.weight_decay)
+            elif o.name == "adagrad":
+                K.apply_adagrad(rows, summed, self.weights, self.state["acc"], o.lr, o.eps, o.weight_decay)
+            else:
+                K.apply_adam(rows, summed, self.weights, self.state["m"], self.state["v"], self.state["steps"],
+                             o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+        return dropped
+
+    def stats(self) -> dict:
+        """Rows, capacity, evictions, inserts, read-only misses, dropped gradients, bytes allocated."""
+        with self.lock:
+            allocated = (self.keys.nbytes + self.weights.nbytes + self.prev.nbytes + self.nxt.nbytes
+                         + self.last_used.nbytes + self.index.nbytes + sum(a.nbytes for a in self.state.values()))
+            return {
+                "rows": int(self.counters[0]), "capacity": self.capacity, "evictions": int(self.counters[1]),
+                "inserts": int(self.counters[2]), "readonly_misses": int(self.counters[3]),
+                "dropped_gradients": self.dropped_gradients, "bytes_allocated": int(allocated),
+                "bytes_per_row": bytes_per_row(self.optimizer.name, self.dim, self.capacity),
+            }
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Rows and optimizer state, most recently used first: ``keys uint64[R]``, ``weights float32[R, D]``,
+        ``last_used int32[R]`` and one array per optimizer state (``acc``, ``m``, ``v``, ``steps``)."""
+        with self.lock:
+            size = self.size
+            order = K.lru_order(int(self.head_tail[0]), self.nxt, size)
+            out = {"keys": self.keys[order].copy(), "weights": self.weights[order].copy(),
+                   "last_used": self.last_used[order].copy()}
+            for name, arr in self.state.items():
+                out[name] = arr[order].copy()
+            return out
+
+    def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
+        """Replace the contents with a ``state_dict()`` (rows in recency order, most recent first).
+
+        Raises ``ValueError`` when dims, optimizer state or row count do not fit this table."""
+        keys = np.asarray(sd["keys"], dtype=np.uint64)
+        n = len(keys)
+        if n > self.capacity:
+            raise ValueError(f"state has {n} rows, more than this table's capacity {self.capacity}")
+        if sd["weights"].shape != (n, self.dim):
+            raise ValueError(f"state weights have shape {sd['weights'].shape}, expected ({n}, {self.dim})")
+        expected = set(state_shapes(self.optimizer.name, self.dim))
+        present = set(sd) - {"keys", "weights", "last_used"}
+        if present != expected:
+            raise ValueError(f"optimizer state arrays {sorted(present)} do not match {self.optimizer.name}: "
+                             f"{sorted(expected)}")
+        with self.lock:
+            self._alloc(max(min(self.capacity, _INITIAL_ROWS), n))
+            self.keys[:n] = keys
+            self.weights[:n] = sd["weights"]
+            self.last_used[:n] = sd.get("last_used", np.zeros(n, np.int32))
+            for name in expected:
+                self.state[name][:n] = sd[name]
+            self.prev[:n] = np.arange(-1, n - 1, dtype=np.int32)
+            self.nxt[:n] = np.arange(1, n + 1, dtype=np.int32)
+            if n:
+                self.nxt[n - 1] = -1
+            self.head_tail[:] = (0, n - 1) if n else (-1, -1)
+            self.counters[:] = 0
+            self.counters[0] = n
+            K.rebuild_index(self.index, self.keys, K.shift_of(self.index), n)
+            if len(np.unique(keys)) != n:
+                raise ValueError("state has duplicate keys")

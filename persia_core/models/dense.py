@@ -1,0 +1,84 @@
+"""The dense (NN-worker) part of the model: everything but the embedding tables.
+
+Both models take the pooled embeddings ``emb: float32[B, S, D]`` (S slots, pooled by sum; an empty slot is the
+zero vector) and the dense features ``dense: float32[B, F]`` (standardized inside the model with the train-split
+mean/std from the preprocess statistics, kept as buffers so a saved model carries them), and return logits
+``float32[B]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from persia_core.config import ModelConfig
+
+
+def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
+    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between (and after the last if asked)."""
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2 or last_activation:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class _Base(nn.Module):
+    def __init__(self, num_dense: int, dense_mean=None, dense_std=None):
+        super().__init__()
+        mean = torch.as_tensor(dense_mean if dense_mean is not None else [0.0] * num_dense, dtype=torch.float32)
+        std = torch.as_tensor(dense_std if dense_std is not None else [1.0] * num_dense, dtype=torch.float32)
+        self.register_buffer("dense_mean", mean)
+        self.register_buffer("dense_std", std)
+
+    def normalize(self, dense: torch.Tensor) -> torch.Tensor:
+        return (dense - self.dense_mean) / self.dense_std
+
+
+class DNN(_Base):
+    """concat(flatten(emb), bottom_mlp(dense)) -> MLP(hidden) -> logit (PERSIA's benchmark model shape).
+
+    Args: num_slots S, dim D, num_dense F, hidden (top MLP sizes), bottom (dense MLP sizes; [] = raw dense).
+    """
+
+    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden: list[int], bottom: list[int],
+                 dense_mean=None, dense_std=None):
+        super().__init__(num_dense, dense_mean, dense_std)
+        self.bottom = mlp([num_dense, *bottom], last_activation=True) if bottom and num_dense else nn.Identity()
+        dense_out = (bottom[-1] if bottom else num_dense) if num_dense else 0
+        self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
+
+    def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        parts = [emb.flatten(1)]
+        if dense.shape[1]:
+            parts.append(self.bottom(self.normalize(dense)))
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+
+class DLRM(_Base):
+    """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
+    interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
+
+    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden: list[int], bottom: list[int],
+                 dense_mean=None, dense_std=None):
+        super().__init__(num_dense, dense_mean, dense_std)
+        if not num_dense:
+            raise ValueError("DLRM needs dense features (model.kind: dlrm with an empty dense list)")
+        self.bottom = mlp([num_dense, *bottom, dim], last_activation=True)
+        n = num_slots + 1
+        self.register_buffer("_iu", torch.triu_indices(n, n, offset=1), persistent=False)
+        self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False)
+
+    def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(self.normalize(dense))
+        t = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, S+1, D]
+        z = torch.bmm(t, t.transpose(1, 2))[:, self._iu[0], self._iu[1]]
+        return self.top(torch.cat([x, z], dim=1)).squeeze(1)
+
+
+def build_model(config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None,
+                dense_std=None) -> nn.Module:
+    """The dense model named by ``config.kind``. Raises ``ValueError`` for an unusable combination."""
+    cls = {"dnn": DNN, "dlrm": DLRM}[config.kind]
+    return cls(num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)

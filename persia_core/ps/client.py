@@ -1,0 +1,178 @@
+"""Embedding-worker side of the parameter servers: route IDs to shards, call them concurrently, reassemble.
+
+Same interface as ``persia_core.embedding.sharded.LocalEmbedding`` (see there). IDs passed in are expected to be
+unique already (the trainer deduplicates a batch once); gradients are per unique ID.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from persia_core.config import EmbeddingConfig
+from persia_core.hashing import shard_of
+from persia_core.ps import wire
+from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class ParameterServerError(RuntimeError):
+    """A parameter-server call failed (after retries); the message names the shard and address."""
+
+
+class EmbeddingClient:
+    """gRPC client of N parameter-server shards.
+
+    Args:
+        addresses: ``host:port`` of shard 0..N-1.
+        config: the embedding config (table dims).
+        token: shared token sent on every call (default: ``$PERSIA_PS_TOKEN``).
+        timeout_s: deadline of every call (seconds). retries: attempts after a retryable failure.
+        delay_s, bandwidth_bytes_per_s: optional injected network cost per call (0 = off): a fixed round-trip
+            delay and a bandwidth cap, to measure the regime of servers across a data-centre network.
+    """
+
+    def __init__(self, addresses: list[str], config: EmbeddingConfig, token: str | None = None,
+                 timeout_s: float = 30.0, retries: int = 3, delay_s: float = 0.0,
+                 bandwidth_bytes_per_s: float = 0.0, client_id: str | None = None):
+        self.addresses = list(addresses)
+        self.num_shards = len(addresses)
+        self.dims = {t.name: t.dim for t in config.tables}
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.delay_s = delay_s
+        self.bandwidth = bandwidth_bytes_per_s
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.metadata = ((TOKEN_HEADER, token),) if token else ()
+        self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._seq = itertools.count()
+        self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self.calls = {
+            name: [ch.unary_unary(f"/{SERVICE}/{name}") for ch in self.channels]
+            for name in ("Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Load", "Stats", "Health")
+        }
+        self.pool = ThreadPoolExecutor(max_workers=max(4, 3 * self.num_shards), thread_name_prefix="ps-client")
+
+    # ---- one call ------------------------------------------------------------------------------------
+    def call(self, method: str, shard: int, meta: dict | None = None, arrays: dict | None = None,
+             timeout_s: float | None = None) -> tuple[dict, dict]:
+        """One blocking call with deadline and retries (safe: pushes carry sequence numbers).
+
+        Raises ``ParameterServerError`` naming the shard, its address and the gRPC status."""
+        req = wire.encode(meta, arrays)
+        if self.delay_s or self.bandwidth:
+            time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
+        last = None
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self.calls[method][shard](req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+                out = wire.decode(resp)
+                if self.bandwidth:
+                    time.sleep(len(resp) / self.bandwidth)
+                return out
+            except grpc.RpcError as e:
+                last = e
+                if e.code() not in RETRYABLE or attempt == self.retries:
+                    break
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        raise ParameterServerError(
+            f"{method} to shard {shard} at {self.addresses[shard]} failed: {last.code().name}: {last.details()}"
+        )
+
+    # ---- routed batch calls ---------------------------------------------------------------------------
+    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
+        owner = shard_of(ids, self.num_shards)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
+        return [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
+
+    def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.empty((len(ids), self.dims[table]), dtype=np.float32)
+        parts = self._route(ids)
+        futs = {s: self.pool.submit(self.call, method, s, {"table": table}, {"ids": ids[pos]})
+                for s, pos in enumerate(parts) if len(pos)}
+        for s, f in futs.items():
+            out[parts[s]] = f.result()[1]["rows"]
+        return out
+
+    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of unique ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen."""
+        return self._gather("Lookup", table, ids)
+
+    def lookup_readonly(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``; unseen -> zero row, nothing inserted."""
+        return self._gather("LookupReadonly", table, ids)
+
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int = 0,
+             sync_workers: int = 0) -> Future:
+        """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
+        blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
+        when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        parts = self._route(ids)
+        sync = sync_workers > 1
+        futs = []
+        for s, pos in enumerate(parts):
+            if len(pos) or sync:  # in sync mode every shard hears from every worker every step
+                meta = {"table": table, "client": self.client_id, "seq": next(self._seq), "step": step,
+                        "sync_workers": sync_workers}
+                futs.append(self.pool.submit(self.call, "Push", s, meta, {"ids": ids[pos], "grads": grads[pos]}))
+        out: Future = Future()
+        if not futs:
+            out.set_result(0)
+            return out
+        remaining = [len(futs)]
+        dropped = [0]
+
+        def done(f: Future) -> None:
+            if out.done():
+                return
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc)
+                return
+            dropped[0] += int(f.result()[0].get("dropped", 0))
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                out.set_result(dropped[0])
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+    def contains(self, table: str, ids: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.zeros(len(ids), dtype=bool)
+        for s, pos in enumerate(self._route(ids)):
+            if len(pos):
+                out[pos] = self.call("Contains", s, {"table": table}, {"ids": ids[pos]})[1]["found"].astype(bool)
+        return out
+
+    def dump(self, paths: list[str]) -> list[int]:
+        """Each shard writes its state to ``paths[shard]`` (concurrently). Returns bytes written per shard."""
+        futs = [self.pool.submit(self.call, "Dump", s, {"path": p}, None, max(self.timeout_s, 600.0))
+                for s, p in enumerate(paths)]
+        return [int(f.result()[0]["bytes"]) for f in futs]
+
+    def stats(self) -> list[dict]:
+        return [self.call("Stats", s)[0] for s in range(self.num_shards)]
+
+    def health(self, timeout_s: float = 5.0) -> list[dict]:
+        return [self.call("Health", s, timeout_s=timeout_s)[0] for s in range(self.num_shards)]
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for ch in self.channels:
+            ch.close()

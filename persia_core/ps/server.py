@@ -1,0 +1,277 @@
+"""Embedding parameter server: one process per shard, serving its ``EmbeddingTable``s over gRPC.
+
+Service ``persia.ParameterServer`` (unary calls, ``persia_core.ps.wire`` messages):
+
+    Lookup          meta {table}            ids uint64[U]           -> rows float32[U, D] (rows created)
+    LookupReadonly  meta {table}            ids uint64[U]           -> rows float32[U, D] (unseen -> zeros)
+    Push            meta {table, client, seq, step, sync_workers}  ids, grads float32[U, D] -> {applied, dropped}
+    Dump / Load     meta {path}                                     -> {bytes}
+    Stats, Health
+
+Push semantics (PERSIA, Lian et al., KDD 2022, Sec. 4.2):
+- ``sync_workers <= 1``: applied on arrival, in arrival order (asynchronous embedding training).
+- ``sync_workers = M > 1``: the pushes of ``step`` from M distinct clients are concatenated, gradients of the
+  same ID summed, and applied once; each of the M calls returns only after that (fully synchronous, K = 0).
+- Exactly once: a push carries a per-client sequence number; a retried push already applied is acknowledged
+  without being applied again.
+
+Security: binds 127.0.0.1 unless ``--host`` says otherwise; when ``PERSIA_PS_TOKEN`` is set every call must
+carry it in the ``x-persia-token`` metadata, else it is refused with UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from persia_core.config import RunConfig, load_config
+from persia_core.embedding.sharded import load_shard_file, make_tables, shard_file_bytes
+from persia_core.ps import wire
+
+SERVICE = "persia.ParameterServer"
+TOKEN_ENV = "PERSIA_PS_TOKEN"
+TOKEN_HEADER = "x-persia-token"
+MAX_MESSAGE_BYTES = 1 << 30
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+log = logging.getLogger("persia.ps")
+
+
+class _Applied:
+    """Per-client record of applied sequence numbers: a watermark plus the set above it."""
+
+    def __init__(self) -> None:
+        self.low = -1
+        self.above: set[int] = set()
+
+    def seen(self, seq: int) -> bool:
+        return seq <= self.low or seq in self.above
+
+    def add(self, seq: int) -> None:
+        self.above.add(seq)
+        while self.low + 1 in self.above:
+            self.low += 1
+            self.above.discard(self.low)
+
+
+class ParameterServerShard:
+    """The tables of one shard plus push bookkeeping; the gRPC servicer calls into this (no gRPC here).
+
+    Args:
+        config: the run config (its ``embedding`` section defines the tables).
+        shard: this shard's index; num_shards: shards in the plan.
+        capacities: rows per table (from the shard plan); default: from ``embedding.shard_memory_bytes``.
+    """
+
+    def __init__(self, config: RunConfig, shard: int, num_shards: int, capacities: dict[str, int] | None = None):
+        self.shard = shard
+        self.num_shards = num_shards
+        self.tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes,
+                                  seed=config.trainer.seed, capacities=capacities)
+        self.cond = threading.Condition()
+        self.applied: dict[str, _Applied] = {}
+        self.pending: dict[tuple[str, int], dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self.done_steps: dict[str, int] = {}
+        self.pushes = 0
+        self.duplicates = 0
+
+    def table(self, name: str):
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise ValueError(f"shard {self.shard}: no table {name!r} (have {sorted(self.tables)})") from None
+
+    def push(self, meta: dict, ids: np.ndarray, grads: np.ndarray, timeout: float | None) -> dict:
+        """Apply (or buffer, in sync mode) one gradient push; see the module docstring. Raises
+        ``TimeoutError`` when a sync step is not completed by the other workers within ``timeout`` seconds."""
+        table = self.table(meta["table"])
+        client, seq = str(meta["client"]), int(meta["seq"])
+        step, m = int(meta.get("step", 0)), int(meta.get("sync_workers", 0))
+        with self.cond:
+            rec = self.applied.setdefault(client, _Applied())
+            if m <= 1:
+                if rec.seen(seq):
+                    self.duplicates += 1
+                    return {"applied": False, "duplicate": True, "dropped": 0}
+                dropped = table.apply_gradients(ids, grads)
+                rec.add(seq)
+                self.pushes += 1
+                return {"applied": True, "duplicate": False, "dropped": dropped}
+            key = (meta["table"], step)
+            if not rec.seen(seq):
+                self.pending.setdefault(key, {})[client] = (ids.copy(), grads.copy())
+                rec.add(seq)
+            else:
+                self.duplicates += 1
+            bucket = self.pending.get(key)
+            if bucket is not None and len(bucket) >= m:
+                all_ids = np.concatenate([b[0] for b in bucket.values()])
+                all_grads = np.concatenate([b[1] for b in bucket.values()])
+                dropped = table.apply_gradients(all_ids, all_grads)
+                del self.pending[key]
+                self.done_steps[meta["table"]] = max(self.done_steps.get(meta["table"], -1), step)
+                self.pushes += 1
+                self.cond.notify_all()
+                return {"applied": True, "duplicate": False, "dropped": dropped}
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self.done_steps.get(meta["table"], -1) < step:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"shard {self.shard}: sync step {step} of table {meta['table']!r} got "
+                                       f"{len(self.pending.get(key, {}))} of {m} workers' pushes in time")
+                self.cond.wait(remaining)
+            return {"applied": True, "duplicate": False, "dropped": 0}
+
+    def stats(self) -> dict:
+        with self.cond:
+            return {"shard": self.shard, "num_shards": self.num_shards, "pushes": self.pushes,
+                    "duplicate_pushes": self.duplicates,
+                    "tables": {n: t.stats() for n, t in self.tables.items()}}
+
+    def dump(self, path: str) -> int:
+        """Write this shard's rows and optimizer state to ``path`` (local or gs://). Returns bytes written."""
+        from persia_core import io
+
+        with self.cond:
+            data = shard_file_bytes(self.tables)
+        io.write_bytes(path, data)
+        return len(data)
+
+    def load(self, path: str) -> None:
+        with self.cond:
+            load_shard_file(path, self.tables)
+
+
+class _Servicer:
+    def __init__(self, shard: ParameterServerShard, token: str | None):
+        self.shard = shard
+        self.token = token
+
+    def _check(self, context) -> None:
+        if self.token is None:
+            return
+        got = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(got.encode(), self.token.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong parameter-server token")
+
+    def _wrap(self, fn):
+        def handler(request: bytes, context) -> bytes:
+            self._check(context)
+            try:
+                meta, arrays = wire.decode(request)
+                out_meta, out_arrays = fn(meta, arrays, context)
+                return wire.encode(out_meta, out_arrays)
+            except (ValueError, KeyError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
+            except TimeoutError as e:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            except Exception as e:  # an error answer, never a hang
+                log.exception("request failed")
+                context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.shard}: {type(e).__name__}: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(handler)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        s = self.shard
+
+        def lookup(meta, arrays, ctx):
+            return {}, {"rows": s.table(meta["table"]).lookup(arrays["ids"])}
+
+        def lookup_readonly(meta, arrays, ctx):
+            return {}, {"rows": s.table(meta["table"]).lookup_readonly(arrays["ids"])}
+
+        def push(meta, arrays, ctx):
+            remaining = ctx.time_remaining()
+            return s.push(meta, arrays["ids"], arrays["grads"], remaining), {}
+
+        def contains(meta, arrays, ctx):
+            return {}, {"found": s.table(meta["table"]).contains(arrays["ids"]).astype(np.uint8)}
+
+        def dump(meta, arrays, ctx):
+            return {"bytes": s.dump(meta["path"])}, {}
+
+        def load(meta, arrays, ctx):
+            s.load(meta["path"])
+            return {"ok": True}, {}
+
+        def stats(meta, arrays, ctx):
+            return s.stats(), {}
+
+        def health(meta, arrays, ctx):
+            return {"ok": True, "shard": s.shard, "pid": os.getpid()}, {}
+
+        methods = {"Lookup": lookup, "LookupReadonly": lookup_readonly, "Push": push, "Contains": contains,
+                   "Dump": dump, "Load": load, "Stats": stats, "Health": health}
+        return grpc.method_handlers_generic_handler(SERVICE, {k: self._wrap(v) for k, v in methods.items()})
+
+
+def serve(shard: ParameterServerShard, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+          max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
+
+    Raises ``RuntimeError`` if the port cannot be bound."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((_Servicer(shard, token).handlers(),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"parameter server could not bind {host}:{port}")
+    server.start()
+    return server, bound
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one parameter-server shard until SIGTERM/SIGINT. See ``--help``."""
+    p = argparse.ArgumentParser(prog="persia_core.ps.server", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="run config (YAML path or shipped name)")
+    p.add_argument("--shard", type=int, required=True, help="this shard's index")
+    p.add_argument("--num-shards", type=int, required=True, help="shards in the plan")
+    p.add_argument("--plan", default="", help="shard_plan.json from init_shards (row capacities)")
+    p.add_argument("--init", default="", help="shard file to start from (initial state or checkpoint)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
+    p.add_argument("--port-file", default="", help="write the bound port here once serving")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s ps[{args.shard}] %(message)s")
+    config = load_config(args.config)
+    capacities = None
+    if args.plan:
+        from persia_core import io
+
+        plan = json.loads(io.read_text(args.plan))
+        capacities = {n: t["capacity_rows_per_shard"] for n, t in plan["tables"].items()}
+    shard = ParameterServerShard(config, args.shard, args.num_shards, capacities)
+    if args.init:
+        shard.load(args.init)
+        log.info("loaded %s", args.init)
+    token = os.environ.get(TOKEN_ENV) or None
+    server, port = serve(shard, args.host, args.port, token)
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    log.info("serving shard %d/%d on %s:%d (token %s)", args.shard, args.num_shards, args.host, port,
+             "required" if token else "off")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

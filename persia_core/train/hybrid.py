@@ -1,0 +1,335 @@
+"""PERSIA's hybrid training step: embeddings asynchronous with bounded staleness, dense network synchronous.
+
+Algorithm (Lian et al., "PERSIA: An Open, Hybrid System Scaling Deep Learning-based Recommenders up to 100
+Trillion Parameters", KDD 2022, Sec. 4 and Alg. 1), per NN worker r of M:
+
+    prefetch thread (runs ahead):                    main thread, step t:
+      batch t: ID dropout, dedup IDs per table          take prepared batch t (rows looked up)
+      wait until pushes of steps <= t-K-1 applied       pool rows per slot, dense forward/backward
+      look rows up on the parameter servers             (DDP all-reduces dense gradients: synchronous)
+      hand batch t to the main thread                   push embedding grads of batch t (non-blocking)
+                                                        dense optimizer step
+
+What overlaps with what: batch preparation and lookups of batches t+1..t+K run during the dense compute of
+batch t, and gradient pushes run in the background. The bound is exact: no lookup of batch t starts before every
+push of this worker's batches <= t-K-1 is applied (K = ``embedding_staleness``); the observed staleness of a
+lookup is the number of this worker's earlier pushes not yet applied, and is <= K.
+
+K = 0 is fully synchronous training on the same code path: pushes carry ``sync_workers = M``, so each shard
+combines the M workers' gradients of a step per ID and applies them once, and the next lookup waits for it.
+
+Scaling: worker r's loss is ``sum of its BCE * M / B_global`` (B_global = rows of step t over all workers), so
+DDP's mean over workers of dense gradients, and the server's sum of pushes divided by M here, both equal the
+gradient of the mean loss over the step's global batch; M workers therefore equal one worker on the M batches
+concatenated, also when ranks hold uneven data (a rank out of data runs empty steps).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from persia_core.config import RunConfig
+from persia_core.sparse import Batch, IdBatch
+
+
+@dataclass
+class TableLayout:
+    """The slots of one embedding table, in model order."""
+
+    name: str
+    dim: int
+    slots: list[str]
+
+
+def table_layouts(config: RunConfig) -> list[TableLayout]:
+    """Tables in config order, each with its slots in config order; slot order fed to the model is the
+    concatenation. Raises ``ValueError`` if tables have different dims (the models need one D)."""
+    out = [TableLayout(t.name, t.dim, [s.name for s in config.slots if s.table == t.name])
+           for t in config.embedding.tables]
+    out = [t for t in out if t.slots]
+    if len({t.dim for t in out}) > 1:
+        raise ValueError("embedding.tables: the dense models need one embedding dim across tables used by slots")
+    return out
+
+
+def model_slot_order(config: RunConfig) -> list[str]:
+    """Slot names in the order the model sees them ([B, S, D] axis 1)."""
+    return [s for t in table_layouts(config) for s in t.slots]
+
+
+@dataclass
+class PreparedIds:
+    """The IDs of one table for one batch, deduplicated.
+
+    uniq: ``uint64[U]`` unique IDs; inverse: ``int64[N]`` position of each ID in ``uniq``;
+    offsets: ``int64[S_t*B + 1]`` bag offsets over the ``N`` IDs (bag ``s*B + b``)."""
+
+    uniq: np.ndarray
+    inverse: np.ndarray
+    offsets: np.ndarray
+
+
+def drop_ids(ids: IdBatch, rates: dict[str, float], rng: np.random.Generator) -> IdBatch:
+    """ID dropout: each (example, slot) bag of a slot with rate p > 0 is emptied with probability p, so its slot
+    pools to the default (zero) row, as for an ID never seen in training. Vectorized over bags."""
+    if not rates or ids.batch_size == 0:
+        return ids
+    b = ids.batch_size
+    keep = np.ones(len(ids.keys) * b, dtype=bool)
+    for s, key in enumerate(ids.keys):
+        p = rates.get(key, 0.0)
+        if p > 0:
+            keep[s * b : (s + 1) * b] = rng.random(b) >= p
+    lengths = ids.lengths
+    values = ids.values[np.repeat(keep, lengths)]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths * keep, out=offsets[1:])
+    return IdBatch(ids.keys, values, offsets, b)
+
+
+def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedIds]:
+    """Split a batch's IDs by table and deduplicate each (``np.unique``, sort-based)."""
+    out = {}
+    for t in layouts:
+        sub = ids.select_slots(t.slots)
+        uniq, inverse = np.unique(sub.values, return_inverse=True)
+        out[t.name] = PreparedIds(uniq, inverse.astype(np.int64).reshape(-1), sub.offsets)
+    return out
+
+
+def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
+    """Sum-pool the rows of each bag: ``rows: float32[U, D]`` -> ``float32[B, S_t, D]``.
+
+    An empty bag pools to exact zeros and sends zero gradient; the gradient reaching ``rows`` is summed per
+    unique ID (``embedding_bag``'s backward)."""
+    out = F.embedding_bag(torch.from_numpy(prep.inverse), rows, torch.from_numpy(prep.offsets),
+                          mode="sum", include_last_offset=True)
+    return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
+
+
+@dataclass
+class StepResult:
+    """What one step did: step index, examples, summed BCE loss over them, lookup staleness (pushes of this
+    worker not yet applied when the batch's rows were looked up), seconds spent waiting for the prefetcher."""
+
+    step: int
+    samples: int
+    loss_sum: float
+    staleness: int
+    wait_s: float
+
+
+@dataclass
+class _Item:
+    step: int
+    batch: Batch
+    global_batch: int
+    prepared: dict[str, PreparedIds]
+    rows: dict[str, np.ndarray]
+    staleness: int
+
+
+class HybridTrainPipeline:
+    """One NN worker's hybrid training loop; ``progress()`` advances one step (TorchRec's train-pipeline shape).
+
+    Args:
+        model: the dense model (wrapped in DDP when M > 1); called as ``model(emb[B,S,D], dense[B,F])``.
+        optimizer: the dense optimizer.
+        backend: ``LocalEmbedding`` or ``EmbeddingClient``.
+        layouts: tables and their slots (``table_layouts``).
+        batches: iterator of ``(step, Batch, global_batch_size)``; steps increase by 1 from any start.
+        staleness: K. num_workers: M. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
+    """
+
+    def __init__(self, model, optimizer, backend, layouts: list[TableLayout], batches, staleness: int,
+                 num_workers: int, rank: int = 0, dropout: dict[str, float] | None = None, seed: int = 0):
+        self.model = model
+        self.optimizer = optimizer
+        self.backend = backend
+        self.layouts = layouts
+        self.K = staleness
+        self.M = num_workers
+        self.rank = rank
+        self.dropout = {k: v for k, v in (dropout or {}).items() if v > 0}
+        self.seed = seed
+        self.cond = threading.Condition()
+        self.applied_upto: int | None = None  # highest step s.t. all pushes <= it are applied
+        self.done: set[int] = set()
+        self.inflight: list = []
+        self.error: BaseException | None = None
+        self.max_staleness = 0
+        self.queue: queue.Queue = queue.Queue(maxsize=self.K + 2)
+        self._stop = threading.Event()
+        self._batches = batches
+        self.thread = threading.Thread(target=self._prefetch, name=f"prefetch-{rank}", daemon=True)
+        self.thread.start()
+
+    # ---- prefetch thread ------------------------------------------------------------------------------
+    def _prefetch(self) -> None:
+        try:
+            for step, batch, gbs in self._batches:
+                if self._stop.is_set():
+                    return
+                if self.applied_upto is None:
+                    with self.cond:
+                        self.applied_upto = step - 1
+                ids = batch.ids
+                if self.dropout:
+                    ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
+                prepared = prepare_ids(ids, self.layouts)
+                with self.cond:
+                    while self.applied_upto < step - self.K - 1 and self.error is None and not self._stop.is_set():
+                        self.cond.wait(0.5)
+                    if self.error is not None or self._stop.is_set():
+                        return
+                    staleness = step - 1 - self.applied_upto
+                rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
+                self._put(_Item(step, batch, gbs, prepared, rows, staleness))
+            self._put(None)
+        except BaseException as e:  # surfaced in progress()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+            self._put(None)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _mark_applied(self, step: int, fut) -> None:
+        with self.cond:
+            exc = fut.exception()
+            if exc is not None:
+                self.error = exc
+            else:
+                self.done.add(step)
+                while self.applied_upto is not None and self.applied_upto + 1 in self.done:
+                    self.applied_upto += 1
+                    self.done.discard(self.applied_upto)
+            self.cond.notify_all()
+
+    # ---- main thread ----------------------------------------------------------------------------------
+    def progress(self) -> StepResult:
+        """Train one step. Raises ``StopIteration`` at the end of the batches, or the error of a failed lookup
+        or push (``ParameterServerError``)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self.queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self.error is not None:
+                    raise self.error
+                if not self.thread.is_alive() and self.queue.empty():
+                    raise RuntimeError("prefetch thread ended without a result")
+        if item is None:
+            if self.error is not None:
+                raise self.error
+            raise StopIteration
+        wait_s = time.perf_counter() - t0
+        self.max_staleness = max(self.max_staleness, item.staleness)
+        batch, b = item.batch, item.batch.size
+        leaves, pooled = {}, []
+        for t in self.layouts:
+            leaf = torch.from_numpy(item.rows[t.name]).requires_grad_(True)
+            leaves[t.name] = leaf
+            pooled.append(pool(leaf, item.prepared[t.name], len(t.slots), b))
+        emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
+        logits = self.model(emb, torch.from_numpy(batch.dense))
+        loss_sum = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels), reduction="sum")
+        scaled = loss_sum * (self.M / max(item.global_batch, 1))
+        self.optimizer.zero_grad(set_to_none=True)
+        scaled.backward()
+        futs = []
+        for t in self.layouts:
+            g = leaves[t.name].grad
+            grads = (g.numpy() / self.M).astype(np.float32, copy=False) if g is not None else \
+                np.zeros((len(item.prepared[t.name].uniq), t.dim), np.float32)
+            futs.append(self.backend.push(t.name, item.prepared[t.name].uniq, grads, step=item.step,
+                                          sync_workers=self.M if self.K == 0 else 0))
+        self._track(item.step, futs)
+        self.optimizer.step()
+        return StepResult(item.step, b, float(loss_sum.detach()), item.staleness, wait_s)
+
+    def _track(self, step: int, futs: list) -> None:
+        from concurrent.futures import Future
+
+        combined: Future = Future()
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def one(f):
+            with lock:
+                if combined.done():
+                    return
+                if f.exception() is not None:
+                    combined.set_exception(f.exception())
+                    return
+                left[0] -= 1
+                if left[0] == 0:
+                    combined.set_result(None)
+
+        combined.add_done_callback(lambda f: self._mark_applied(step, f))
+        if not futs:
+            combined.set_result(None)
+        for f in futs:
+            f.add_done_callback(one)
+        self.inflight = [f for f in self.inflight if not f.done()] + [combined]
+
+    def drain(self, timeout_s: float = 120.0) -> None:
+        """Wait until every push issued so far is applied. Raises the first push error, or ``TimeoutError``."""
+        deadline = time.monotonic() + timeout_s
+        for f in list(self.inflight):
+            f.result(timeout=max(0.0, deadline - time.monotonic()))
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Stop the prefetch thread (after ``drain`` for a clean end)."""
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.thread.join(timeout=5)
+
+
+@dataclass
+class Schedule:
+    """Which rows every worker trains on at every step.
+
+    ``rows[r][t]``: ``int64[b]`` row indices of worker r's batch at step t (b <= batch size; 0 when r is out of
+    data); ``global_batch[t]``: rows over all workers at step t."""
+
+    rows: list[list[np.ndarray]]
+    global_batch: list[int] = field(default_factory=list)
+
+
+def make_schedule(rows_per_worker: list[int], batch_size: int, epochs: int, seed: int, shuffle: bool) -> Schedule:
+    """Every worker's batches for all epochs: each epoch permutes a worker's own rows (seeded by seed, epoch,
+    rank) and cuts them into batches; all workers run ``max_r ceil(n_r / batch)`` steps per epoch."""
+    steps = max((n + batch_size - 1) // batch_size for n in rows_per_worker) if rows_per_worker else 0
+    out = [[] for _ in rows_per_worker]
+    gbs = []
+    for epoch in range(epochs):
+        perms = []
+        for r, n in enumerate(rows_per_worker):
+            perms.append(np.random.default_rng([seed, epoch, r]).permutation(n) if shuffle
+                         else np.arange(n, dtype=np.int64))
+        for t in range(steps):
+            total = 0
+            for r, p in enumerate(perms):
+                rows = p[t * batch_size : (t + 1) * batch_size]
+                out[r].append(rows)
+                total += len(rows)
+            gbs.append(total)
+    return Schedule(out, gbs)

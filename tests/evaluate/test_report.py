@@ -1,0 +1,99 @@
+"""Tests for persia_core.evaluate.report: a self-contained HTML file with embedded PNG plots and the metrics."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import numpy as np
+import pytest
+
+from persia_core.evaluate.metrics import binary_metrics, group_auc
+from persia_core.evaluate.report import write_report
+
+_IMG = re.compile(r'<img[^>]*\ssrc="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+
+
+def _data(n: int = 2000, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    preds = rng.uniform(0.01, 0.99, size=n)
+    labels = (rng.uniform(size=n) < preds).astype(np.int64)
+    return labels, preds
+
+
+def _history():
+    return {
+        "samples": [0, 1000, 2000, 3000, 4000],
+        "loss": [0.69, 0.61, 0.55, 0.52, 0.5],
+        "elapsed_s": [0.0, 0.5, 1.1, 1.5, 2.0],
+        "samples_per_s": 2000.0,
+        "max_staleness": 3,
+        "shards": [{"shard": 0, "rows": 12345, "bytes": 3_000_000}, {"shard": 1, "rows": 12001, "bytes": 2_900_000}],
+    }
+
+
+def test_report_is_self_contained_html_with_plots_and_metric_values(tmp_path):
+    labels, preds = _data()
+    metrics = binary_metrics(labels, preds)
+    metrics["gauc"] = group_auc(labels, preds, np.arange(labels.shape[0]) % 17)
+    out = tmp_path / "sub" / "report.html"
+    config = {"name": "movielens", "trainer": {"staleness": 3, "lr": np.float32(0.05)}, "tables": ("u", "i")}
+
+    ret = write_report(str(out), metrics, labels, preds, train_history=_history(), config=config,
+                       extra={"model_uri": "gs://bucket/model", "note": "<b>bold</b> & co"})
+
+    assert ret == str(out) and out.exists()
+    text = out.read_text(encoding="utf-8")
+    images = _IMG.findall(text)
+    assert len(images) >= 3  # ROC, reliability, loss, throughput
+    for data in images:
+        assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
+    for key in ("auc", "logloss", "ne", "calibration", "gauc"):
+        assert f"{metrics[key]:.6g}" in text
+    assert ">2000<" in text  # count
+    assert "Max observed staleness: <b>3</b>" in text
+    assert "12345" in text and "2.9 MiB" in text  # shard table
+    assert "staleness: 3" in text and "lr: 0.05" in text  # config as YAML
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; co" in text and "<b>bold</b>" not in text
+    # nothing is fetched when the file is opened
+    assert not re.search(r'(src|href)\s*=\s*["\']?\s*(https?:)?//', text, flags=re.IGNORECASE)
+    assert "<script" not in text.lower() and "@import" not in text
+
+
+def test_report_without_history_or_config_has_roc_and_calibration(tmp_path):
+    labels, preds = _data(n=300, seed=1)
+    path = write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds)
+    text = (tmp_path / "r.html").read_text()
+    assert path.endswith("r.html")
+    assert len(_IMG.findall(text)) == 2
+    assert "Run config" not in text and "Training" not in text
+
+
+def test_report_with_one_class_notes_undefined_roc_and_auc(tmp_path):
+    labels = np.zeros(50, dtype=np.int64)
+    preds = np.linspace(0.01, 0.5, 50)
+    write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds)
+    text = (tmp_path / "r.html").read_text()
+    assert "ROC curve undefined" in text
+    assert "undefined" in text.split("ROC curve")[0]  # the AUC row
+    assert len(_IMG.findall(text)) == 1  # reliability only
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"loss": [0.5]}, "differ in length"),
+        ({"max_staleness": "three"}, "max_staleness"),
+        ({"shards": [{"shard": 0, "rows": 1}]}, r"shards'\]\[0\] is missing key\(s\): bytes"),
+    ],
+)
+def test_malformed_history_raises_value_error_naming_the_key(tmp_path, change, message):
+    labels, preds = _data(n=100)
+    history = {**_history(), **change}
+    with pytest.raises(ValueError, match=message):
+        write_report(str(tmp_path / "r.html"), {}, labels, preds, train_history=history)
+    history = _history()
+    del history["elapsed_s"]
+    with pytest.raises(ValueError, match="missing key.*elapsed_s"):
+        write_report(str(tmp_path / "r.html"), {}, labels, preds, train_history=history)
+    assert not (tmp_path / "r.html").exists()
