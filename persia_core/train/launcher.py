@@ -200,6 +200,7 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     schema = read_schema(data_dir)
     io.makedirs(model_dir)
     work_dir = work_dir or tempfile.mkdtemp(prefix="persia-train-")
+    os.makedirs(work_dir, exist_ok=True)
     cfg_path = os.path.join(work_dir, "run_config.yaml")
     with open(cfg_path, "w") as f:
         f.write(config.to_yaml())

@@ -37,9 +37,10 @@ def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
 
 
 def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: int, world: int,
-               progress_every: int = 20) -> dict:
+               progress_every: int = 20, on_step=None) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
-    when ``world > 1``. Returns the training history (rank 0's view of global losses)."""
+    when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
+    Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
     tc = config.trainer
     schema = read_schema(data_dir)
     files = shard_files(data_dir, "train")[rank::world]
@@ -80,6 +81,8 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             history["loss"].append(float(loss.item()) / max(gb, 1))
             history["elapsed_s"].append(time.perf_counter() - t0)
             history["staleness"].append(r.staleness)
+            if on_step is not None:
+                on_step(r, history["loss"][-1], model)
             if rank == 0 and (r.step % progress_every == 0 or r.step == total_steps - 1):
                 log.info("step %d/%d loss %.4f samples/s %.0f staleness %d", r.step + 1, total_steps,
                          history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)

@@ -1,0 +1,41 @@
+"""Component 1: preprocess raw files with Apache Beam into Parquet shards, statistics and a dead-letter folder."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Metrics, Output
+
+from components import BASE_IMAGE
+
+
+@dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
+def preprocess(
+    data: str,
+    config: str,
+    num_parameter_servers: int,
+    num_nn_workers: int,
+    embedding_staleness: int,
+    epochs: int,
+    max_rows: int,
+    beam_args: str,
+    dataset: Output[Dataset],
+    stats: Output[Metrics],
+):
+    """Parse, validate and hash the raw data at ``data`` with the run config ``config`` (a shipped name or a
+    YAML path), overriding its cluster and trainer settings (0 = keep the config's value); Beam runner options
+    (JSON list, e.g. ``["--runner=DataflowRunner", ...]``) pass through. Writes train/eval Parquet shards,
+    ``schema.json``, ``run_config.yaml`` and ``dead_letter/`` into ``dataset``."""
+    import json
+
+    from persia_core.config import load_config
+    from persia_core.preprocess.pipeline import run_preprocess
+
+    overrides = {"embedding.num_shards": num_parameter_servers, "trainer.num_workers": num_nn_workers,
+                 "trainer.epochs": epochs, "split.max_rows": max_rows}
+    overrides = {k: v for k, v in overrides.items() if v > 0}
+    if embedding_staleness >= 0:
+        overrides["trainer.embedding_staleness"] = embedding_staleness
+    cfg = load_config(config, overrides)
+    schema = run_preprocess(cfg, data, dataset.path, json.loads(beam_args) if beam_args else None)
+    for k, v in schema["rows"].items():
+        stats.log_metric(f"rows_{k}", v)
+    for k, v in schema["distinct_ids"].items():
+        stats.log_metric(f"distinct_ids_{k}", v)

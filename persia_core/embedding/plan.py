@@ -1,0 +1,85 @@
+"""Shard plan and initial state of the embedding parameter servers (the ``init_shards`` step).
+
+From the preprocess statistics (distinct IDs per slot) and the embedding settings, decide each shard's row
+capacity per table from its memory budget, estimate the memory the run needs, refuse a plan that does not fit,
+and write the initial state of every shard (empty tables: rows are created on first lookup with the
+deterministic per-ID initializer).
+
+Output folder::
+
+    shard_plan.json         routing rule, shards, per table: dim, optimizer, bytes/row, capacity, estimates
+    shards/shard-SSSSS.npz  initial state of each shard
+    run_config.yaml         the run config, passed on to training
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from persia_core import io
+from persia_core.config import RunConfig
+from persia_core.data.reader import read_schema
+from persia_core.embedding.sharded import make_tables, shard_file_bytes
+from persia_core.embedding.table import bytes_per_row, capacity_for_budget
+
+ROUTING = "shard = splitmix64(feature_id) % num_shards"
+SKEW_MARGIN = 1.2
+"""Rows of the fullest shard over the mean, allowed for in the estimate (hash routing is close to uniform)."""
+
+
+class PlanError(ValueError):
+    """The embedding tables do not fit the shards' memory budget; the message gives both figures."""
+
+
+def make_plan(config: RunConfig, schema: dict) -> dict:
+    """The shard plan (see module docstring) as a dict. Raises ``PlanError`` when the estimate exceeds the
+    budget of a shard."""
+    emb = config.embedding
+    n = emb.num_shards
+    budget_per_table = emb.shard_memory_bytes // len(emb.tables)
+    distinct = schema.get("distinct_ids", {})
+    tables = {}
+    total_est = 0
+    for t in emb.tables:
+        ids = sum(int(distinct.get(s.name, 0)) for s in config.slots if s.table == t.name)
+        per_shard = int(math.ceil(ids / n * SKEW_MARGIN)) if ids else 0
+        cap = capacity_for_budget(budget_per_table, t.optimizer.name, t.dim)
+        bpr = bytes_per_row(t.optimizer.name, t.dim, cap)
+        est = int(per_shard * bpr)
+        total_est += est
+        tables[t.name] = {"dim": t.dim, "optimizer": t.optimizer.name, "bytes_per_row": bpr,
+                          "capacity_rows_per_shard": cap, "estimated_ids": ids,
+                          "estimated_rows_per_shard": per_shard, "estimated_bytes_per_shard": est,
+                          "slots": [s.name for s in config.slots if s.table == t.name]}
+        if per_shard > cap:
+            raise PlanError(
+                f"embedding table {t.name!r}: ~{ids} distinct IDs need ~{per_shard} rows per shard "
+                f"(~{est} bytes at {bpr:.1f} bytes/row) on {n} shards, but a shard's budget of "
+                f"{emb.shard_memory_bytes} bytes (embedding.shard_memory_bytes) holds {cap}; "
+                f"raise the budget or embedding.num_shards")
+    return {"routing": ROUTING, "num_shards": n, "shard_memory_bytes": emb.shard_memory_bytes,
+            "estimated_bytes_per_shard": total_est, "estimated_bytes_total": total_est * n, "tables": tables}
+
+
+def init_shards(config: RunConfig, data_dir: str, output_dir: str) -> dict:
+    """Write the shard plan, run config and initial shard states to ``output_dir``. Returns the plan.
+
+    Raises ``FileNotFoundError`` when ``data_dir`` has no ``schema.json``, ``PlanError`` when the plan does not
+    fit the memory budget."""
+    schema = read_schema(data_dir)
+    plan = make_plan(config, schema)
+    caps = {name: t["capacity_rows_per_shard"] for name, t in plan["tables"].items()}
+    from persia_core.train.launcher import shard_file_name
+
+    files = []
+    for s in range(plan["num_shards"]):
+        tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes, config.trainer.seed,
+                             capacities=caps)
+        rel = shard_file_name(s)
+        io.write_bytes(io.join(output_dir, rel), shard_file_bytes(tables))
+        files.append(rel)
+    plan["shard_files"] = files
+    io.write_text(io.join(output_dir, "shard_plan.json"), json.dumps(plan, indent=1))
+    io.write_text(io.join(output_dir, "run_config.yaml"), config.to_yaml())
+    return plan

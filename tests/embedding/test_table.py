@@ -1,0 +1,146 @@
+"""The in-process embedding table against dense PyTorch references."""
+
+import numpy as np
+import pytest
+import torch
+
+from persia_core.config import OptimizerConfig
+from persia_core.embedding.table import EmbeddingTable, bytes_per_row, capacity_for_budget
+
+D = 8
+
+
+def _ids(*v):
+    return np.array(v, dtype=np.uint64)
+
+
+def _torch_reference(opt_cfg: OptimizerConfig, w0: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
+    p = torch.nn.Parameter(torch.tensor(w0.copy()))
+    if opt_cfg.name == "sgd":
+        opt = torch.optim.SGD([p], lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
+    elif opt_cfg.name == "adagrad":
+        opt = torch.optim.Adagrad([p], lr=opt_cfg.lr, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
+                                  initial_accumulator_value=opt_cfg.initial_accumulator)
+    else:
+        opt = torch.optim.Adam([p], lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                               weight_decay=opt_cfg.weight_decay)
+    for g in grads:
+        p.grad = torch.tensor(g)
+        opt.step()
+    return p.detach().numpy()
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_optimizer_matches_torch_optim_on_dense_reference(name):
+    cfg = OptimizerConfig(name=name, lr=0.05, weight_decay=0.01)
+    t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)
+    ids = _ids(3, 0, 2**64 - 1, 2**63)
+    w0 = t.lookup(ids)
+    rng = np.random.default_rng(0)
+    grads = [rng.normal(size=(len(ids), D)).astype(np.float32) for _ in range(5)]
+    for g in grads:
+        t.apply_gradients(ids, g)
+    np.testing.assert_allclose(t.lookup_readonly(ids), _torch_reference(cfg, w0, grads), atol=1e-6, rtol=0)
+
+
+def test_rowwise_adagrad_matches_float64_recomputation():
+    cfg = OptimizerConfig(name="rowwise_adagrad", lr=0.1, eps=1e-8, initial_accumulator=0.1)
+    t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)
+    ids = _ids(1, 2, 3)
+    w = t.lookup(ids).astype(np.float64)
+    s = np.full(len(ids), 0.1)
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        g = rng.normal(size=(len(ids), D)).astype(np.float32)
+        t.apply_gradients(ids, g)
+        s = s + (g.astype(np.float64) ** 2).mean(axis=1)  # FBGEMM: one accumulator per row
+        w = w - 0.1 * g / (np.sqrt(s) + 1e-8)[:, None]
+    np.testing.assert_allclose(t.lookup_readonly(ids), w, atol=1e-6, rtol=0)
+
+
+def test_duplicate_ids_in_batch_accumulate_before_one_adagrad_update():
+    cfg = OptimizerConfig(name="adagrad", lr=0.1)
+    t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)
+    w0 = t.lookup(_ids(7))
+    g1 = np.full((1, D), 0.5, np.float32)
+    g2 = np.full((1, D), 1.5, np.float32)
+    t.apply_gradients(_ids(7, 7), np.concatenate([g1, g2]))
+    # one update with the summed gradient, not two updates
+    np.testing.assert_allclose(t.lookup_readonly(_ids(7)), _torch_reference(cfg, w0, [g1 + g2]), atol=1e-6)
+    assert not np.allclose(t.lookup_readonly(_ids(7)), _torch_reference(cfg, w0, [g1, g2]), atol=1e-6)
+
+
+def test_extreme_ids_are_stored_and_read_back():
+    t = EmbeddingTable(D, OptimizerConfig(name="sgd", lr=1.0), capacity=4096)
+    ids = _ids(0, 2**63, 2**64 - 1)
+    rows = t.lookup(ids)
+    assert t.size == 3
+    assert len({r.tobytes() for r in rows}) == 3
+    t.apply_gradients(ids, np.ones((3, D), np.float32))
+    np.testing.assert_allclose(t.lookup_readonly(ids), rows - 1.0, atol=1e-7)
+
+
+def test_initialization_is_deterministic_per_id_across_tables():
+    a = EmbeddingTable(D, OptimizerConfig(), capacity=4096, init_scale=0.1)
+    b = EmbeddingTable(D, OptimizerConfig(), capacity=8192, init_scale=0.1)
+    b.lookup(np.arange(100, dtype=np.uint64))  # different insertion history
+    ids = _ids(5, 99, 12345678901234567)
+    np.testing.assert_array_equal(a.lookup(ids), b.lookup(ids))
+    assert np.all(np.abs(a.lookup(ids)) <= 0.1)
+
+
+def test_lookup_readonly_of_unseen_ids_leaves_table_size_unchanged():
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=4096)
+    t.lookup(_ids(1, 2))
+    out = t.lookup_readonly(_ids(1, 3, 4))
+    assert t.size == 2
+    assert np.all(out[1:] == 0.0) and np.any(out[0] != 0.0)
+
+
+def test_eviction_keeps_rows_at_capacity_and_evicts_least_recently_used():
+    cap = 1024
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=cap)
+    t.lookup(np.arange(cap, dtype=np.uint64))
+    t.lookup(_ids(0, 1))  # touch: now 2 is the least recently used
+    t.lookup(np.arange(5000, 5003, dtype=np.uint64))
+    assert t.size == cap
+    st = t.stats()
+    assert st["evictions"] == 3
+    present = t.contains(np.arange(0, 6, dtype=np.uint64))
+    assert present.tolist() == [True, True, False, False, False, True]
+    # a gradient for an evicted row is dropped and counted
+    assert t.apply_gradients(_ids(2, 0), np.ones((2, D), np.float32)) == 1
+    assert t.stats()["dropped_gradients"] == 1
+
+
+def test_state_dict_round_trip_keeps_rows_state_and_recency():
+    t = EmbeddingTable(D, OptimizerConfig(name="adam"), capacity=1024)
+    t.lookup(np.arange(1024, dtype=np.uint64))
+    t.apply_gradients(np.arange(10, dtype=np.uint64), np.ones((10, D), np.float32))
+    t.lookup(_ids(3))
+    u = EmbeddingTable(D, OptimizerConfig(name="adam"), capacity=1024)
+    u.load_state_dict(t.state_dict())
+    for k, v in t.state_dict().items():
+        np.testing.assert_array_equal(u.state_dict()[k], v)
+    u.lookup(_ids(99999))  # evicts the least recently used, the same as t would
+    t.lookup(_ids(99999))
+    np.testing.assert_array_equal(u.contains(np.arange(1024, dtype=np.uint64)),
+                                  t.contains(np.arange(1024, dtype=np.uint64)))
+
+
+def test_memory_budget_fixes_capacity_and_bytes_per_row():
+    cap = capacity_for_budget(64 << 20, "rowwise_adagrad", 16)
+    t = EmbeddingTable(16, OptimizerConfig(), capacity=cap)
+    t.lookup(np.arange(cap, dtype=np.uint64))
+    assert t.stats()["bytes_allocated"] <= 64 << 20
+    raw = 16 * 4 + 4
+    assert bytes_per_row("rowwise_adagrad", 16, cap) <= 1.5 * raw
+
+
+def test_non_finite_gradient_is_refused():
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=1024)
+    t.lookup(_ids(1))
+    g = np.zeros((1, D), np.float32)
+    g[0, 0] = np.inf
+    with pytest.raises(ValueError, match="inf or NaN"):
+        t.apply_gradients(_ids(1), g)

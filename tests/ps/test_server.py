@@ -1,0 +1,105 @@
+"""The gRPC parameter server and its client, on 127.0.0.1, against the in-process table."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from persia_core.embedding.sharded import LocalEmbedding
+from persia_core.ps.client import EmbeddingClient, ParameterServerError
+from persia_core.ps.server import ParameterServerShard, serve
+
+from support import tiny_config
+
+
+@pytest.fixture
+def cluster():
+    cfg = tiny_config()
+    shards = [ParameterServerShard(cfg, s, 2) for s in range(2)]
+    servers = [serve(sh, "127.0.0.1", 0, token="s3cret") for sh in shards]
+    yield cfg, shards, [f"127.0.0.1:{port}" for _, port in servers]
+    for srv, _ in servers:
+        srv.stop(0)
+
+
+def test_lookup_and_push_through_grpc_equal_the_in_process_reference(cluster):
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret")
+    local = LocalEmbedding(cfg.embedding, num_shards=1)
+    ids = np.array([0, 5, 2**64 - 1, 17, 123456789], dtype=np.uint64)
+    np.testing.assert_array_equal(client.lookup("default", ids), local.lookup("default", ids))
+    g = np.random.default_rng(0).normal(size=(len(ids), 4)).astype(np.float32)
+    client.push("default", ids, g).result(timeout=10)
+    local.push("default", ids, g)
+    np.testing.assert_allclose(client.lookup_readonly("default", ids), local.lookup_readonly("default", ids),
+                               atol=1e-7)
+    client.close()
+
+
+def test_call_without_the_token_is_refused(cluster):
+    cfg, _, addrs = cluster
+    bad = EmbeddingClient(addrs, cfg.embedding, token="wrong", retries=0)
+    with pytest.raises(ParameterServerError, match="UNAUTHENTICATED"):
+        bad.lookup("default", np.array([1], dtype=np.uint64))
+    none = EmbeddingClient(addrs, cfg.embedding, token="", retries=0)
+    with pytest.raises(ParameterServerError, match="UNAUTHENTICATED"):
+        none.health()
+    bad.close()
+    none.close()
+
+
+def test_retried_gradient_push_is_applied_once(cluster):
+    cfg, shards, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret")
+    ids = np.array([42], dtype=np.uint64)
+    client.lookup("default", ids)
+    owner = int(np.argmax([sh.tables["default"].size for sh in shards]))
+    before = client.lookup_readonly("default", ids)
+    meta = {"table": "default", "client": "c1", "seq": 7, "step": 0, "sync_workers": 0}
+    arrays = {"ids": ids, "grads": np.ones((1, 4), np.float32)}
+    first = client.call("Push", owner, meta, arrays)[0]
+    again = client.call("Push", owner, meta, arrays)[0]  # the same sequence number: a retry
+    assert first["applied"] and not again["applied"] and again["duplicate"]
+    after_one = client.lookup_readonly("default", ids)
+    ref = LocalEmbedding(cfg.embedding, 1)
+    ref.lookup("default", ids)
+    ref.push("default", ids, np.ones((1, 4), np.float32))
+    np.testing.assert_allclose(after_one, ref.lookup_readonly("default", ids), atol=1e-7)
+    assert not np.allclose(after_one, before)
+    client.close()
+
+
+def test_sync_pushes_of_all_workers_are_combined_and_applied_once(cluster):
+    cfg, _, addrs = cluster
+    ids = np.array([1, 2, 3], dtype=np.uint64)
+    clients = [EmbeddingClient(addrs, cfg.embedding, token="s3cret", client_id=f"w{r}") for r in range(2)]
+    clients[0].lookup("default", ids)
+    g = [np.full((3, 4), 0.25, np.float32), np.full((3, 4), 0.75, np.float32)]
+    futs = [clients[r].push("default", ids, g[r], step=0, sync_workers=2) for r in range(2)]
+    for f in futs:
+        f.result(timeout=10)
+    ref = LocalEmbedding(cfg.embedding, 1)
+    ref.lookup("default", ids)
+    ref.push("default", ids, g[0] + g[1])  # one row-wise Adagrad update with the combined gradient
+    np.testing.assert_allclose(clients[0].lookup_readonly("default", ids), ref.lookup_readonly("default", ids),
+                               atol=1e-7)
+    for c in clients:
+        c.close()
+
+
+def test_sync_push_missing_a_worker_times_out_instead_of_hanging(cluster):
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", timeout_s=1.0, retries=0)
+    fut = client.push("default", np.array([1], np.uint64), np.ones((1, 4), np.float32), step=3, sync_workers=2)
+    with pytest.raises(ParameterServerError, match="DEADLINE_EXCEEDED"):
+        fut.result(timeout=10)
+    client.close()
+
+
+def test_server_answers_an_error_for_an_unknown_table(cluster):
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", retries=0)
+    client.dims["nope"] = 4
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*no table"):
+        client.lookup("nope", np.array([1], np.uint64))
+    client.close()

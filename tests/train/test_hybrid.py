@@ -1,0 +1,175 @@
+"""The hybrid trainer: pooling, K = 0 equivalences against in-process references, DDP, staleness, uneven data."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from persia_core.config import RunConfig
+from persia_core.data.reader import ParquetExamples, shard_files
+from persia_core.embedding.sharded import LocalEmbedding, load_shard_file, make_tables
+from persia_core.sparse import IdBatch
+from persia_core.train.hybrid import (HybridTrainPipeline, make_schedule, model_slot_order, pool, prepare_ids,
+                                      table_layouts)
+from persia_core.train.launcher import LocalCluster, train
+from persia_core.train.worker import build_dense, run_worker
+from support import tiny_config, write_dataset
+
+
+def test_empty_multi_hot_bag_pools_to_exact_zeros_with_zero_gradient():
+    # slot 0: [a], [b, a]; slot 1 (multi-hot): [], [c]
+    ids = IdBatch(["s0", "s1"], np.array([1, 2, 1, 3], np.uint64), np.array([0, 1, 3, 3, 4]), 2)
+    layout = [type("L", (), {"name": "t", "dim": 3, "slots": ["s0", "s1"]})()]
+    prep = prepare_ids(ids, layout)["t"]
+    rows = torch.tensor(np.arange(9, dtype=np.float32).reshape(3, 3) + 1, requires_grad=True)
+    out = pool(rows, prep, 2, 2)  # [B, S, D]
+    assert out.shape == (2, 2, 3)
+    assert torch.equal(out[0, 1], torch.zeros(3))
+    out[0, 1].sum().backward(retain_graph=True)
+    assert torch.equal(rows.grad, torch.zeros(3, 3))
+    rows.grad = None
+    out.sum().backward()
+    # ID 1 appears twice: its gradient is summed into one row
+    assert rows.grad[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def _in_process(config: RunConfig, data_dir: str, out_dir: str):
+    os.makedirs(out_dir, exist_ok=True)
+    backend = LocalEmbedding(config.embedding, num_shards=1, seed=config.trainer.seed)
+    hist = run_worker(config, data_dir, out_dir, backend, rank=0, world=1)
+    return hist, backend
+
+
+def _dense(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_two_servers_one_worker_k0_gives_the_loss_curve_of_the_in_process_reference(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True)
+    manifest = train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
+    dist_hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
+    ref_hist, ref = _in_process(cfg, data, str(tmp_path / "ref"))
+    assert len(dist_hist["loss"]) == len(ref_hist["loss"]) == 24
+    np.testing.assert_allclose(dist_hist["loss"], ref_hist["loss"], atol=1e-5, rtol=0)
+    a, b = _dense(tmp_path / "model" / "dense.pt"), _dense(tmp_path / "ref" / "dense.pt")
+    for k in a:
+        np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-5)
+    # every embedding row the servers hold equals the reference's
+    for s, rel in enumerate(manifest["shard_files"]):
+        tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes)
+        load_shard_file(str(tmp_path / "model" / rel), tables)
+        sd = tables["default"].state_dict()
+        np.testing.assert_allclose(sd["weights"], ref.lookup_readonly("default", sd["keys"]), atol=1e-5)
+    assert dist_hist["max_staleness"] == 0
+
+
+def _rank_main(rank, world, port, addrs, token, cfg_dict, data, out_dir):
+    import torch.distributed as dist
+
+    from persia_core.ps.client import EmbeddingClient
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_dict(cfg_dict)
+    client = EmbeddingClient(addrs, cfg.embedding, token=token, client_id=f"w{rank}")
+    digests = []
+
+    def on_step(r, loss, model):
+        digests.append([float(p.detach().double().sum()) for p in model.parameters()]
+                       + [float(p.detach().double().abs().sum()) for p in model.parameters()])
+
+    hist = run_worker(cfg, data, out_dir, client, rank, world, on_step=on_step)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"digests": digests, "loss": hist["loss"], "max_staleness": hist["max_staleness"]}, f)
+    client.close()
+    dist.destroy_process_group()
+
+
+def _run_two_ranks(tmp_path, cfg: RunConfig, data: str, name: str):
+    from persia_core.train.launcher import free_port
+
+    out = str(tmp_path / name)
+    os.makedirs(out, exist_ok=True)
+    cfg_path = str(tmp_path / f"{name}.yaml")
+    with open(cfg_path, "w") as f:
+        f.write(cfg.to_yaml())
+    with LocalCluster(cfg_path, cfg.embedding.num_shards, 2, str(tmp_path / f"{name}-work")) as cluster:
+        addrs = cluster.start_servers()
+        mp.start_processes(_rank_main, args=(2, free_port(), addrs, cluster.token, cfg.to_dict(), data, out),
+                           nprocs=2, join=True, start_method="spawn")
+        from persia_core.ps.client import EmbeddingClient
+
+        client = EmbeddingClient(addrs, cfg.embedding, token=cluster.token)
+        paths = [str(tmp_path / name / f"shard{s}.npz") for s in range(cfg.embedding.num_shards)]
+        client.dump(paths)
+        client.close()
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    return out, ranks, paths
+
+
+def test_two_workers_keep_identical_dense_weights_after_every_step_and_loss_falls(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=512)
+    cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=3, shuffle=True)
+    _, ranks, _ = _run_two_ranks(tmp_path, cfg, data, "ddp")
+    assert len(ranks[0]["digests"]) == len(ranks[1]["digests"]) == 48
+    for d0, d1 in zip(ranks[0]["digests"], ranks[1]["digests"]):
+        assert d0 == d1  # bitwise identical after every step
+    loss = ranks[0]["loss"]
+    assert np.mean(loss[-16:]) < np.mean(loss[:16]) - 0.02
+    assert 0 <= ranks[0]["max_staleness"] <= 2
+
+
+def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=256, shard_rows=[128, 96])
+    cfg = tiny_config(num_workers=2, embedding_staleness=0, epochs=2, shuffle=True)
+    out, ranks, shard_paths = _run_two_ranks(tmp_path, cfg, data, "two")
+
+    # reference: one worker, one in-process table, batches = rank 0's batch t + rank 1's batch t
+    files = shard_files(data, "train")
+    ex = [ParquetExamples([files[0]], model_slot_order(cfg)), ParquetExamples([files[1]], model_slot_order(cfg))]
+    both = ParquetExamples(files, model_slot_order(cfg))
+    sched = make_schedule([len(ex[0]), len(ex[1])], cfg.trainer.batch_size, cfg.trainer.epochs, 0, True)
+    batches = ((t, both.batch(np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]])),
+                sched.global_batch[t]) for t in range(len(sched.global_batch)))
+    from persia_core.data.reader import read_schema
+
+    model = build_dense(cfg, read_schema(data))
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr)
+    ref = LocalEmbedding(cfg.embedding, 1)
+    pipe = HybridTrainPipeline(model, opt, ref, table_layouts(cfg), batches, staleness=0, num_workers=1)
+    losses = []
+    while True:
+        try:
+            r = pipe.progress()
+        except StopIteration:
+            break
+        losses.append(r.loss_sum / sched.global_batch[r.step])
+    pipe.drain()
+    pipe.close()
+    assert len(losses) == len(ranks[0]["loss"]) == 16
+    np.testing.assert_allclose(ranks[0]["loss"], losses, atol=1e-5, rtol=0)
+    dense = torch.load(os.path.join(out, "dense.pt"), weights_only=True)
+    for k, v in model.state_dict().items():
+        np.testing.assert_allclose(dense[k].numpy(), v.numpy(), atol=1e-5)
+    for p in shard_paths:
+        tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes)
+        load_shard_file(p, tables)
+        sd = tables["default"].state_dict()
+        np.testing.assert_allclose(sd["weights"], ref.lookup_readonly("default", sd["keys"]), atol=1e-5)
+        np.testing.assert_allclose(sd["acc"], np.concatenate(
+            [ref.shards[0]["default"].state_dict()["acc"][ref.shards[0]["default"].state_dict()["keys"] == k]
+             for k in sd["keys"]]), atol=1e-5)
+
+
+def test_uneven_shards_across_two_ranks_finish(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), shard_rows=[100, 7])
+    cfg = tiny_config(num_workers=2, embedding_staleness=1, epochs=1)
+    train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
+    hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
+    assert hist["samples"][-1] == 107
+    assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
