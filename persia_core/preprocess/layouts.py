@@ -1,0 +1,272 @@
+"""Pure parsing of raw input lines into records, one function per layout kind (no Beam here).
+
+A *record* is the layout-independent form of one example that the pipeline encodes into a Parquet row::
+
+    {"label":  float,               0.0 or 1.0
+     "dense":  list[float],         in LayoutConfig.dense_fields() order (transformed, not scaled)
+     "fields": {name: list[str]},   every categorical field of the layout; [] = missing
+     "ts":     int | None}          Unix seconds, or None for layouts that split by row order
+
+A line that cannot be parsed raises ``ParseError`` whose ``reason`` is short and names the field and value
+(``"wrong field count: 38 != 40"``, ``"unparsable number in I3: 'abc'"``); ``kind`` is the reason without the
+specifics (``"unparsable number"``) so that reasons can be counted.
+
+MovieLens (GroupLens ``ml-latest-small`` CSV files, quoted fields, one header row each) is three parsers
+(``parse_rating``, ``parse_movie``, ``parse_tag``) and a join (``movielens_record``, ``tags_before_each``);
+the delimited layout (Criteo's Display Advertising Challenge TSV) is ``parse_delimited``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import math
+import re
+import time
+from collections import OrderedDict
+from itertools import islice
+from typing import Any, Iterable, Sequence
+
+from persia_core.config import LayoutConfig
+
+NO_GENRES = "(no genres listed)"
+_YEAR_RE = re.compile(r"\((\d{4})\)\s*$")
+
+Record = dict[str, Any]
+
+
+class ParseError(ValueError):
+    """A raw line that is not a valid example.
+
+    ``reason`` (and ``str()``): short and specific (``"unparsable number in I3: 'abc'"``); ``kind``: the reason
+    without specifics, for counting (``"unparsable number"``; defaults to ``reason``).
+    """
+
+    def __init__(self, reason: str, kind: str | None = None) -> None:
+        self.reason = reason
+        self.kind = kind or reason
+        super().__init__(reason)
+
+
+def strip_line_end(line: str) -> str:
+    """``line`` without its trailing ``\\n`` / ``\\r\\n`` (the MovieLens files use CRLF)."""
+    return line.rstrip("\r\n")
+
+
+def split_csv_line(line: str) -> list[str]:
+    """The fields of one CSV line (RFC 4180 quoting: ``"Babe Ruth Story, The (1948) "`` is one field)."""
+    try:
+        return next(csv.reader([line], strict=True))
+    except csv.Error as e:
+        raise ParseError(f"bad csv quoting: {e}", "bad csv quoting") from None
+    except StopIteration:
+        return []
+
+
+def _expect_fields(fields: Sequence[str], n: int) -> None:
+    if len(fields) != n:
+        raise ParseError(f"wrong field count: {len(fields)} != {n}", "wrong field count")
+
+
+def _parse_int(text: str, name: str) -> int:
+    s = text.strip()
+    try:
+        return int(s)
+    except ValueError:
+        raise ParseError(f"unparsable integer in {name}: {text!r}", "unparsable integer") from None
+
+
+def _parse_float(text: str, name: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x):
+        raise ParseError(f"unparsable number in {name}: {text!r}", "unparsable number")
+    return x
+
+
+def _require(text: str, name: str) -> str:
+    s = text.strip()
+    if not s:
+        raise ParseError(f"missing {name}", "missing value")
+    return s
+
+
+# --------------------------------------------------------------------------------------------- MovieLens
+
+
+def parse_rating(line: str, layout: LayoutConfig) -> dict[str, Any]:
+    """One line of ``ratings.csv`` (``userId,movieId,rating,timestamp``).
+
+    Returns ``{"userId": str, "movieId": str, "label": 1.0 if rating >= layout.label_threshold else 0.0,
+    "timestamp": int}``. Raises ``ParseError`` for a wrong field count, a missing ID, or an unparsable rating
+    or timestamp.
+    """
+    fields = split_csv_line(strip_line_end(line))
+    _expect_fields(fields, 4)
+    user, movie, rating, ts = fields
+    return {
+        "userId": _require(user, "userId"),
+        "movieId": _require(movie, "movieId"),
+        "label": 1.0 if _parse_float(rating, "rating") >= layout.label_threshold else 0.0,
+        "timestamp": _parse_int(ts, "timestamp"),
+    }
+
+
+def parse_genres(text: str) -> list[str]:
+    """``"Adventure|Comedy"`` -> ``["Adventure", "Comedy"]``; ``"(no genres listed)"`` or empty -> ``[]``."""
+    text = text.strip()
+    if not text or text == NO_GENRES:
+        return []
+    return [g.strip() for g in text.split("|") if g.strip()]
+
+
+def parse_year(title: str) -> list[str]:
+    """Release year from a trailing ``(YYYY)`` in a title (trailing spaces allowed): ``["1995"]``, else ``[]``.
+
+    ``"Toy Story (1995)"`` -> ``["1995"]``; ``"Rocky VI (1986) "`` -> ``["1986"]``;
+    ``"Fawlty Towers (1975-1979)"`` and ``"Li'l Quinquin"`` -> ``[]`` (missing, not malformed).
+    """
+    m = _YEAR_RE.search(title)
+    return [m.group(1)] if m else []
+
+
+def parse_movie(line: str) -> dict[str, Any]:
+    """One line of ``movies.csv`` (``movieId,title,genres``; titles are quoted where they hold commas).
+
+    Returns ``{"movieId": str, "genres": list[str], "year": list[str] (0 or 1 item)}``.
+    Raises ``ParseError`` for a wrong field count or a missing movieId.
+    """
+    fields = split_csv_line(strip_line_end(line))
+    _expect_fields(fields, 3)
+    movie, title, genres = fields
+    return {"movieId": _require(movie, "movieId"), "genres": parse_genres(genres), "year": parse_year(title)}
+
+
+def normalize_tag(tag: str) -> str:
+    """A tag as a feature value: stripped and lower-cased (``" Robert De Niro"`` -> ``"robert de niro"``)."""
+    return tag.strip().lower()
+
+
+def parse_tag(line: str) -> dict[str, Any]:
+    """One line of ``tags.csv`` (``userId,movieId,tag,timestamp``).
+
+    Returns ``{"movieId": str, "tag": str (normalized), "timestamp": int}``. Raises ``ParseError`` for a wrong
+    field count, a missing movieId, an empty tag, or an unparsable timestamp.
+    """
+    fields = split_csv_line(strip_line_end(line))
+    _expect_fields(fields, 4)
+    _, movie, tag, ts = fields
+    tag = normalize_tag(tag)
+    if not tag:
+        raise ParseError("missing tag", "missing value")
+    return {"movieId": _require(movie, "movieId"), "tag": tag, "timestamp": _parse_int(ts, "timestamp")}
+
+
+def tags_before_each(events: Iterable[tuple[int, str]], timestamps: Sequence[int], max_tags: int) -> list[list[str]]:
+    """For each timestamp, the distinct tags applied strictly before it, the most recently applied first.
+
+    ``events``: one movie's tag applications ``(timestamp, tag)``, any order; ``timestamps``: its ratings'
+    timestamps. Returns one list per timestamp with at most ``max_tags`` tags, ordered by their latest
+    application before that timestamp (newest first; events at the same second are ordered by tag).
+
+    Sort + bisect + one sweep: the events are sorted once, each timestamp is bisected to the number of events
+    before it, and the positions are visited in increasing order while an ordered dict keeps the distinct tags
+    by recency, so a movie costs O((E + R) log(E + R) + R * max_tags), not a scan of the events per rating.
+    Ratings with the same bisect position share one (read-only) list.
+    """
+    evs = sorted(events)
+    times = [t for t, _ in evs]
+    pos = [bisect.bisect_left(times, ts) for ts in timestamps]
+    out: list[list[str]] = [[] for _ in pos]
+    if not evs or max_tags == 0:
+        return out
+    recent: OrderedDict[str, None] = OrderedDict()
+    j = 0
+    cached_at, cached = -1, []
+    for r in sorted(range(len(pos)), key=pos.__getitem__):
+        i = pos[r]
+        if i != cached_at:
+            while j < i:
+                tag = evs[j][1]
+                recent[tag] = None
+                recent.move_to_end(tag)
+                j += 1
+            cached_at, cached = i, list(islice(reversed(recent), max_tags))
+        out[r] = cached
+    return out
+
+
+def tags_before(events: Iterable[tuple[int, str]], timestamp: int, max_tags: int) -> list[str]:
+    """``tags_before_each(events, [timestamp], max_tags)[0]``: the tags of one rating."""
+    return tags_before_each(events, [timestamp], max_tags)[0]
+
+
+def movielens_dense(timestamp: int, year: Sequence[str]) -> list[float]:
+    """Dense features of a rating: ``[hour, weekday, movie_age]``.
+
+    ``hour`` in 0..23 and ``weekday`` in 0..6 (Monday = 0) of the rating time in UTC; ``movie_age`` = the
+    rating's UTC year - release year (``year`` = ``[]`` or ``["YYYY"]``; 0.0 when the release year is missing).
+    """
+    t = time.gmtime(timestamp)
+    age = float(t.tm_year - int(year[0])) if year else 0.0
+    return [float(t.tm_hour), float(t.tm_wday), age]
+
+
+def movielens_record(rating: dict[str, Any], movie: dict[str, Any], tags: list[str]) -> Record:
+    """Join a parsed rating with its movie (``parse_movie``) and its tags (``tags_before_each``) into a record.
+
+    ``fields``: userId, movieId (one value each), genres, tags, year (lists, possibly empty); ``ts`` is the
+    rating's timestamp.
+    """
+    return {
+        "label": rating["label"],
+        "dense": movielens_dense(rating["timestamp"], movie["year"]),
+        "fields": {
+            "userId": [rating["userId"]],
+            "movieId": [rating["movieId"]],
+            "genres": movie["genres"],
+            "tags": tags,
+            "year": movie["year"],
+        },
+        "ts": rating["timestamp"],
+    }
+
+
+# --------------------------------------------------------------------------------------------- delimited
+
+
+def _parse_label(text: str, name: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if x not in (0.0, 1.0):
+        raise ParseError(f"label not 0/1 in {name}: {text!r}", "label not 0/1")
+    return x
+
+
+def parse_delimited(line: str, layout: LayoutConfig) -> Record:
+    """One line of a delimited file (Criteo: ``label \\t I1..I13 \\t C1..C26``) -> a record.
+
+    The field count must equal ``len(layout.columns)``; the label must be 0 or 1; a dense column is an integer
+    or float, empty = missing = 0.0, then ``log1p(max(x, 0))`` when ``layout.dense_transform == "log1p"``;
+    a categorical column is ``[]`` when empty, else ``[raw string]``; ``ts`` is the timestamp column
+    (required) or ``None`` without one. Raises ``ParseError`` otherwise.
+    """
+    values = strip_line_end(line).split(layout.delimiter)
+    _expect_fields(values, len(layout.columns))
+    row = dict(zip(layout.columns, values))
+    label = _parse_label(row[layout.label_column].strip(), layout.label_column)
+    log1p = layout.dense_transform == "log1p"
+    dense = []
+    for name in layout.dense_columns:
+        text = row[name].strip()
+        x = _parse_float(text, name) if text else 0.0
+        dense.append(math.log1p(max(x, 0.0)) if log1p else x)
+    ts = None
+    if layout.timestamp_column:
+        ts = _parse_int(_require(row[layout.timestamp_column], layout.timestamp_column), layout.timestamp_column)
+    fields = {name: ([row[name]] if row[name] else []) for name in layout.id_fields()}
+    return {"label": label, "dense": dense, "fields": fields, "ts": ts}

@@ -1,0 +1,1094 @@
+"""The preprocess step: raw files -> Parquet train/eval shards + ``schema.json``, as one Apache Beam pipeline.
+
+Steps (each a composite ``PTransform``; runs on the DirectRunner here and on Dataflow with runner options)::
+
+    1. ReadNumberedLines   each input file read in order with FileSystems (local or gs://), so every line keeps
+                           "<file>:<line>" (1-based, the header counts) and its global row number
+    2. ParseDelimited /    lines -> records (``layouts``) -> encoded rows; MovieLens joins ratings with movies
+       JoinMovieLens       and tags by movieId (CoGroupByKey; tags per rating by sort + bisect + one sweep)
+    3. SplitAndShard       eval = rows with ts >= cutoff, cutoff = sorted_ts[floor((1 - eval_fraction) * n)];
+                           each split is cut into shards at order statistics of a hash of ``source``, so shards
+                           are balanced (sizes differ by at most one row) and deterministic
+    4. WriteShards         one Parquet file per shard (``schema.arrow_schema``), rows sorted by that hash
+    5. WriteDeadLetters    malformed lines -> dead_letter/*.jsonl {"source", "reason", "raw"}, counted by file
+                           and reason
+    6. statistics          dense mean/std over train, distinct IDs per slot (HyperLogLog), row counts ->
+                           ``preprocess_stats.json``; the driver then checks the malformed budget and writes
+                           ``schema.json`` and ``run_config.yaml``
+
+An encoded row (inside the pipeline) is a tuple, compact to shuffle::
+
+    (label: float, dense: bytes (float32[F]), slots: tuple[bytes (uint64[n_s])], ts: int, source: str,
+     key: int (63-bit xxh3 of source, orders rows within and across shards))
+
+Usage::
+
+    python -m persia_core.preprocess.pipeline --data data/movielens --output /tmp/ml --config movielens \\
+        [--set split.max_rows=1000] [Beam options, e.g. --runner DataflowRunner --project ... --region ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from array import array
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+import apache_beam as beam
+import numpy as np
+import xxhash
+import yaml
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+from apache_beam.pvalue import AsDict, AsSingleton, TaggedOutput
+
+from persia_core import hashing, io
+from persia_core.config import RunConfig, load_config
+from persia_core.data import schema
+from persia_core.preprocess import layouts
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "persia_preprocess"
+STATS_FILE = "preprocess_stats.json"
+RUN_CONFIG_FILE = "run_config.yaml"
+DEAD_LETTER_PREFIX = "dead_letter"
+
+LABEL, DENSE, SLOTS, TS, SOURCE, KEY = range(6)
+"""Indices into an encoded row tuple."""
+
+_DEAD = "dead"
+_COUNTS = "counts"
+_TRAIN_DENSE = "train_dense"
+_BATCH_ROWS = 1 << 16
+
+
+# --------------------------------------------------------------------------------------------- rows
+
+
+def slot_specs(config: RunConfig) -> list[tuple[str, list[str], bool]]:
+    """``(slot name, layout fields, is_cross)`` for each slot of ``config``, in config order."""
+    return [(s.name, s.fields(), bool(s.cross)) for s in config.slots]
+
+
+def source_key(source: str) -> int:
+    """The 63-bit hash of a row's ``source`` that places it in a shard (non-negative, fits int64)."""
+    return xxhash.xxh3_64_intdigest(source.encode("utf-8")) >> 1
+
+
+def encode_row(record: layouts.Record, specs: list[tuple[str, list[str], bool]], source: str, ts: int) -> tuple:
+    """A parsed record -> an encoded row tuple (see the module docstring).
+
+    Slot IDs: ``hashing.feature_ids(slot, values)`` of the source field, or of ``hashing.cross_values`` of the
+    crossed fields' values (one ID per combination; empty when any crossed field is empty).
+    """
+    fields = record["fields"]
+    slots = []
+    for name, names, is_cross in specs:
+        values = hashing.cross_values([fields[f] for f in names]) if is_cross else fields[names[0]]
+        slots.append(array("Q", hashing.feature_ids(name, values)).tobytes())
+    return (
+        float(record["label"]),
+        array("f", record["dense"]).tobytes(),
+        tuple(slots),
+        int(ts),
+        source,
+        source_key(source),
+    )
+
+
+def decode_row(row: tuple, slot_names: list[str]) -> dict[str, Any]:
+    """An encoded row as a dict of the Parquet columns (``label``, ``dense``, ``slot_<s>``, ``ts``, ``source``).
+
+    ``dense`` is a list of float32 values as Python floats, each slot a list of Python ints in [0, 2^64).
+    """
+    out: dict[str, Any] = {schema.LABEL: row[LABEL], schema.DENSE: array("f", row[DENSE]).tolist()}
+    for name, blob in zip(slot_names, row[SLOTS]):
+        out[schema.slot_column(name)] = array("Q", blob).tolist()
+    out[schema.TS] = row[TS]
+    out[schema.SOURCE] = row[SOURCE]
+    return out
+
+
+def rows_to_table(rows: list[tuple], slot_names: list[str], num_dense: int):
+    """Encoded rows -> a ``pyarrow.Table`` with ``schema.arrow_schema(slot_names)``, built column-wise."""
+    import pyarrow as pa
+
+    n = len(rows)
+    arrow_schema = schema.arrow_schema(slot_names)
+    columns = [pa.array(np.fromiter((r[LABEL] for r in rows), np.float32, n), pa.float32())]
+    dense_values = np.frombuffer(b"".join(r[DENSE] for r in rows), np.float32)
+    dense_offsets = (np.arange(n + 1, dtype=np.int64) * num_dense).astype(np.int32)
+    columns.append(pa.ListArray.from_arrays(pa.array(dense_offsets), pa.array(dense_values, pa.float32())))
+    for i in range(len(slot_names)):
+        blobs = [r[SLOTS][i] for r in rows]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((len(b) >> 3 for b in blobs), np.int64, n), out=offsets[1:])
+        values = np.frombuffer(b"".join(blobs), np.uint64)
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, pa.uint64())))
+    columns.append(pa.array(np.fromiter((r[TS] for r in rows), np.int64, n), pa.int64()))
+    columns.append(pa.array([r[SOURCE] for r in rows], pa.string()))
+    return pa.Table.from_arrays(columns, schema=arrow_schema)
+
+
+def shard_file(split: str, shard: int, num_shards: int) -> str:
+    """A shard's path relative to the output folder: ``train/train-00001-of-00004.parquet``."""
+    return f"{split}/{split}-{shard:05d}-of-{num_shards:05d}.parquet"
+
+
+def _dead_letter(path: str, line_no: int, raw: str, error: layouts.ParseError, example: bool) -> dict[str, Any]:
+    return {
+        "source": f"{path}:{line_no}",
+        "reason": error.reason,
+        "raw": raw,
+        "file": path,
+        "kind": error.kind,
+        "example": example,
+    }
+
+
+def _counter(name: str):
+    return beam.metrics.Metrics.counter(NAMESPACE, name)
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+class ReadFileLinesFn(beam.DoFn):
+    """``(file_index, path)`` -> ``(file_index, path, line_no, data_index, text, ok)`` per data line.
+
+    Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension); ``line_no`` is
+    1-based and counts the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line
+    end; ``ok`` is False for a line that is not UTF-8 (its text then has replacement characters). Stops after
+    ``max_lines`` data lines (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
+    """
+
+    def __init__(self, skip_header: bool, max_lines: int) -> None:
+        self.skip_header = skip_header
+        self.max_lines = max_lines
+        self.lines_read = _counter("lines_read")
+
+    def process(self, element: tuple[int, str]):
+        index, path = element
+        n = 0
+        with FileSystems.open(path) as f:
+            for line_no, raw in enumerate(iter(f.readline, b""), start=1):
+                if line_no == 1 and self.skip_header:
+                    continue
+                if self.max_lines and n >= self.max_lines:
+                    break
+                try:
+                    text, ok = raw.decode("utf-8"), True
+                except UnicodeDecodeError:
+                    text, ok = raw.decode("utf-8", errors="replace"), False
+                yield index, path, line_no, n, layouts.strip_line_end(text), ok
+                n += 1
+        self.lines_read.inc(n)
+        yield TaggedOutput(_COUNTS, (index, n))
+
+
+class NumberRowsFn(beam.DoFn):
+    """Gives each line its global row number (file order, headers excluded) and drops rows past ``max_rows``.
+
+    Input ``(file_index, path, line_no, data_index, text, ok)`` with side input ``counts`` ``{file_index: n}``;
+    output ``(path, line_no, row_number, text)``, or a dead letter ``"not utf-8"`` on the ``dead`` output.
+    """
+
+    def __init__(self, max_rows: int, example: bool) -> None:
+        self.max_rows = max_rows
+        self.example = example
+        self.malformed = _counter("malformed" if example else "malformed_side_lines")
+        self._offsets: dict[int, int] | None = None
+
+    def process(self, element: tuple, counts: dict[int, int]):
+        index, path, line_no, data_index, text, ok = element
+        if self._offsets is None or len(self._offsets) != len(counts):
+            total, self._offsets = 0, {}
+            for i in sorted(counts):
+                self._offsets[i] = total
+                total += counts[i]
+        row_number = self._offsets[index] + data_index
+        if self.max_rows and row_number >= self.max_rows:
+            return
+        if not ok:
+            self.malformed.inc()
+            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, layouts.ParseError("not utf-8"), self.example))
+            return
+        yield path, line_no, row_number, text
+
+
+def _rows_read(counts: Iterable[int], max_rows: int) -> int:
+    total = sum(counts)
+    return min(total, max_rows) if max_rows else total
+
+
+class ReadNumberedLines(beam.PTransform):
+    """Read files in order into numbered lines: ``PBegin`` -> ``{"lines", "dead", "read"}``.
+
+    ``lines``: ``(path, line_no, row_number, text)`` (``row_number`` 0-based over the data lines of all
+    ``files`` in list order; only rows with ``row_number < max_rows`` when ``max_rows > 0``); ``dead``:
+    dead letters of undecodable lines; ``read``: one int, the number of data rows kept (lines + dead).
+    ``example``: whether these lines are examples (count towards the malformed budget) or side data.
+    """
+
+    def __init__(self, files: list[str], has_header: bool, max_rows: int = 0, example: bool = True,
+                 redistribute: bool = False) -> None:
+        super().__init__()
+        self.files = list(files)
+        self.has_header = has_header
+        self.max_rows = max_rows
+        self.example = example
+        self.redistribute = redistribute
+
+    def expand(self, pbegin):
+        read = (
+            pbegin
+            | "ListFiles" >> beam.Create(list(enumerate(self.files)))
+            | "ReadFiles" >> beam.ParDo(ReadFileLinesFn(self.has_header, self.max_rows)).with_outputs(
+                _COUNTS, main="lines"
+            )
+        )
+        lines = read.lines
+        if self.redistribute:
+            lines = lines | "Redistribute" >> beam.Reshuffle()
+        numbered = lines | "NumberRows" >> beam.ParDo(
+            NumberRowsFn(self.max_rows, self.example), counts=AsDict(read[_COUNTS])
+        ).with_outputs(_DEAD, main="lines")
+        max_rows = self.max_rows
+        total = (
+            read[_COUNTS]
+            | "FileCounts" >> beam.Map(lambda kv: kv[1])
+            | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
+        )
+        return {"lines": numbered.lines, "dead": numbered[_DEAD], "read": total}
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+class ParseDelimitedFn(beam.DoFn):
+    """``(path, line_no, row_number, text)`` -> an encoded row, or a dead letter on the ``dead`` output.
+
+    ``ts`` is the layout's timestamp column, else the global row number.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.layout = config.layout
+        self.specs = slot_specs(config)
+        self.rows = _counter("rows")
+        self.malformed = _counter("malformed")
+
+    def process(self, element: tuple):
+        path, line_no, row_number, text = element
+        try:
+            record = layouts.parse_delimited(text, self.layout)
+        except layouts.ParseError as e:
+            self.malformed.inc()
+            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, e, True))
+            return
+        self.rows.inc()
+        ts = record["ts"] if record["ts"] is not None else row_number
+        yield encode_row(record, self.specs, f"{path}:{line_no}", ts)
+
+
+class ParseDelimited(beam.PTransform):
+    """Numbered lines of a delimited layout -> ``{"rows": encoded rows, "dead": dead letters}``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def expand(self, lines):
+        out = lines | "ParseLines" >> beam.ParDo(ParseDelimitedFn(self.config)).with_outputs(_DEAD, main="rows")
+        return {"rows": out.rows, "dead": out[_DEAD]}
+
+
+class KeyByMovieFn(beam.DoFn):
+    """``(path, line_no, row_number, text)`` -> ``(movieId, (line_no, source, text, parsed))`` or a dead letter.
+
+    ``parse``: one of ``layouts.parse_rating`` (bound to the layout), ``parse_movie``, ``parse_tag``.
+    """
+
+    def __init__(self, parse: Callable[[str], dict], example: bool) -> None:
+        self.parse = parse
+        self.example = example
+        self.malformed = _counter("malformed" if example else "malformed_side_lines")
+
+    def process(self, element: tuple):
+        path, line_no, _, text = element
+        try:
+            parsed = self.parse(text)
+        except layouts.ParseError as e:
+            self.malformed.inc()
+            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, e, self.example))
+            return
+        yield parsed["movieId"], (line_no, f"{path}:{line_no}", text, parsed)
+
+
+class JoinMovieFn(beam.DoFn):
+    """One movie's ratings, movie lines and tag lines (``CoGroupByKey`` output) -> encoded rows.
+
+    Ratings of a movie missing from movies.csv are dead letters ``"unknown movieId"``; a second line for the
+    same movieId is a dead letter ``"duplicate movieId"`` (the first line in the file wins).
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.specs = slot_specs(config)
+        self.max_tags = config.layout.max_tags
+        self.rows = _counter("rows")
+        self.malformed = _counter("malformed")
+
+    def process(self, element: tuple):
+        movie_id, groups = element
+        ratings = list(groups["ratings"])
+        movies = sorted(groups["movies"], key=lambda m: m[0])
+        for line_no, source, text, _ in movies[1:]:
+            path = source.rsplit(":", 1)[0]
+            err = layouts.ParseError(f"duplicate movieId: {movie_id}", "duplicate movieId")
+            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, err, False))
+        if not ratings:
+            return
+        if not movies:
+            err = layouts.ParseError(f"unknown movieId: {movie_id}", "unknown movieId")
+            for line_no, source, text, _ in ratings:
+                self.malformed.inc()
+                yield TaggedOutput(_DEAD, _dead_letter(source.rsplit(":", 1)[0], line_no, text, err, True))
+            return
+        movie = movies[0][3]
+        events = [(t[3]["timestamp"], t[3]["tag"]) for t in groups["tags"]]
+        tag_lists = layouts.tags_before_each(events, [r[3]["timestamp"] for r in ratings], self.max_tags)
+        for (_, source, _, rating), tags in zip(ratings, tag_lists):
+            record = layouts.movielens_record(rating, movie, tags)
+            self.rows.inc()
+            yield encode_row(record, self.specs, source, record["ts"])
+
+
+class JoinMovieLens(beam.PTransform):
+    """MovieLens numbered lines ``{"ratings", "movies", "tags"}`` -> ``{"rows", "dead"}``.
+
+    Each file is parsed (``layouts``), keyed by movieId, and the three are joined with ``CoGroupByKey``.
+    Malformed ratings are example dead letters; malformed movie or tag lines are side dead letters (they do
+    not count as rows, but a rating of a movie whose line is malformed becomes ``"unknown movieId"``).
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def expand(self, inputs):
+        parsers = {
+            "ratings": (functools.partial(layouts.parse_rating, layout=self.config.layout), True),
+            "movies": (layouts.parse_movie, False),
+            "tags": (layouts.parse_tag, False),
+        }
+        keyed, dead = {}, []
+        for name, (parse, example) in parsers.items():
+            out = inputs[name] | f"Parse{name.title()}" >> beam.ParDo(KeyByMovieFn(parse, example)).with_outputs(
+                _DEAD, main="keyed"
+            )
+            keyed[name] = out.keyed
+            dead.append(out[_DEAD])
+        joined = (
+            keyed
+            | "GroupByMovie" >> beam.CoGroupByKey()
+            | "JoinMovies" >> beam.ParDo(JoinMovieFn(self.config)).with_outputs(_DEAD, main="rows")
+        )
+        dead.append(joined[_DEAD])
+        return {"rows": joined.rows, "dead": tuple(dead) | "FlattenDead" >> beam.Flatten()}
+
+
+# --------------------------------------------------------------------------------------------- split
+
+
+class _Int64Pairs:
+    """Append-only pairs of int64 columns, kept as numpy chunks (16 bytes a pair) with a Python tail."""
+
+    __slots__ = ("chunks", "a", "b")
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        self.a: list[int] = []
+        self.b: list[int] = []
+
+    def add(self, x: int, y: int) -> None:
+        self.a.append(x)
+        self.b.append(y)
+        if len(self.a) >= _BATCH_ROWS:
+            self.compact()
+
+    def compact(self) -> None:
+        if self.a:
+            self.chunks.append((np.array(self.a, np.int64), np.array(self.b, np.int64)))
+            self.a, self.b = [], []
+
+    def merge(self, other: "_Int64Pairs") -> None:
+        other.compact()
+        self.compact()
+        self.chunks.extend(other.chunks)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        self.compact()
+        if not self.chunks:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate([c[0] for c in self.chunks]), np.concatenate([c[1] for c in self.chunks])
+
+
+def split_cutoff(ts: np.ndarray, eval_fraction: float) -> int:
+    """``sorted(ts)[floor((1 - eval_fraction) * n)]``: rows with ts >= it are eval (0 when ``ts`` is empty)."""
+    n = len(ts)
+    if n == 0:
+        return 0
+    k = min(n - 1, int(math.floor((1.0 - eval_fraction) * n + 1e-9)))
+    return int(np.partition(ts, k)[k])
+
+
+def shard_bounds(keys: np.ndarray, num_shards: int) -> list[int]:
+    """Shard boundaries: ``sorted(keys)[floor(j * m / S)]`` for j = 1..S-1; shard = ``bisect_right(bounds, key)``.
+
+    With m >= S distinct keys every shard gets floor(m/S) or ceil(m/S) of them (none is empty).
+    """
+    m = len(keys)
+    if m == 0:
+        return []
+    keys = np.sort(keys)
+    return [int(keys[(j * m) // num_shards]) for j in range(1, num_shards)]
+
+
+class SplitPlanFn(beam.CombineFn):
+    """``(ts, key)`` of every row -> the split plan: ``{"cutoff", "rows", "train", "eval", "train_bounds",
+    "eval_bounds"}`` (see ``split_cutoff`` and ``shard_bounds``). Exact; holds 16 bytes per row."""
+
+    def __init__(self, eval_fraction: float, num_train_shards: int, num_eval_shards: int) -> None:
+        self.eval_fraction = eval_fraction
+        self.num_train_shards = num_train_shards
+        self.num_eval_shards = num_eval_shards
+
+    def create_accumulator(self) -> _Int64Pairs:
+        return _Int64Pairs()
+
+    def add_input(self, acc: _Int64Pairs, element: tuple[int, int]) -> _Int64Pairs:
+        acc.add(element[0], element[1])
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[_Int64Pairs]) -> _Int64Pairs:
+        out = _Int64Pairs()
+        for acc in accumulators:
+            out.merge(acc)
+        return out
+
+    def compact(self, acc: _Int64Pairs) -> _Int64Pairs:
+        acc.compact()
+        return acc
+
+    def extract_output(self, acc: _Int64Pairs) -> dict[str, Any]:
+        ts, keys = acc.arrays()
+        cutoff = split_cutoff(ts, self.eval_fraction)
+        is_eval = ts >= cutoff
+        train_keys, eval_keys = keys[~is_eval], keys[is_eval]
+        return {
+            "cutoff": cutoff,
+            "rows": int(len(ts)),
+            "train": int(len(train_keys)),
+            "eval": int(len(eval_keys)),
+            "train_bounds": shard_bounds(train_keys, self.num_train_shards),
+            "eval_bounds": shard_bounds(eval_keys, self.num_eval_shards),
+        }
+
+
+class AssignShardFn(beam.DoFn):
+    """An encoded row + the split plan -> ``((split, shard), row)``; train rows' dense bytes also go to the
+    ``train_dense`` output (for the mean/std)."""
+
+    def __init__(self) -> None:
+        self.train = _counter("train_rows")
+        self.eval = _counter("eval_rows")
+
+    def process(self, row: tuple, plan: dict[str, Any]):
+        if row[TS] >= plan["cutoff"]:
+            self.eval.inc()
+            yield (schema.EVAL_DIR, bisect.bisect_right(plan["eval_bounds"], row[KEY])), row
+        else:
+            self.train.inc()
+            yield TaggedOutput(_TRAIN_DENSE, row[DENSE])
+            yield (schema.TRAIN_DIR, bisect.bisect_right(plan["train_bounds"], row[KEY])), row
+
+
+class SplitAndShard(beam.PTransform):
+    """Encoded rows -> ``{"keyed": ((split, shard), row), "plan": one plan dict, "train_dense": bytes}``.
+
+    Eval = rows with ``ts >= cutoff``, ``cutoff = sorted_ts[floor((1 - eval_fraction) * n)]`` (ties at the
+    cutoff all go to eval). Within a split, rows are cut into shards at order statistics of their source hash.
+    """
+
+    def __init__(self, eval_fraction: float, num_train_shards: int, num_eval_shards: int) -> None:
+        super().__init__()
+        self.eval_fraction = eval_fraction
+        self.num_train_shards = num_train_shards
+        self.num_eval_shards = num_eval_shards
+
+    def expand(self, rows):
+        plan = (
+            rows
+            | "TsAndKey" >> beam.Map(lambda r: (r[TS], r[KEY]))
+            | "PlanSplit" >> beam.CombineGlobally(
+                SplitPlanFn(self.eval_fraction, self.num_train_shards, self.num_eval_shards)
+            )
+        )
+        keyed = rows | "AssignShards" >> beam.ParDo(AssignShardFn(), plan=AsSingleton(plan)).with_outputs(
+            _TRAIN_DENSE, main="keyed"
+        )
+        return {"keyed": keyed.keyed, "plan": plan, "train_dense": keyed[_TRAIN_DENSE]}
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+class WriteShardFn(beam.DoFn):
+    """``((split, shard), rows)`` -> one Parquet file ``<output_dir>/<split>/<split>-SSSSS-of-NNNNN.parquet``.
+
+    Rows are written sorted by their source hash (deterministic, and not in user or time order) in row groups
+    of 65536; a shard without rows is an empty file with the schema. A shard must fit in a worker's memory:
+    use more shards for bigger data. Yields ``(split, shard, rows written)``.
+    """
+
+    def __init__(self, output_dir: str, slot_names: list[str], num_dense: int, num_shards: dict[str, int]) -> None:
+        self.output_dir = output_dir
+        self.slot_names = list(slot_names)
+        self.num_dense = num_dense
+        self.num_shards = dict(num_shards)
+
+    def process(self, element: tuple):
+        (split, shard), rows = element
+        rows = sorted((r for r in rows if r is not None), key=lambda r: (r[KEY], r[SOURCE]))
+        path = FileSystems.join(self.output_dir, shard_file(split, shard, self.num_shards[split]))
+        if "://" in path:  # remote (gs://): write a local file, then copy it with FileSystems
+            with tempfile.TemporaryDirectory() as tmp:
+                local = os.path.join(tmp, "shard.parquet")
+                self._write(local, rows)
+                with open(local, "rb") as src, FileSystems.create(path) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+        else:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self._write(path, rows)
+        yield split, shard, len(rows)
+
+    def _write(self, path: str, rows: list[tuple]) -> None:
+        import pyarrow.parquet as pq
+
+        arrow_schema = schema.arrow_schema(self.slot_names)
+        with pq.ParquetWriter(path, arrow_schema) as writer:
+            if not rows:
+                writer.write_table(arrow_schema.empty_table())
+            for start in range(0, len(rows), _BATCH_ROWS):
+                writer.write_table(rows_to_table(rows[start : start + _BATCH_ROWS], self.slot_names, self.num_dense))
+
+
+class WriteShards(beam.PTransform):
+    """``((split, shard), row)`` -> Parquet shards, every one of ``num_shards[split]`` written (empty or not).
+
+    Returns a PCollection of ``(split, shard, rows written)``.
+    """
+
+    def __init__(self, output_dir: str, slot_names: list[str], num_dense: int, num_shards: dict[str, int]) -> None:
+        super().__init__()
+        self.output_dir = output_dir
+        self.slot_names = list(slot_names)
+        self.num_dense = num_dense
+        self.num_shards = dict(num_shards)
+
+    def expand(self, keyed):
+        all_keys = [((split, i), None) for split, n in self.num_shards.items() for i in range(n)]
+        every_shard = keyed.pipeline | "ShardKeys" >> beam.Create(all_keys)
+        return (
+            (keyed, every_shard)
+            | "WithEveryShard" >> beam.Flatten()
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteParquet" >> beam.ParDo(
+                WriteShardFn(self.output_dir, self.slot_names, self.num_dense, self.num_shards)
+            )
+        )
+
+
+class MalformedSummaryFn(beam.CombineFn):
+    """Dead letters -> ``{"examples": n, "side_lines": n, "by_file": {path: n}, "by_reason": {kind: n},
+    "reason_example": {kind: a full reason}}`` (``examples``: malformed rows that count against the budget)."""
+
+    def create_accumulator(self) -> dict[str, Any]:
+        return {"examples": 0, "side_lines": 0, "by_file": Counter(), "by_reason": Counter(), "reason_example": {}}
+
+    def add_input(self, acc: dict[str, Any], dead: dict[str, Any]) -> dict[str, Any]:
+        acc["examples" if dead["example"] else "side_lines"] += 1
+        acc["by_file"][dead["file"]] += 1
+        acc["by_reason"][dead["kind"]] += 1
+        acc["reason_example"].setdefault(dead["kind"], dead["reason"])
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        out = self.create_accumulator()
+        for acc in accumulators:
+            out["examples"] += acc["examples"]
+            out["side_lines"] += acc["side_lines"]
+            out["by_file"].update(acc["by_file"])
+            out["by_reason"].update(acc["by_reason"])
+            for k, v in acc["reason_example"].items():
+                out["reason_example"].setdefault(k, v)
+        return out
+
+    def extract_output(self, acc: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "examples": acc["examples"],
+            "side_lines": acc["side_lines"],
+            "by_file": dict(acc["by_file"]),
+            "by_reason": dict(acc["by_reason"]),
+            "reason_example": dict(acc["reason_example"]),
+        }
+
+
+def dead_letter_json(dead: dict[str, Any]) -> str:
+    """A dead letter as its JSON line: ``{"source": "<file>:<line>", "reason": ..., "raw": <the line>}``."""
+    return json.dumps({"source": dead["source"], "reason": dead["reason"], "raw": dead["raw"]}, ensure_ascii=False)
+
+
+class WriteDeadLetters(beam.PTransform):
+    """Dead letters -> ``<output_dir>/dead_letter/dead_letter-00000-of-00001.jsonl`` (JSON lines).
+
+    Returns one summary dict (``MalformedSummaryFn``).
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        super().__init__()
+        self.output_dir = output_dir
+
+    def expand(self, dead):
+        _ = (
+            dead
+            | "ToJson" >> beam.Map(dead_letter_json)
+            | "WriteJsonLines" >> beam.io.WriteToText(
+                FileSystems.join(self.output_dir, schema.DEAD_LETTER_DIR, DEAD_LETTER_PREFIX),
+                file_name_suffix=".jsonl",
+                num_shards=1,
+                shard_name_template="-SSSSS-of-NNNNN",
+            )
+        )
+        return dead | "SummarizeMalformed" >> beam.CombineGlobally(MalformedSummaryFn())
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+class DenseStatsFn(beam.CombineFn):
+    """Dense vectors (float32[F] as bytes) -> ``{"count": n, "mean": [F], "std": [F]}`` in float64.
+
+    Population std, merged with Chan et al.'s parallel variance update (batches of 4096 rows); a feature whose
+    std is 0 (or < 1e-12 * max(1, |mean|), float noise of a constant) gets std 1.0; no rows: mean 0, std 1.
+    """
+
+    def __init__(self, num_dense: int) -> None:
+        self.num_dense = num_dense
+
+    def create_accumulator(self) -> list:
+        f = self.num_dense
+        return [0, np.zeros(f), np.zeros(f), []]
+
+    @staticmethod
+    def _merge(acc: list, n: int, mean: np.ndarray, m2: np.ndarray) -> None:
+        total = acc[0] + n
+        if n == 0:
+            return
+        delta = mean - acc[1]
+        acc[1] = acc[1] + delta * (n / total)
+        acc[2] = acc[2] + m2 + delta * delta * (acc[0] * n / total)
+        acc[0] = total
+
+    def _flush(self, acc: list) -> None:
+        if not acc[3]:
+            return
+        if self.num_dense == 0:
+            n = len(acc[3])
+            acc[3] = []
+            self._merge(acc, n, acc[1], acc[2] * 0)
+            return
+        x = np.frombuffer(b"".join(acc[3]), np.float32).reshape(-1, self.num_dense).astype(np.float64)
+        acc[3] = []
+        mean = x.mean(axis=0)
+        self._merge(acc, len(x), mean, ((x - mean) ** 2).sum(axis=0))
+
+    def add_input(self, acc: list, dense: bytes) -> list:
+        acc[3].append(dense)
+        if len(acc[3]) >= 4096:
+            self._flush(acc)
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[list]) -> list:
+        out = self.create_accumulator()
+        for acc in accumulators:
+            self._flush(acc)
+            self._merge(out, acc[0], acc[1], acc[2])
+        return out
+
+    def compact(self, acc: list) -> list:
+        self._flush(acc)
+        return acc
+
+    def extract_output(self, acc: list) -> dict[str, Any]:
+        self._flush(acc)
+        n = acc[0]
+        if n == 0:
+            return {"count": 0, "mean": [0.0] * self.num_dense, "std": [1.0] * self.num_dense}
+        mean = acc[1]
+        std = np.sqrt(np.maximum(acc[2] / n, 0.0))
+        std = np.where(std < 1e-12 * np.maximum(1.0, np.abs(mean)), 1.0, std)
+        return {"count": int(n), "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
+
+
+def _bit_length(x: np.ndarray) -> np.ndarray:
+    """Bit length of each ``uint64`` (0 for 0), exact, vectorized."""
+    x = x.copy()
+    n = np.zeros(len(x), np.int64)
+    for s in (32, 16, 8, 4, 2, 1):
+        hi = x >= np.uint64(1 << s)
+        n[hi] += s
+        x[hi] >>= np.uint64(s)
+    return n + (x > 0)
+
+
+class DistinctIdsFn(beam.CombineFn):
+    """Encoded rows -> ``{slot: estimated number of distinct feature IDs}`` (HyperLogLog, Flajolet et al. 2007).
+
+    2^p registers per slot (p = 14: 16 KiB a slot, ~0.8% standard error; linear counting below 2.5 * 2^p, so
+    small counts are nearly exact). IDs are re-mixed with ``hashing.splitmix64`` before bucketing.
+    """
+
+    def __init__(self, slot_names: list[str], precision: int = 14) -> None:
+        self.slot_names = list(slot_names)
+        self.p = precision
+
+    def create_accumulator(self) -> list:
+        s = len(self.slot_names)
+        return [np.zeros((s, 1 << self.p), np.uint8), [[] for _ in range(s)], 0]
+
+    def _flush(self, acc: list) -> None:
+        if not acc[2]:
+            return
+        p = self.p
+        for i, blobs in enumerate(acc[1]):
+            if not blobs:
+                continue
+            z = hashing.splitmix64(np.frombuffer(b"".join(blobs), np.uint64))
+            idx = (z >> np.uint64(64 - p)).astype(np.intp)
+            rank = np.minimum(64 - _bit_length(z << np.uint64(p)) + 1, 64 - p + 1).astype(np.uint8)
+            np.maximum.at(acc[0][i], idx, rank)
+        acc[1] = [[] for _ in self.slot_names]
+        acc[2] = 0
+
+    def add_input(self, acc: list, row: tuple) -> list:
+        for pending, blob in zip(acc[1], row[SLOTS]):
+            if blob:
+                pending.append(blob)
+        acc[2] += 1
+        if acc[2] >= 8192:
+            self._flush(acc)
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[list]) -> list:
+        out = self.create_accumulator()
+        for acc in accumulators:
+            self._flush(acc)
+            np.maximum(out[0], acc[0], out=out[0])
+        return out
+
+    def compact(self, acc: list) -> list:
+        self._flush(acc)
+        return acc
+
+    def extract_output(self, acc: list) -> dict[str, int]:
+        self._flush(acc)
+        m = 1 << self.p
+        alpha = 0.7213 / (1.0 + 1.079 / m)
+        out = {}
+        for name, reg in zip(self.slot_names, acc[0]):
+            estimate = alpha * m * m / float(np.sum(np.ldexp(1.0, -reg.astype(np.int64))))
+            zeros = int(np.count_nonzero(reg == 0))
+            if estimate <= 2.5 * m and zeros:
+                estimate = m * math.log(m / zeros)
+            out[name] = int(round(estimate))
+        return out
+
+
+class WriteStatsFn(beam.DoFn):
+    """Gathers the pipeline's statistics (side inputs) into one dict, written to ``<output_dir>/preprocess_stats.json``.
+
+    The dict: ``{"plan": SplitPlanFn output, "dense": DenseStatsFn output, "distinct_ids": {slot: n}, "read": n,
+    "malformed": MalformedSummaryFn output, "shard_rows": {"train/0": n, ...}}``.
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+
+    def process(self, _, plan, dense, distinct, read, malformed, shards):
+        stats = {
+            "plan": plan,
+            "dense": dense,
+            "distinct_ids": distinct,
+            "read": int(read),
+            "malformed": malformed,
+            "shard_rows": {f"{split}/{shard}": n for split, shard, n in shards},
+        }
+        with FileSystems.create(FileSystems.join(self.output_dir, STATS_FILE)) as f:
+            f.write(json.dumps(stats, indent=1, sort_keys=True).encode("utf-8"))
+        yield stats
+
+
+class Preprocess(beam.PTransform):
+    """The whole preprocess step: ``PBegin`` -> Parquet shards, dead letters and ``preprocess_stats.json``.
+
+    ``inputs``: from ``resolve_inputs`` (``{"ratings"|"movies"|"tags": [path]}`` for MovieLens,
+    ``{"files": [paths in name order]}`` for delimited). Returns the stats PCollection (one dict).
+    """
+
+    def __init__(self, config: RunConfig, inputs: dict[str, list[str]], output_dir: str) -> None:
+        super().__init__()
+        self.config = config
+        self.inputs = inputs
+        self.output_dir = output_dir
+
+    def expand(self, pbegin):
+        config, layout, split = self.config, self.config.layout, self.config.split
+        if layout.kind == "movielens":
+            reads = {
+                name: pbegin | f"Read{name.title()}" >> ReadNumberedLines(
+                    self.inputs[name], True, split.max_rows if name == "ratings" else 0, example=name == "ratings"
+                )
+                for name in ("ratings", "movies", "tags")
+            }
+            parsed = {name: r["lines"] for name, r in reads.items()} | "JoinMovieLens" >> JoinMovieLens(config)
+            read_dead = [r["dead"] for r in reads.values()]
+            read_count = reads["ratings"]["read"]
+        else:
+            read = pbegin | "ReadLines" >> ReadNumberedLines(
+                self.inputs["files"], layout.has_header, split.max_rows, example=True, redistribute=True
+            )
+            parsed = read["lines"] | "ParseDelimited" >> ParseDelimited(config)
+            read_dead = [read["dead"]]
+            read_count = read["read"]
+        rows = parsed["rows"]
+        dead = (*read_dead, parsed["dead"]) | "AllDeadLetters" >> beam.Flatten()
+        malformed = dead | "WriteDeadLetters" >> WriteDeadLetters(self.output_dir)
+
+        split_out = rows | "SplitAndShard" >> SplitAndShard(
+            split.eval_fraction, split.num_train_shards, split.num_eval_shards
+        )
+        num_dense = len(layout.dense_fields())
+        shards = split_out["keyed"] | "WriteShards" >> WriteShards(
+            self.output_dir,
+            config.slot_names,
+            num_dense,
+            {schema.TRAIN_DIR: split.num_train_shards, schema.EVAL_DIR: split.num_eval_shards},
+        )
+        dense = split_out["train_dense"] | "DenseStats" >> beam.CombineGlobally(DenseStatsFn(num_dense))
+        distinct = rows | "DistinctIds" >> beam.CombineGlobally(DistinctIdsFn(config.slot_names))
+        return (
+            pbegin
+            | "StatsTrigger" >> beam.Create([None])
+            | "WriteStats" >> beam.ParDo(
+                WriteStatsFn(self.output_dir),
+                plan=AsSingleton(split_out["plan"]),
+                dense=AsSingleton(dense),
+                distinct=AsSingleton(distinct),
+                read=AsSingleton(read_count),
+                malformed=AsSingleton(malformed),
+                shards=beam.pvalue.AsList(shards),
+            )
+        )
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def _match_files(pattern: str) -> list[str]:
+    paths = [m.path for m in FileSystems.match([pattern])[0].metadata_list]
+    return sorted(p for p in paths if io.is_gcs(p) or not os.path.isdir(p))
+
+
+def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
+    """The input files of a run.
+
+    MovieLens: ``data`` is a folder holding ``layout.ratings_file``, ``movies_file`` and ``tags_file`` ->
+    ``{"ratings": [path], "movies": [path], "tags": [path]}``. Delimited: ``data`` is a file, a folder (its
+    files matching ``layout.file_pattern``) or a glob -> ``{"files": [paths sorted by name]}``.
+    Raises ``FileNotFoundError`` naming the missing path or pattern.
+    """
+    layout = config.layout
+    if layout.kind == "movielens":
+        out = {}
+        files = {"ratings": layout.ratings_file, "movies": layout.movies_file, "tags": layout.tags_file}
+        for name, file in files.items():
+            path = FileSystems.join(data, file)
+            if not FileSystems.exists(path):
+                raise FileNotFoundError(f"preprocess: MovieLens {name} file {path!r} not found")
+            out[name] = [path]
+        return out
+    if any(c in data for c in "*?["):
+        pattern = data
+    elif io.isdir(data):
+        pattern = FileSystems.join(data, layout.file_pattern)
+    else:
+        pattern = data
+    files = _match_files(pattern)
+    if not files:
+        raise FileNotFoundError(f"preprocess: no input files match {pattern!r}")
+    return {"files": files}
+
+
+def _clear_outputs(output_dir: str) -> None:
+    """Remove what an earlier run left (shards, dead letters, schema) so no stale file is mistaken for output."""
+    patterns = [
+        FileSystems.join(output_dir, schema.TRAIN_DIR, "*.parquet"),
+        FileSystems.join(output_dir, schema.EVAL_DIR, "*.parquet"),
+        FileSystems.join(output_dir, schema.DEAD_LETTER_DIR, "*"),
+        FileSystems.join(output_dir, schema.SCHEMA_FILE),
+        FileSystems.join(output_dir, STATS_FILE),
+    ]
+    for pattern in patterns:
+        paths = [m.path for m in FileSystems.match([pattern])[0].metadata_list]
+        if paths:
+            FileSystems.delete(paths)
+
+
+def check_malformed(stats: dict[str, Any], max_fraction: float, dead_letter_dir: str) -> None:
+    """Raise ``ValueError`` when malformed rows / rows read > ``max_fraction`` (or no rows were read).
+
+    The message names the counts, the file with the most malformed lines and the commonest reason.
+    """
+    read, mal = stats["read"], stats["malformed"]
+    if read == 0:
+        raise ValueError("preprocess: no data rows were read (empty input files?)")
+    fraction = mal["examples"] / read
+    if fraction <= max_fraction:
+        return
+    worst_file, file_count = max(mal["by_file"].items(), key=lambda kv: (kv[1], kv[0]))
+    kind, kind_count = max(mal["by_reason"].items(), key=lambda kv: (kv[1], kv[0]))
+    raise ValueError(
+        f"preprocess: {mal['examples']} of {read} rows are malformed ({fraction:.2%} > "
+        f"split.max_malformed_fraction={max_fraction}); most in {worst_file} ({file_count} lines); "
+        f"commonest reason {kind!r} ({kind_count} lines, e.g. {mal['reason_example'][kind]!r}); "
+        f"dead letters in {dead_letter_dir}"
+    )
+
+
+def build_schema(config: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
+    """The ``schema.json`` dict (keys documented in ``persia_core.data.schema``) from the pipeline's stats."""
+    split, layout = config.split, config.layout
+    plan = stats["plan"]
+    by_time = layout.kind == "movielens" or bool(layout.timestamp_column)
+    return {
+        "slots": config.slot_names,
+        "dense": layout.dense_fields(),
+        "dense_mean": stats["dense"]["mean"],
+        "dense_std": stats["dense"]["std"],
+        "rows": {
+            "train": plan["train"],
+            "eval": plan["eval"],
+            "malformed": stats["malformed"]["examples"],
+            "read": stats["read"],
+        },
+        "distinct_ids": stats["distinct_ids"],
+        "split": {
+            "by": "time" if by_time else "row_order",
+            "cutoff": plan["cutoff"],
+            "eval_fraction": split.eval_fraction,
+        },
+        "train_files": [shard_file(schema.TRAIN_DIR, i, split.num_train_shards) for i in range(split.num_train_shards)],
+        "eval_files": [shard_file(schema.EVAL_DIR, i, split.num_eval_shards) for i in range(split.num_eval_shards)],
+        "config": config.to_dict(),
+    }
+
+
+def default_runner(options: PipelineOptions):
+    """The runner for ``options``: ``None`` (Beam picks ``--runner``) when one is given, else the FnApiRunner.
+
+    The FnApiRunner is the DirectRunner's batch engine; choosing it directly skips the DirectRunner's attempt
+    to download and start the Prism runner (a GitHub download, which fails or stalls offline).
+    """
+    if options.view_as(StandardOptions).runner:
+        return None
+    from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+    return FnApiRunner()
+
+
+def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: list[str] | None = None) -> dict:
+    """Run the preprocess pipeline on ``data`` and write its outputs under ``output_dir`` (local or gs://).
+
+    Writes ``train/`` and ``eval/`` Parquet shards, ``dead_letter/*.jsonl``, ``preprocess_stats.json``, then
+    (when the malformed share is within budget) ``schema.json`` and ``run_config.yaml``. ``beam_args``:
+    Beam ``PipelineOptions`` flags (without ``--runner``: the local FnApiRunner, see ``default_runner``).
+    Returns the ``schema.json`` dict.
+
+    Raises ``FileNotFoundError`` for missing inputs and ``ValueError`` when no rows were read or more than
+    ``split.max_malformed_fraction`` of them are malformed (naming the worst file, the commonest reason and
+    the counts; ``schema.json`` is then not written).
+    """
+    options = PipelineOptions(list(beam_args or []))
+    inputs = resolve_inputs(config, data)
+    _clear_outputs(output_dir)
+    io.makedirs(output_dir)
+    started = time.monotonic()
+    with beam.Pipeline(runner=default_runner(options), options=options) as p:
+        _ = p | "Preprocess" >> Preprocess(config, inputs, output_dir)
+    with FileSystems.open(FileSystems.join(output_dir, STATS_FILE)) as f:
+        stats = json.loads(f.read().decode("utf-8"))
+    plan = stats["plan"]
+    if plan["train"] + plan["eval"] + stats["malformed"]["examples"] != stats["read"]:
+        raise RuntimeError(f"preprocess: rows do not add up (train + eval + malformed != read): {stats}")
+    check_malformed(stats, config.split.max_malformed_fraction, FileSystems.join(output_dir, schema.DEAD_LETTER_DIR))
+    result = build_schema(config, stats)
+    io.write_text(io.join(output_dir, schema.SCHEMA_FILE), json.dumps(result, indent=1) + "\n")
+    io.write_text(io.join(output_dir, RUN_CONFIG_FILE), config.to_yaml())
+    log.info("preprocess: %s rows in %.1f s -> %s", result["rows"], time.monotonic() - started, output_dir)
+    return result
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["split.max_rows=1000", "layout.max_tags=8"]`` -> ``{"split.max_rows": 1000, ...}`` (values as YAML).
+
+    Raises ``ValueError`` for an item without ``=``.
+    """
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command line: ``--data``, ``--output``, ``--config`` (shipped name or YAML path), ``--set key=value``
+    (repeatable); every other flag is a Beam pipeline option. Prints the row counts; returns the schema dict."""
+    parser = argparse.ArgumentParser(description="persia preprocess: raw files -> Parquet shards + schema.json",
+                                     allow_abbrev=False)
+    parser.add_argument("--data", required=True, help="MovieLens folder, or a delimited file / folder / glob")
+    parser.add_argument("--output", required=True, help="output folder (local or gs://)")
+    parser.add_argument("--config", default="movielens", help="shipped config name or a YAML path")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args, beam_args = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    config = load_config(args.config, parse_overrides(args.set))
+    result = run_preprocess(config, args.data, args.output, beam_args)
+    print(json.dumps({"rows": result["rows"], "split": result["split"], "output": args.output}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
