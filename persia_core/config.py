@@ -40,6 +40,8 @@ class LayoutConfig:
     ``tags`` (multi-hot, tags applied to the movie by anyone strictly before the rating's timestamp),
     ``year`` (release year parsed from the title; missing for some titles), and the dense fields
     ``hour``, ``weekday``, ``movie_age`` (years between release and rating). Label: ``rating >= label_threshold``.
+    With ``history_length > 0`` also the user's history (``history``, ``liked_history``, ``user_prior_ratings``,
+    ``user_prior_like_rate``; see ``history_length``).
 
     ``kind="delimited"``: one or more text files, one example per line, fields separated by ``delimiter``
     (Criteo's Display Advertising layout: tab, ``label, I1..I13, C1..C26``, empty = missing).
@@ -57,6 +59,14 @@ class LayoutConfig:
     """movielens: label = 1 where rating >= this many stars."""
     max_tags: int = 32
     """movielens: at most this many distinct tags per rating (the most recently applied ones)."""
+    history_length: int = 0
+    """movielens: when > 0, each rating also gets the user's history fields below, computed only from that
+    user's ratings with a timestamp strictly earlier than this rating's (ratings at the same second never see
+    each other; only ratings that become rows count, not dead letters). ID fields ``history`` (the movieIds of
+    the most recent ``history_length`` earlier ratings, newest first; empty for a user's first ratings) and
+    ``liked_history`` (the same over earlier ratings >= ``label_threshold``); dense fields, after
+    ``movie_age``: ``user_prior_ratings`` = log1p(earlier ratings) and ``user_prior_like_rate`` =
+    (earlier likes + 1) / (earlier ratings + 2). 0: none of these fields."""
     delimiter: str = "\t"
     """delimited: field separator."""
     has_header: bool = False
@@ -92,17 +102,23 @@ class LayoutConfig:
                 raise _fail("layout.dense_transform", "must be 'log1p' or 'none'")
         if self.max_tags < 0:
             raise _fail("layout.max_tags", "must be >= 0")
+        if self.history_length < 0:
+            raise _fail("layout.history_length", "must be >= 0")
+        if self.history_length and self.kind != "movielens":
+            raise _fail("layout.history_length", "user history is only produced by the movielens layout")
 
     def dense_fields(self) -> list[str]:
         """Names of the dense features this layout produces, in order."""
         if self.kind == "movielens":
-            return ["hour", "weekday", "movie_age"]
+            history = ["user_prior_ratings", "user_prior_like_rate"] if self.history_length else []
+            return ["hour", "weekday", "movie_age", *history]
         return list(self.dense_columns)
 
     def id_fields(self) -> list[str]:
         """Names of the categorical fields this layout produces (usable as slot sources)."""
         if self.kind == "movielens":
-            return ["userId", "movieId", "genres", "tags", "year"]
+            history = ["history", "liked_history"] if self.history_length else []
+            return ["userId", "movieId", "genres", "tags", "year", *history]
         skip = {self.label_column, self.timestamp_column, *self.dense_columns}
         return [c for c in self.columns if c not in skip]
 

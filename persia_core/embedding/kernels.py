@@ -132,43 +132,65 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
     recently used row is evicted first (its key removed from the index). create=False: unseen -> zero row and
-    nothing is inserted. Found rows move to the head of the recency list and get ``last_used = step``.
+    nothing is inserted. A found row moves to the head of the recency list on its first touch in this batch
+    (``last_used != step``) and gets ``last_used = step``.
     ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
     whose optimizer state the caller resets.
+
+    Three passes, so that the cache misses of independent IDs overlap: probe all, then update recency and
+    create rows in order, then gather the rows.
     """
     shift = shift_of(index)
     n = ids.shape[0]
+    rows = np.empty(n, dtype=np.int32)
+    for t in range(n):
+        rows[t] = find(index, keys, shift, ids[t])
+    # recency first, so that rows of this batch are not at the tail when new rows evict
+    for t in range(n):
+        r = rows[t]
+        if r >= 0 and last_used[r] != step:
+            _unlink(prev, nxt, head_tail, r)
+            _push_front(prev, nxt, head_tail, r)
+            last_used[r] = step
     created = np.empty(n, dtype=np.int32)
     nc = 0
     for t in range(n):
+        if rows[t] != -1:
+            continue
         key = ids[t]
-        r = find(index, keys, shift, key)
-        if r == -1:
-            if not create:
-                out[t, :] = 0.0
-                counters[3] += 1
-                continue
-            size = counters[0]
-            if size < capacity:
-                r = np.int32(size)
-                counters[0] = size + 1
-            else:
-                r = head_tail[1]  # LRU tail
-                _delete(index, keys, shift, keys[r])
-                _unlink(prev, nxt, head_tail, r)
-                counters[1] += 1
-            keys[r] = key
-            _insert(index, keys, shift, key, r)
-            init_row(key, seed, scale, weights[r])
-            _push_front(prev, nxt, head_tail, r)
-            counters[2] += 1
-            created[nc] = r
-            nc += 1
+        r = find(index, keys, shift, key)  # a repeat of an ID created earlier in this batch
+        if r != -1:
+            rows[t] = r
+            continue
+        if not create:
+            counters[3] += 1
+            continue
+        size = counters[0]
+        if size < capacity:
+            r = np.int32(size)
+            counters[0] = size + 1
         else:
+            r = head_tail[1]  # LRU tail
+            if last_used[r] == step:
+                raise ValueError("a batch holds more distinct IDs than the table's row capacity")
+            _delete(index, keys, shift, keys[r])
             _unlink(prev, nxt, head_tail, r)
-            _push_front(prev, nxt, head_tail, r)
+            counters[1] += 1
+        keys[r] = key
+        _insert(index, keys, shift, key, r)
+        init_row(key, seed, scale, weights[r])
+        _push_front(prev, nxt, head_tail, r)
+        counters[2] += 1
+        created[nc] = r
+        nc += 1
         last_used[r] = step
-        out[t, :] = weights[r]
+        rows[t] = r
+    for t in range(n):
+        r = rows[t]
+        if r >= 0:
+            out[t, :] = weights[r]
+        else:
+            out[t, :] = 0.0
     return created[:nc]
 
 
@@ -193,24 +215,50 @@ def find_rows(ids, index, keys):
 
 
 @njit(nogil=True, cache=True)
+def dedup(ids):
+    """Deduplicate ``ids: uint64[N]`` with a scratch open-addressing table (O(N), no sort).
+
+    Returns (``uint64[U]`` unique IDs in first-seen order, ``int64[N]`` inverse: ``uniq[inverse] == ids``)."""
+    n = ids.shape[0]
+    size = 1024
+    while size < 2 * n:
+        size *= 2
+    b = 0
+    while (1 << b) < size:
+        b += 1
+    shift = 64 - b
+    mask = size - 1
+    slot_row = np.full(size, -1, dtype=np.int64)
+    uniq = np.empty(n, dtype=np.uint64)
+    inverse = np.empty(n, dtype=np.int64)
+    u = 0
+    for t in range(n):
+        key = ids[t]
+        i = _home(key, shift)
+        while True:
+            r = slot_row[i]
+            if r == -1:
+                slot_row[i] = u
+                uniq[u] = key
+                inverse[t] = u
+                u += 1
+                break
+            if uniq[r] == key:
+                inverse[t] = r
+                break
+            i = (i + 1) & mask
+    return uniq[:u], inverse
+
+
+@njit(nogil=True, cache=True)
 def segment_sum(ids, grads):
     """Sum the gradient rows of repeated IDs: ``ids: uint64[N]``, ``grads: float32[N, D]`` ->
     (``uint64[U]`` unique IDs in first-seen order, ``float32[U, D]`` summed rows)."""
-    n = ids.shape[0]
-    order = np.argsort(ids, kind="mergesort")
-    uniq = np.empty(n, dtype=np.uint64)
-    out = np.zeros((n, grads.shape[1]), dtype=np.float32)
-    u = -1
-    prev_key = np.uint64(0)
-    for t in range(n):
-        i = order[t]
-        k = ids[i]
-        if u == -1 or k != prev_key:
-            u += 1
-            uniq[u] = k
-            prev_key = k
-        out[u, :] += grads[i]
-    return uniq[: u + 1], out[: u + 1]
+    uniq, inverse = dedup(ids)
+    out = np.zeros((uniq.shape[0], grads.shape[1]), dtype=np.float32)
+    for t in range(ids.shape[0]):
+        out[inverse[t], :] += grads[t]
+    return uniq, out
 
 
 @njit(nogil=True, cache=True)

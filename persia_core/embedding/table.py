@@ -259,6 +259,7 @@ class EmbeddingTable:
             self.head_tail[:] = (0, n - 1) if n else (-1, -1)
             self.counters[:] = 0
             self.counters[0] = n
+            self.step = int(self.last_used[:n].max()) if n else 0
             K.rebuild_index(self.index, self.keys, K.shift_of(self.index), n)
             if len(np.unique(keys)) != n:
                 raise ValueError("state has duplicate keys")

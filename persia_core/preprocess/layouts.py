@@ -12,8 +12,9 @@ A line that cannot be parsed raises ``ParseError`` whose ``reason`` is short and
 specifics (``"unparsable number"``) so that reasons can be counted.
 
 MovieLens (GroupLens ``ml-latest-small`` CSV files, quoted fields, one header row each) is three parsers
-(``parse_rating``, ``parse_movie``, ``parse_tag``) and a join (``movielens_record``, ``tags_before_each``);
-the delimited layout (Criteo's Display Advertising Challenge TSV) is ``parse_delimited``.
+(``parse_rating``, ``parse_movie``, ``parse_tag``), a join (``movielens_record``, ``tags_before_each``) and
+the optional user history (``user_history_each``, ``with_user_history``); the delimited layout (Criteo's
+Display Advertising Challenge TSV) is ``parse_delimited``.
 """
 
 from __future__ import annotations
@@ -232,6 +233,61 @@ def movielens_record(rating: dict[str, Any], movie: dict[str, Any], tags: list[s
         },
         "ts": rating["timestamp"],
     }
+
+
+UserHistory = tuple[list[str], list[str], int, int]
+"""``(history, liked_history, ratings_before, likes_before)`` of one rating (see ``user_history_each``)."""
+
+
+def user_history_each(ratings: Sequence[tuple[int, str, bool]], max_len: int) -> list[UserHistory]:
+    """For each of one user's ratings, what the user did strictly before it.
+
+    ``ratings``: ``(timestamp, movieId, liked)`` of every rating of one user, any order. Returns one
+    ``(history, liked_history, ratings_before, likes_before)`` per rating, in input order: ``history`` holds the
+    movieIds of the most recent ``max_len`` ratings with a timestamp strictly earlier (newest first; a movie
+    rated twice appears twice), ``liked_history`` the same over the earlier ratings with ``liked``;
+    ``ratings_before`` / ``likes_before`` count all earlier ratings / likes (not cut to ``max_len``). Ratings at
+    the same second never see each other; among earlier ratings at one second, input order decides which
+    are the most recent (later in the input = more recent).
+
+    Sort + bisect: the ratings are sorted once by timestamp (stable), each rating's timestamp is bisected to
+    the number of ratings before it, and a prefix count of likes maps that to the likes before it, so a user
+    costs O(R log R + R * max_len), not a scan of the history per rating.
+    """
+    order = sorted(range(len(ratings)), key=lambda i: ratings[i][0])
+    times = [ratings[i][0] for i in order]
+    movies = [ratings[i][1] for i in order]
+    liked_movies: list[str] = []
+    likes_prefix = [0]
+    for i in order:
+        if ratings[i][2]:
+            liked_movies.append(ratings[i][1])
+        likes_prefix.append(len(liked_movies))
+    out: list[UserHistory] = []
+    for ts, _, _ in ratings:
+        n = bisect.bisect_left(times, ts)
+        k = likes_prefix[n]
+        out.append((movies[max(0, n - max_len) : n][::-1], liked_movies[max(0, k - max_len) : k][::-1], n, k))
+    return out
+
+
+def user_history_dense(ratings_before: int, likes_before: int) -> list[float]:
+    """Dense history features of a rating: ``[log1p(ratings_before), (likes_before + 1) / (ratings_before + 2)]``.
+
+    The second is the Laplace-smoothed share of the user's earlier ratings that were likes (0.5 with none).
+    """
+    return [math.log1p(ratings_before), (likes_before + 1) / (ratings_before + 2)]
+
+
+def with_user_history(record: Record, history: UserHistory) -> Record:
+    """A MovieLens record (``movielens_record``) plus its user history (one item of ``user_history_each``).
+
+    Adds the fields ``history`` and ``liked_history`` and appends ``user_prior_ratings`` and
+    ``user_prior_like_rate`` (``user_history_dense``) to ``dense``; ``record`` itself is not changed.
+    """
+    movies, liked, n, k = history
+    fields = {**record["fields"], "history": movies, "liked_history": liked}
+    return {**record, "dense": [*record["dense"], *user_history_dense(n, k)], "fields": fields}
 
 
 # --------------------------------------------------------------------------------------------- delimited

@@ -5,7 +5,9 @@ Steps (each a composite ``PTransform``; runs on the DirectRunner here and on Dat
     1. ReadNumberedLines   each input file read in order with FileSystems (local or gs://), so every line keeps
                            "<file>:<line>" (1-based, the header counts) and its global row number
     2. ParseDelimited /    lines -> records (``layouts``) -> encoded rows; MovieLens joins ratings with movies
-       JoinMovieLens       and tags by movieId (CoGroupByKey; tags per rating by sort + bisect + one sweep)
+       JoinMovieLens       and tags by movieId (CoGroupByKey; tags per rating by sort + bisect + one sweep) and,
+                           with ``layout.history_length > 0``, adds each rating's user history (GroupByKey by
+                           userId; sort + bisect per user); see ``movielens``
     3. SplitAndShard       eval = rows with ts >= cutoff, cutoff = sorted_ts[floor((1 - eval_fraction) * n)];
                            each split is cut into shards at order statistics of a hash of ``source``, so shards
                            are balanced (sizes differ by at most one row) and deterministic
@@ -13,13 +15,11 @@ Steps (each a composite ``PTransform``; runs on the DirectRunner here and on Dat
     5. WriteDeadLetters    malformed lines -> dead_letter/*.jsonl {"source", "reason", "raw"}, counted by file
                            and reason
     6. statistics          dense mean/std over train, distinct IDs per slot (HyperLogLog), row counts ->
-                           ``preprocess_stats.json``; the driver then checks the malformed budget and writes
-                           ``schema.json`` and ``run_config.yaml``
+                           ``preprocess_stats.json`` (the CombineFns are in ``stats``); the driver then checks
+                           the malformed budget and writes ``schema.json`` and ``run_config.yaml``
 
-An encoded row (inside the pipeline) is a tuple, compact to shuffle::
-
-    (label: float, dense: bytes (float32[F]), slots: tuple[bytes (uint64[n_s])], ts: int, source: str,
-     key: int (63-bit xxh3 of source, orders rows within and across shards))
+Inside the pipeline an example is an encoded row, a compact tuple (``rows``). The names of ``rows``,
+``stats`` and ``movielens`` used by callers stay importable from here.
 
 Usage::
 
@@ -34,89 +34,64 @@ import bisect
 import functools
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
 import time
-from array import array
-from collections import Counter
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import apache_beam as beam
 import numpy as np
-import xxhash
 import yaml
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.pvalue import AsDict, AsSingleton, TaggedOutput
 
-from persia_core import hashing, io
+from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data import schema
 from persia_core.preprocess import layouts
 
+# Re-exported: callers and tests import these names from here.
+from persia_core.preprocess.movielens import JoinMovieFn, JoinMovieLens, KeyByMovieFn, UserHistoryFn
+from persia_core.preprocess.rows import (
+    DEAD,
+    DENSE,
+    KEY,
+    LABEL,
+    NAMESPACE,
+    SLOTS,
+    SOURCE,
+    TS,
+    counter,
+    dead_letter,
+    decode_row,
+    encode_row,
+    slot_specs,
+    source_key,
+)
+from persia_core.preprocess.stats import (
+    DenseStatsFn,
+    DistinctIdsFn,
+    MalformedSummaryFn,
+    SplitPlanFn,
+    shard_bounds,
+    split_cutoff,
+)
+
 log = logging.getLogger(__name__)
 
-NAMESPACE = "persia_preprocess"
 STATS_FILE = "preprocess_stats.json"
 RUN_CONFIG_FILE = "run_config.yaml"
 DEAD_LETTER_PREFIX = "dead_letter"
 
-LABEL, DENSE, SLOTS, TS, SOURCE, KEY = range(6)
-"""Indices into an encoded row tuple."""
-
-_DEAD = "dead"
+_dead_letter = dead_letter  # the name callers used before ``rows`` existed
 _COUNTS = "counts"
 _TRAIN_DENSE = "train_dense"
 _BATCH_ROWS = 1 << 16
 
 
 # --------------------------------------------------------------------------------------------- rows
-
-
-def slot_specs(config: RunConfig) -> list[tuple[str, list[str], bool]]:
-    """``(slot name, layout fields, is_cross)`` for each slot of ``config``, in config order."""
-    return [(s.name, s.fields(), bool(s.cross)) for s in config.slots]
-
-
-def source_key(source: str) -> int:
-    """The 63-bit hash of a row's ``source`` that places it in a shard (non-negative, fits int64)."""
-    return xxhash.xxh3_64_intdigest(source.encode("utf-8")) >> 1
-
-
-def encode_row(record: layouts.Record, specs: list[tuple[str, list[str], bool]], source: str, ts: int) -> tuple:
-    """A parsed record -> an encoded row tuple (see the module docstring).
-
-    Slot IDs: ``hashing.feature_ids(slot, values)`` of the source field, or of ``hashing.cross_values`` of the
-    crossed fields' values (one ID per combination; empty when any crossed field is empty).
-    """
-    fields = record["fields"]
-    slots = []
-    for name, names, is_cross in specs:
-        values = hashing.cross_values([fields[f] for f in names]) if is_cross else fields[names[0]]
-        slots.append(array("Q", hashing.feature_ids(name, values)).tobytes())
-    return (
-        float(record["label"]),
-        array("f", record["dense"]).tobytes(),
-        tuple(slots),
-        int(ts),
-        source,
-        source_key(source),
-    )
-
-
-def decode_row(row: tuple, slot_names: list[str]) -> dict[str, Any]:
-    """An encoded row as a dict of the Parquet columns (``label``, ``dense``, ``slot_<s>``, ``ts``, ``source``).
-
-    ``dense`` is a list of float32 values as Python floats, each slot a list of Python ints in [0, 2^64).
-    """
-    out: dict[str, Any] = {schema.LABEL: row[LABEL], schema.DENSE: array("f", row[DENSE]).tolist()}
-    for name, blob in zip(slot_names, row[SLOTS]):
-        out[schema.slot_column(name)] = array("Q", blob).tolist()
-    out[schema.TS] = row[TS]
-    out[schema.SOURCE] = row[SOURCE]
-    return out
 
 
 def rows_to_table(rows: list[tuple], slot_names: list[str], num_dense: int):
@@ -145,21 +120,6 @@ def shard_file(split: str, shard: int, num_shards: int) -> str:
     return f"{split}/{split}-{shard:05d}-of-{num_shards:05d}.parquet"
 
 
-def _dead_letter(path: str, line_no: int, raw: str, error: layouts.ParseError, example: bool) -> dict[str, Any]:
-    return {
-        "source": f"{path}:{line_no}",
-        "reason": error.reason,
-        "raw": raw,
-        "file": path,
-        "kind": error.kind,
-        "example": example,
-    }
-
-
-def _counter(name: str):
-    return beam.metrics.Metrics.counter(NAMESPACE, name)
-
-
 # --------------------------------------------------------------------------------------------- reading
 
 
@@ -175,7 +135,7 @@ class ReadFileLinesFn(beam.DoFn):
     def __init__(self, skip_header: bool, max_lines: int) -> None:
         self.skip_header = skip_header
         self.max_lines = max_lines
-        self.lines_read = _counter("lines_read")
+        self.lines_read = counter("lines_read")
 
     def process(self, element: tuple[int, str]):
         index, path = element
@@ -206,7 +166,7 @@ class NumberRowsFn(beam.DoFn):
     def __init__(self, max_rows: int, example: bool) -> None:
         self.max_rows = max_rows
         self.example = example
-        self.malformed = _counter("malformed" if example else "malformed_side_lines")
+        self.malformed = counter("malformed" if example else "malformed_side_lines")
         self._offsets: dict[int, int] | None = None
 
     def process(self, element: tuple, counts: dict[int, int]):
@@ -221,7 +181,7 @@ class NumberRowsFn(beam.DoFn):
             return
         if not ok:
             self.malformed.inc()
-            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, layouts.ParseError("not utf-8"), self.example))
+            yield TaggedOutput(DEAD, dead_letter(path, line_no, text, layouts.ParseError("not utf-8"), self.example))
             return
         yield path, line_no, row_number, text
 
@@ -262,14 +222,14 @@ class ReadNumberedLines(beam.PTransform):
             lines = lines | "Redistribute" >> beam.Reshuffle()
         numbered = lines | "NumberRows" >> beam.ParDo(
             NumberRowsFn(self.max_rows, self.example), counts=AsDict(read[_COUNTS])
-        ).with_outputs(_DEAD, main="lines")
+        ).with_outputs(DEAD, main="lines")
         max_rows = self.max_rows
         total = (
             read[_COUNTS]
             | "FileCounts" >> beam.Map(lambda kv: kv[1])
             | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
         )
-        return {"lines": numbered.lines, "dead": numbered[_DEAD], "read": total}
+        return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total}
 
 
 # --------------------------------------------------------------------------------------------- parsing
@@ -284,8 +244,8 @@ class ParseDelimitedFn(beam.DoFn):
     def __init__(self, config: RunConfig) -> None:
         self.layout = config.layout
         self.specs = slot_specs(config)
-        self.rows = _counter("rows")
-        self.malformed = _counter("malformed")
+        self.rows = counter("rows")
+        self.malformed = counter("malformed")
 
     def process(self, element: tuple):
         path, line_no, row_number, text = element
@@ -293,7 +253,7 @@ class ParseDelimitedFn(beam.DoFn):
             record = layouts.parse_delimited(text, self.layout)
         except layouts.ParseError as e:
             self.malformed.inc()
-            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, e, True))
+            yield TaggedOutput(DEAD, dead_letter(path, line_no, text, e, True))
             return
         self.rows.inc()
         ts = record["ts"] if record["ts"] is not None else row_number
@@ -308,200 +268,11 @@ class ParseDelimited(beam.PTransform):
         self.config = config
 
     def expand(self, lines):
-        out = lines | "ParseLines" >> beam.ParDo(ParseDelimitedFn(self.config)).with_outputs(_DEAD, main="rows")
-        return {"rows": out.rows, "dead": out[_DEAD]}
-
-
-class KeyByMovieFn(beam.DoFn):
-    """``(path, line_no, row_number, text)`` -> ``(movieId, (line_no, source, text, parsed))`` or a dead letter.
-
-    ``parse``: one of ``layouts.parse_rating`` (bound to the layout), ``parse_movie``, ``parse_tag``.
-    """
-
-    def __init__(self, parse: Callable[[str], dict], example: bool) -> None:
-        self.parse = parse
-        self.example = example
-        self.malformed = _counter("malformed" if example else "malformed_side_lines")
-
-    def process(self, element: tuple):
-        path, line_no, _, text = element
-        try:
-            parsed = self.parse(text)
-        except layouts.ParseError as e:
-            self.malformed.inc()
-            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, e, self.example))
-            return
-        yield parsed["movieId"], (line_no, f"{path}:{line_no}", text, parsed)
-
-
-class JoinMovieFn(beam.DoFn):
-    """One movie's ratings, movie lines and tag lines (``CoGroupByKey`` output) -> encoded rows.
-
-    Ratings of a movie missing from movies.csv are dead letters ``"unknown movieId"``; a second line for the
-    same movieId is a dead letter ``"duplicate movieId"`` (the first line in the file wins).
-    """
-
-    def __init__(self, config: RunConfig) -> None:
-        self.specs = slot_specs(config)
-        self.max_tags = config.layout.max_tags
-        self.rows = _counter("rows")
-        self.malformed = _counter("malformed")
-
-    def process(self, element: tuple):
-        movie_id, groups = element
-        ratings = list(groups["ratings"])
-        movies = sorted(groups["movies"], key=lambda m: m[0])
-        for line_no, source, text, _ in movies[1:]:
-            path = source.rsplit(":", 1)[0]
-            err = layouts.ParseError(f"duplicate movieId: {movie_id}", "duplicate movieId")
-            yield TaggedOutput(_DEAD, _dead_letter(path, line_no, text, err, False))
-        if not ratings:
-            return
-        if not movies:
-            err = layouts.ParseError(f"unknown movieId: {movie_id}", "unknown movieId")
-            for line_no, source, text, _ in ratings:
-                self.malformed.inc()
-                yield TaggedOutput(_DEAD, _dead_letter(source.rsplit(":", 1)[0], line_no, text, err, True))
-            return
-        movie = movies[0][3]
-        events = [(t[3]["timestamp"], t[3]["tag"]) for t in groups["tags"]]
-        tag_lists = layouts.tags_before_each(events, [r[3]["timestamp"] for r in ratings], self.max_tags)
-        for (_, source, _, rating), tags in zip(ratings, tag_lists):
-            record = layouts.movielens_record(rating, movie, tags)
-            self.rows.inc()
-            yield encode_row(record, self.specs, source, record["ts"])
-
-
-class JoinMovieLens(beam.PTransform):
-    """MovieLens numbered lines ``{"ratings", "movies", "tags"}`` -> ``{"rows", "dead"}``.
-
-    Each file is parsed (``layouts``), keyed by movieId, and the three are joined with ``CoGroupByKey``.
-    Malformed ratings are example dead letters; malformed movie or tag lines are side dead letters (they do
-    not count as rows, but a rating of a movie whose line is malformed becomes ``"unknown movieId"``).
-    """
-
-    def __init__(self, config: RunConfig) -> None:
-        super().__init__()
-        self.config = config
-
-    def expand(self, inputs):
-        parsers = {
-            "ratings": (functools.partial(layouts.parse_rating, layout=self.config.layout), True),
-            "movies": (layouts.parse_movie, False),
-            "tags": (layouts.parse_tag, False),
-        }
-        keyed, dead = {}, []
-        for name, (parse, example) in parsers.items():
-            out = inputs[name] | f"Parse{name.title()}" >> beam.ParDo(KeyByMovieFn(parse, example)).with_outputs(
-                _DEAD, main="keyed"
-            )
-            keyed[name] = out.keyed
-            dead.append(out[_DEAD])
-        joined = (
-            keyed
-            | "GroupByMovie" >> beam.CoGroupByKey()
-            | "JoinMovies" >> beam.ParDo(JoinMovieFn(self.config)).with_outputs(_DEAD, main="rows")
-        )
-        dead.append(joined[_DEAD])
-        return {"rows": joined.rows, "dead": tuple(dead) | "FlattenDead" >> beam.Flatten()}
+        out = lines | "ParseLines" >> beam.ParDo(ParseDelimitedFn(self.config)).with_outputs(DEAD, main="rows")
+        return {"rows": out.rows, "dead": out[DEAD]}
 
 
 # --------------------------------------------------------------------------------------------- split
-
-
-class _Int64Pairs:
-    """Append-only pairs of int64 columns, kept as numpy chunks (16 bytes a pair) with a Python tail."""
-
-    __slots__ = ("chunks", "a", "b")
-
-    def __init__(self) -> None:
-        self.chunks: list[tuple[np.ndarray, np.ndarray]] = []
-        self.a: list[int] = []
-        self.b: list[int] = []
-
-    def add(self, x: int, y: int) -> None:
-        self.a.append(x)
-        self.b.append(y)
-        if len(self.a) >= _BATCH_ROWS:
-            self.compact()
-
-    def compact(self) -> None:
-        if self.a:
-            self.chunks.append((np.array(self.a, np.int64), np.array(self.b, np.int64)))
-            self.a, self.b = [], []
-
-    def merge(self, other: "_Int64Pairs") -> None:
-        other.compact()
-        self.compact()
-        self.chunks.extend(other.chunks)
-
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        self.compact()
-        if not self.chunks:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return np.concatenate([c[0] for c in self.chunks]), np.concatenate([c[1] for c in self.chunks])
-
-
-def split_cutoff(ts: np.ndarray, eval_fraction: float) -> int:
-    """``sorted(ts)[floor((1 - eval_fraction) * n)]``: rows with ts >= it are eval (0 when ``ts`` is empty)."""
-    n = len(ts)
-    if n == 0:
-        return 0
-    k = min(n - 1, int(math.floor((1.0 - eval_fraction) * n + 1e-9)))
-    return int(np.partition(ts, k)[k])
-
-
-def shard_bounds(keys: np.ndarray, num_shards: int) -> list[int]:
-    """Shard boundaries: ``sorted(keys)[floor(j * m / S)]`` for j = 1..S-1; shard = ``bisect_right(bounds, key)``.
-
-    With m >= S distinct keys every shard gets floor(m/S) or ceil(m/S) of them (none is empty).
-    """
-    m = len(keys)
-    if m == 0:
-        return []
-    keys = np.sort(keys)
-    return [int(keys[(j * m) // num_shards]) for j in range(1, num_shards)]
-
-
-class SplitPlanFn(beam.CombineFn):
-    """``(ts, key)`` of every row -> the split plan: ``{"cutoff", "rows", "train", "eval", "train_bounds",
-    "eval_bounds"}`` (see ``split_cutoff`` and ``shard_bounds``). Exact; holds 16 bytes per row."""
-
-    def __init__(self, eval_fraction: float, num_train_shards: int, num_eval_shards: int) -> None:
-        self.eval_fraction = eval_fraction
-        self.num_train_shards = num_train_shards
-        self.num_eval_shards = num_eval_shards
-
-    def create_accumulator(self) -> _Int64Pairs:
-        return _Int64Pairs()
-
-    def add_input(self, acc: _Int64Pairs, element: tuple[int, int]) -> _Int64Pairs:
-        acc.add(element[0], element[1])
-        return acc
-
-    def merge_accumulators(self, accumulators: Iterable[_Int64Pairs]) -> _Int64Pairs:
-        out = _Int64Pairs()
-        for acc in accumulators:
-            out.merge(acc)
-        return out
-
-    def compact(self, acc: _Int64Pairs) -> _Int64Pairs:
-        acc.compact()
-        return acc
-
-    def extract_output(self, acc: _Int64Pairs) -> dict[str, Any]:
-        ts, keys = acc.arrays()
-        cutoff = split_cutoff(ts, self.eval_fraction)
-        is_eval = ts >= cutoff
-        train_keys, eval_keys = keys[~is_eval], keys[is_eval]
-        return {
-            "cutoff": cutoff,
-            "rows": int(len(ts)),
-            "train": int(len(train_keys)),
-            "eval": int(len(eval_keys)),
-            "train_bounds": shard_bounds(train_keys, self.num_train_shards),
-            "eval_bounds": shard_bounds(eval_keys, self.num_eval_shards),
-        }
 
 
 class AssignShardFn(beam.DoFn):
@@ -509,8 +280,8 @@ class AssignShardFn(beam.DoFn):
     ``train_dense`` output (for the mean/std)."""
 
     def __init__(self) -> None:
-        self.train = _counter("train_rows")
-        self.eval = _counter("eval_rows")
+        self.train = counter("train_rows")
+        self.eval = counter("eval_rows")
 
     def process(self, row: tuple, plan: dict[str, Any]):
         if row[TS] >= plan["cutoff"]:
@@ -618,41 +389,6 @@ class WriteShards(beam.PTransform):
         )
 
 
-class MalformedSummaryFn(beam.CombineFn):
-    """Dead letters -> ``{"examples": n, "side_lines": n, "by_file": {path: n}, "by_reason": {kind: n},
-    "reason_example": {kind: a full reason}}`` (``examples``: malformed rows that count against the budget)."""
-
-    def create_accumulator(self) -> dict[str, Any]:
-        return {"examples": 0, "side_lines": 0, "by_file": Counter(), "by_reason": Counter(), "reason_example": {}}
-
-    def add_input(self, acc: dict[str, Any], dead: dict[str, Any]) -> dict[str, Any]:
-        acc["examples" if dead["example"] else "side_lines"] += 1
-        acc["by_file"][dead["file"]] += 1
-        acc["by_reason"][dead["kind"]] += 1
-        acc["reason_example"].setdefault(dead["kind"], dead["reason"])
-        return acc
-
-    def merge_accumulators(self, accumulators: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        out = self.create_accumulator()
-        for acc in accumulators:
-            out["examples"] += acc["examples"]
-            out["side_lines"] += acc["side_lines"]
-            out["by_file"].update(acc["by_file"])
-            out["by_reason"].update(acc["by_reason"])
-            for k, v in acc["reason_example"].items():
-                out["reason_example"].setdefault(k, v)
-        return out
-
-    def extract_output(self, acc: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "examples": acc["examples"],
-            "side_lines": acc["side_lines"],
-            "by_file": dict(acc["by_file"]),
-            "by_reason": dict(acc["by_reason"]),
-            "reason_example": dict(acc["reason_example"]),
-        }
-
-
 def dead_letter_json(dead: dict[str, Any]) -> str:
     """A dead letter as its JSON line: ``{"source": "<file>:<line>", "reason": ..., "raw": <the line>}``."""
     return json.dumps({"source": dead["source"], "reason": dead["reason"], "raw": dead["raw"]}, ensure_ascii=False)
@@ -680,148 +416,6 @@ class WriteDeadLetters(beam.PTransform):
             )
         )
         return dead | "SummarizeMalformed" >> beam.CombineGlobally(MalformedSummaryFn())
-
-
-# --------------------------------------------------------------------------------------------- statistics
-
-
-class DenseStatsFn(beam.CombineFn):
-    """Dense vectors (float32[F] as bytes) -> ``{"count": n, "mean": [F], "std": [F]}`` in float64.
-
-    Population std, merged with Chan et al.'s parallel variance update (batches of 4096 rows); a feature whose
-    std is 0 (or < 1e-12 * max(1, |mean|), float noise of a constant) gets std 1.0; no rows: mean 0, std 1.
-    """
-
-    def __init__(self, num_dense: int) -> None:
-        self.num_dense = num_dense
-
-    def create_accumulator(self) -> list:
-        f = self.num_dense
-        return [0, np.zeros(f), np.zeros(f), []]
-
-    @staticmethod
-    def _merge(acc: list, n: int, mean: np.ndarray, m2: np.ndarray) -> None:
-        total = acc[0] + n
-        if n == 0:
-            return
-        delta = mean - acc[1]
-        acc[1] = acc[1] + delta * (n / total)
-        acc[2] = acc[2] + m2 + delta * delta * (acc[0] * n / total)
-        acc[0] = total
-
-    def _flush(self, acc: list) -> None:
-        if not acc[3]:
-            return
-        if self.num_dense == 0:
-            n = len(acc[3])
-            acc[3] = []
-            self._merge(acc, n, acc[1], acc[2] * 0)
-            return
-        x = np.frombuffer(b"".join(acc[3]), np.float32).reshape(-1, self.num_dense).astype(np.float64)
-        acc[3] = []
-        mean = x.mean(axis=0)
-        self._merge(acc, len(x), mean, ((x - mean) ** 2).sum(axis=0))
-
-    def add_input(self, acc: list, dense: bytes) -> list:
-        acc[3].append(dense)
-        if len(acc[3]) >= 4096:
-            self._flush(acc)
-        return acc
-
-    def merge_accumulators(self, accumulators: Iterable[list]) -> list:
-        out = self.create_accumulator()
-        for acc in accumulators:
-            self._flush(acc)
-            self._merge(out, acc[0], acc[1], acc[2])
-        return out
-
-    def compact(self, acc: list) -> list:
-        self._flush(acc)
-        return acc
-
-    def extract_output(self, acc: list) -> dict[str, Any]:
-        self._flush(acc)
-        n = acc[0]
-        if n == 0:
-            return {"count": 0, "mean": [0.0] * self.num_dense, "std": [1.0] * self.num_dense}
-        mean = acc[1]
-        std = np.sqrt(np.maximum(acc[2] / n, 0.0))
-        std = np.where(std < 1e-12 * np.maximum(1.0, np.abs(mean)), 1.0, std)
-        return {"count": int(n), "mean": [float(v) for v in mean], "std": [float(v) for v in std]}
-
-
-def _bit_length(x: np.ndarray) -> np.ndarray:
-    """Bit length of each ``uint64`` (0 for 0), exact, vectorized."""
-    x = x.copy()
-    n = np.zeros(len(x), np.int64)
-    for s in (32, 16, 8, 4, 2, 1):
-        hi = x >= np.uint64(1 << s)
-        n[hi] += s
-        x[hi] >>= np.uint64(s)
-    return n + (x > 0)
-
-
-class DistinctIdsFn(beam.CombineFn):
-    """Encoded rows -> ``{slot: estimated number of distinct feature IDs}`` (HyperLogLog, Flajolet et al. 2007).
-
-    2^p registers per slot (p = 14: 16 KiB a slot, ~0.8% standard error; linear counting below 2.5 * 2^p, so
-    small counts are nearly exact). IDs are re-mixed with ``hashing.splitmix64`` before bucketing.
-    """
-
-    def __init__(self, slot_names: list[str], precision: int = 14) -> None:
-        self.slot_names = list(slot_names)
-        self.p = precision
-
-    def create_accumulator(self) -> list:
-        s = len(self.slot_names)
-        return [np.zeros((s, 1 << self.p), np.uint8), [[] for _ in range(s)], 0]
-
-    def _flush(self, acc: list) -> None:
-        if not acc[2]:
-            return
-        p = self.p
-        for i, blobs in enumerate(acc[1]):
-            if not blobs:
-                continue
-            z = hashing.splitmix64(np.frombuffer(b"".join(blobs), np.uint64))
-            idx = (z >> np.uint64(64 - p)).astype(np.intp)
-            rank = np.minimum(64 - _bit_length(z << np.uint64(p)) + 1, 64 - p + 1).astype(np.uint8)
-            np.maximum.at(acc[0][i], idx, rank)
-        acc[1] = [[] for _ in self.slot_names]
-        acc[2] = 0
-
-    def add_input(self, acc: list, row: tuple) -> list:
-        for pending, blob in zip(acc[1], row[SLOTS]):
-            if blob:
-                pending.append(blob)
-        acc[2] += 1
-        if acc[2] >= 8192:
-            self._flush(acc)
-        return acc
-
-    def merge_accumulators(self, accumulators: Iterable[list]) -> list:
-        out = self.create_accumulator()
-        for acc in accumulators:
-            self._flush(acc)
-            np.maximum(out[0], acc[0], out=out[0])
-        return out
-
-    def compact(self, acc: list) -> list:
-        self._flush(acc)
-        return acc
-
-    def extract_output(self, acc: list) -> dict[str, int]:
-        self._flush(acc)
-        m = 1 << self.p
-        alpha = 0.7213 / (1.0 + 1.079 / m)
-        out = {}
-        for name, reg in zip(self.slot_names, acc[0]):
-            estimate = alpha * m * m / float(np.sum(np.ldexp(1.0, -reg.astype(np.int64))))
-            zeros = int(np.count_nonzero(reg == 0))
-            if estimate <= 2.5 * m and zeros:
-                estimate = m * math.log(m / zeros)
-            out[name] = int(round(estimate))
-        return out
 
 
 class WriteStatsFn(beam.DoFn):

@@ -144,3 +144,22 @@ def test_non_finite_gradient_is_refused():
     g[0, 0] = np.inf
     with pytest.raises(ValueError, match="inf or NaN"):
         t.apply_gradients(_ids(1), g)
+
+
+def test_eviction_never_takes_a_row_looked_up_in_the_same_batch():
+    cap = 1024
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=cap, init_scale=0.5)
+    t.lookup(np.arange(cap, dtype=np.uint64))
+    # ID 0 is now the least recently used; a batch that reads it and creates new IDs must evict others
+    batch = np.concatenate([np.arange(5000, 5010, dtype=np.uint64), _ids(0, 1), np.arange(6000, 6003, dtype=np.uint64)])
+    out = t.lookup(batch)
+    fresh = EmbeddingTable(D, OptimizerConfig(), capacity=4 * cap, init_scale=0.5)
+    np.testing.assert_array_equal(out, fresh.lookup(batch))
+    assert t.contains(_ids(0, 1)).all() and t.size == cap
+
+
+def test_batch_with_more_distinct_ids_than_capacity_is_refused():
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=1024)
+    t.lookup(np.arange(1024, dtype=np.uint64))
+    with pytest.raises(ValueError, match="more distinct IDs"):
+        t.lookup(np.arange(2000, 4100, dtype=np.uint64))

@@ -1,0 +1,178 @@
+"""``make bench-ps``: parameter-server throughput and memory, against a plain PyTorch static table.
+
+Workload (issue "Embedding parameter server at production quality"): batches of 1M raw feature IDs (counted
+before dedup) drawn with Zipf exponent 1.05 over a permuted set of 10M live IDs; dim 16; row-wise Adagrad;
+numba and torch on one thread. Measured in the same run:
+
+- in-process table: lookup (``EmbeddingTable.lookup`` of the raw batch) and gradient apply (``apply_gradients``
+  of the raw batch with one gradient row per raw ID: duplicates summed, one update per unique row);
+- end to end: the embedding-worker client with 2 parameter-server processes on 127.0.0.1 (dedup on the client,
+  lookup of the unique IDs, gradient push of the unique IDs);
+- bytes per row from the table's own accounting at dim 16 and dim 64, against the raw bytes of weights +
+  optimizer state;
+- plain PyTorch: ``nn.EmbeddingBag`` of 10M rows, modulo hashing, sparse gradients, ``torch.optim.Adagrad``.
+
+Prints human-readable lines, then one JSON object as the last line. Ratios are what count: the machine is shared.
+Sizes can be reduced for a quick look: ``--rows 1000000 --batch 100000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def _zipf_sampler(live, exponent: float, seed: int):
+    import numpy as np
+
+    ranks = np.arange(1, len(live) + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -exponent)
+    cdf /= cdf[-1]
+    rng = np.random.default_rng(seed)
+    return lambda n: live[np.minimum(np.searchsorted(cdf, rng.random(n)), len(live) - 1)]
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=10_000_000, help="live IDs (rows)")
+    p.add_argument("--batch", type=int, default=1_000_000, help="raw IDs per batch")
+    p.add_argument("--repeats", type=int, default=3, help="timed batches per figure (best is kept)")
+    p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
+    args = p.parse_args(argv)
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    from persia_core.config import EmbeddingConfig, OptimizerConfig, TableConfig
+    from persia_core.embedding.kernels import dedup
+    from persia_core.embedding.table import EmbeddingTable, bytes_per_row, row_bytes_without_index
+
+    dim = 16
+    opt = OptimizerConfig(name="rowwise_adagrad", lr=0.01)
+    rng = np.random.default_rng(0)
+    live = rng.integers(0, 2**64 - 1, size=args.rows, dtype=np.uint64, endpoint=True)
+    live = np.unique(live)  # distinct; the permutation below decides which are hot
+    live = live[rng.permutation(len(live))]
+    sample = _zipf_sampler(live, 1.05, 1)
+    batches = [sample(args.batch) for _ in range(args.repeats)]
+    uniq_counts = [len(dedup(b)[0]) for b in batches]
+    print(f"workload: {len(live):,} live IDs, batches of {args.batch:,} raw IDs "
+          f"(~{int(np.mean(uniq_counts)):,} unique), Zipf 1.05, dim {dim}, rowwise_adagrad, 1 thread")
+
+    # ---- in-process table ----------------------------------------------------------------------------
+    table = EmbeddingTable(dim, opt, capacity=len(live) + args.batch, init_scale=0.01)
+    t0 = time.perf_counter()
+    for i in range(0, len(live), 1_000_000):
+        table.lookup(live[i : i + 1_000_000])
+    print(f"filled the table in {time.perf_counter() - t0:.1f} s")
+    table.lookup(batches[0])  # warm caches / JIT
+    it = iter(range(10**9))
+    lookup_s = _best(lambda: table.lookup(batches[next(it) % len(batches)]), args.repeats)
+    grads = np.random.default_rng(2).normal(size=(args.batch, dim)).astype(np.float32) * 0.01
+    it2 = iter(range(10**9))
+    apply_s = _best(lambda: table.apply_gradients(batches[next(it2) % len(batches)], grads), args.repeats)
+    lookups = args.batch / lookup_s
+    updates = args.batch / apply_s
+    print(f"in-process: lookup {lookups / 1e6:.2f}M IDs/s, apply {updates / 1e6:.2f}M IDs/s "
+          f"({np.mean(uniq_counts) / apply_s / 1e6:.2f}M unique rows/s)")
+
+    # ---- memory accounting ---------------------------------------------------------------------------
+    cap = table.capacity
+    bpr16 = bytes_per_row("rowwise_adagrad", 16, cap)
+    bpr64 = bytes_per_row("rowwise_adagrad", 64, cap)
+    raw16, raw64 = 16 * 4 + 4, 64 * 4 + 4
+    print(f"bytes/row: dim16 {bpr16:.1f} (raw {raw16}, x{bpr16 / raw16:.2f}); dim64 {bpr64:.1f} "
+          f"(raw {raw64}, x{bpr64 / raw64:.3f}); excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}")
+    del table
+
+    # ---- plain PyTorch static table ------------------------------------------------------------------
+    emb = torch.nn.EmbeddingBag(len(live), dim, mode="sum", sparse=True)
+    topt = torch.optim.Adagrad(emb.parameters(), lr=0.01)
+    offsets = torch.arange(args.batch)
+    tb = [torch.from_numpy((b % np.uint64(len(live))).astype(np.int64)) for b in batches]
+
+    def t_lookup(i=[0]):
+        i[0] += 1
+        with torch.no_grad():
+            emb(tb[i[0] % len(tb)], offsets)
+
+    def t_update(i=[0]):
+        i[0] += 1
+        out = emb(tb[i[0] % len(tb)], offsets)
+        out.backward(torch.from_numpy(grads))
+        topt.step()
+        topt.zero_grad(set_to_none=True)
+
+    t_update()
+    torch_lookups = args.batch / _best(t_lookup, args.repeats)
+    torch_updates = args.batch / _best(t_update, args.repeats)
+    print(f"plain PyTorch EmbeddingBag: lookup {torch_lookups / 1e6:.2f}M IDs/s, "
+          f"forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s")
+    del emb, topt
+
+    # ---- end to end through gRPC ---------------------------------------------------------------------
+    grpc_ids = None
+    if not args.skip_grpc:
+        from persia_core.config import RunConfig
+        from persia_core.ps.client import EmbeddingClient
+        from persia_core.train.launcher import LocalCluster
+
+        cfg = RunConfig.from_dict({
+            "layout": {"kind": "delimited", "columns": ["label", "a"], "label_column": "label"},
+            "slots": [{"name": "a", "source": "a"}],
+            "embedding": {"tables": [{"name": "default", "dim": dim, "optimizer": {"name": "rowwise_adagrad"}}],
+                          "num_shards": 2, "shard_memory_bytes": 2 * len(live) * 100},
+        })
+        work = tempfile.mkdtemp(prefix="bench-ps-")
+        path = os.path.join(work, "cfg.yaml")
+        with open(path, "w") as f:
+            f.write(cfg.to_yaml())
+        with LocalCluster(path, 2, 0, work) as cluster:
+            addrs = cluster.start_servers()
+            client = EmbeddingClient(addrs, cfg.embedding, token=cluster.token, timeout_s=120)
+            t0 = time.perf_counter()
+            for i in range(0, len(live), 1_000_000):
+                client.lookup("default", live[i : i + 1_000_000])
+            print(f"filled 2 servers over gRPC in {time.perf_counter() - t0:.1f} s")
+
+            def e2e(i=[0]):
+                i[0] += 1
+                b = batches[i[0] % len(batches)]
+                uniq, inverse = dedup(b)
+                client.lookup("default", uniq)
+                # worker-side aggregation: one gradient row per unique ID (summed over its raw occurrences)
+                g = torch.zeros(len(uniq), dim).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(grads))
+                client.push("default", uniq, g.numpy()).result()
+
+            e2e()
+            grpc_ids = args.batch / _best(e2e, args.repeats)
+            client.close()
+        print(f"end to end, 2 servers on 127.0.0.1: {grpc_ids / 1e6:.2f}M raw IDs/s (dedup + lookup + push)")
+
+    result = {
+        "lookups_per_s_per_core": lookups, "updates_per_s_per_core": updates,
+        "grpc_ids_per_s": grpc_ids, "bytes_per_row": bpr16, "raw_bytes_per_row": raw16,
+        "bytes_per_row_dim64": bpr64, "raw_bytes_per_row_dim64": raw64,
+        "torch_static_lookups_per_s_per_core": torch_lookups, "torch_static_updates_per_s_per_core": torch_updates,
+        "unique_ids_per_batch": float(np.mean(uniq_counts)), "batch_raw_ids": args.batch, "live_ids": len(live),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

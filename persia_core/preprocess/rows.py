@@ -1,0 +1,94 @@
+"""The encoded row: the compact tuple one example is inside the preprocess pipeline, and its dead letters.
+
+An encoded row is a tuple, compact to shuffle::
+
+    (label: float, dense: bytes (float32[F]), slots: tuple[bytes (uint64[n_s])], ts: int, source: str,
+     key: int (63-bit xxh3 of source, orders rows within and across shards))
+
+``LABEL`` .. ``KEY`` index it. A dead letter is the dict of a line that is not a valid example
+(``dead_letter``); DoFns emit it on their ``DEAD`` output.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import apache_beam as beam
+import xxhash
+
+from persia_core import hashing
+from persia_core.config import RunConfig
+from persia_core.data import schema
+from persia_core.preprocess import layouts
+
+NAMESPACE = "persia_preprocess"
+"""Beam metrics namespace of the preprocess counters."""
+
+LABEL, DENSE, SLOTS, TS, SOURCE, KEY = range(6)
+"""Indices into an encoded row tuple."""
+
+DEAD = "dead"
+"""Tag of the dead-letter output of a DoFn."""
+
+
+def slot_specs(config: RunConfig) -> list[tuple[str, list[str], bool]]:
+    """``(slot name, layout fields, is_cross)`` for each slot of ``config``, in config order."""
+    return [(s.name, s.fields(), bool(s.cross)) for s in config.slots]
+
+
+def source_key(source: str) -> int:
+    """The 63-bit hash of a row's ``source`` that places it in a shard (non-negative, fits int64)."""
+    return xxhash.xxh3_64_intdigest(source.encode("utf-8")) >> 1
+
+
+def encode_row(record: layouts.Record, specs: list[tuple[str, list[str], bool]], source: str, ts: int) -> tuple:
+    """A parsed record -> an encoded row tuple (see the module docstring).
+
+    Slot IDs: ``hashing.feature_ids(slot, values)`` of the source field, or of ``hashing.cross_values`` of the
+    crossed fields' values (one ID per combination; empty when any crossed field is empty).
+    """
+    fields = record["fields"]
+    slots = []
+    for name, names, is_cross in specs:
+        values = hashing.cross_values([fields[f] for f in names]) if is_cross else fields[names[0]]
+        slots.append(array("Q", hashing.feature_ids(name, values)).tobytes())
+    return (
+        float(record["label"]),
+        array("f", record["dense"]).tobytes(),
+        tuple(slots),
+        int(ts),
+        source,
+        source_key(source),
+    )
+
+
+def decode_row(row: tuple, slot_names: list[str]) -> dict[str, Any]:
+    """An encoded row as a dict of the Parquet columns (``label``, ``dense``, ``slot_<s>``, ``ts``, ``source``).
+
+    ``dense`` is a list of float32 values as Python floats, each slot a list of Python ints in [0, 2^64).
+    """
+    out: dict[str, Any] = {schema.LABEL: row[LABEL], schema.DENSE: array("f", row[DENSE]).tolist()}
+    for name, blob in zip(slot_names, row[SLOTS]):
+        out[schema.slot_column(name)] = array("Q", blob).tolist()
+    out[schema.TS] = row[TS]
+    out[schema.SOURCE] = row[SOURCE]
+    return out
+
+
+def dead_letter(path: str, line_no: int, raw: str, error: layouts.ParseError, example: bool) -> dict[str, Any]:
+    """A dead letter: ``{"source": "<path>:<line_no>", "reason", "raw", "file", "kind", "example"}``
+    (``example``: whether the line was an example, counted against the malformed budget)."""
+    return {
+        "source": f"{path}:{line_no}",
+        "reason": error.reason,
+        "raw": raw,
+        "file": path,
+        "kind": error.kind,
+        "example": example,
+    }
+
+
+def counter(name: str):
+    """The Beam counter ``name`` in the preprocess namespace."""
+    return beam.metrics.Metrics.counter(NAMESPACE, name)
