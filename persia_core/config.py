@@ -308,6 +308,16 @@ class TrainerConfig:
     """torch intra-op threads per NN worker."""
     rpc_timeout_s: float = 30.0
     """Deadline of every parameter-server call (seconds)."""
+    network_delay_s: float = 0.0
+    """Injected cost per parameter-server call (seconds of round trip), to measure the regime of servers across
+    a data-centre network on one machine; 0 = off."""
+    network_bandwidth_bytes_per_s: float = 0.0
+    """Injected bandwidth cap of parameter-server calls (bytes/s); 0 = off."""
+    device: str = "auto"
+    """Where the dense network runs: ``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+    fp16_transfer: bool = False
+    """GPU path: move embeddings and their gradients across PCIe as fp16 (a summed gradient that overflows
+    fp16 is caught and that step's push is sent in fp32, never as inf)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "epochs", "num_workers", "threads_per_worker"):
@@ -319,6 +329,10 @@ class TrainerConfig:
             raise _fail("trainer.dense_lr", "must be > 0")
         if self.rpc_timeout_s <= 0:
             raise _fail("trainer.rpc_timeout_s", "must be > 0")
+        if self.network_delay_s < 0 or self.network_bandwidth_bytes_per_s < 0:
+            raise _fail("trainer.network_delay_s/network_bandwidth_bytes_per_s", "must be >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise _fail("trainer.device", f"must be auto, cpu or cuda, got {self.device!r}")
 
 
 @dataclass

@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from persia_core.ps.client import EmbeddingClient
 
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
-    client = EmbeddingClient(addresses, config.embedding, timeout_s=config.trainer.rpc_timeout_s,
-                             client_id=f"worker{rank}")
+    tc = config.trainer
+    client = EmbeddingClient(addresses, config.embedding, timeout_s=tc.rpc_timeout_s, client_id=f"worker{rank}",
+                             delay_s=tc.network_delay_s, bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s)
     try:
         run_worker(config, args.data, args.out, client, rank, world)
     finally:
