@@ -115,6 +115,21 @@ def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int)
     return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
 
 
+def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
+    """Embedding gradients ``g: float32[U, D]`` (per unique ID, any device) -> host ``float32[U, D]``.
+
+    With ``fp16``: sent across as fp16 (half the PCIe bytes) unless a value overflows fp16 (|g| > 65504), in
+    which case the fp32 values are sent instead. Returns (gradients, whether fp16 overflowed). Raises
+    ``FloatingPointError`` when ``g`` itself holds inf or NaN, so no inf ever reaches a parameter server."""
+    if not bool(torch.isfinite(g).all()):
+        raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
+    if fp16:
+        h = g.half()
+        if bool(torch.isfinite(h).all()):
+            return h.to("cpu").float().numpy(), False
+    return g.detach().to("cpu").numpy().astype(np.float32, copy=False), fp16
+
+
 @dataclass
 class StepResult:
     """What one step did: step index, examples, summed BCE loss over them, lookup staleness (pushes of this
@@ -135,6 +150,10 @@ class _Item:
     prepared: dict[str, PreparedIds]
     rows: dict[str, np.ndarray]
     staleness: int
+    tensors: dict = field(default_factory=dict)
+    dense: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+    event: object = None
 
 
 class HybridTrainPipeline:
@@ -147,10 +166,21 @@ class HybridTrainPipeline:
         layouts: tables and their slots (``table_layouts``).
         batches: iterator of ``(step, Batch, global_batch_size)``; steps increase by 1 from any start.
         staleness: K. num_workers: M. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
+        device: where the dense model runs. On CUDA the prefetch thread also copies each batch's unique rows,
+            bag indices and dense features into pinned host memory and to the GPU on a side stream
+            (non-blocking), so the copy overlaps the previous step; gradients come back once per unique ID.
+        fp16_transfer: embeddings and gradients cross between host and device as fp16; a summed gradient that
+            overflows fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
     """
 
     def __init__(self, model, optimizer, backend, layouts: list[TableLayout], batches, staleness: int,
-                 num_workers: int, rank: int = 0, dropout: dict[str, float] | None = None, seed: int = 0):
+                 num_workers: int, rank: int = 0, dropout: dict[str, float] | None = None, seed: int = 0,
+                 device: str | torch.device = "cpu", fp16_transfer: bool = False):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.fp16 = fp16_transfer
+        self.fp16_fallbacks = 0
+        self.h2d_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.model = model
         self.optimizer = optimizer
         self.backend = backend
@@ -192,13 +222,35 @@ class HybridTrainPipeline:
                         return
                     staleness = step - 1 - self.applied_upto
                 rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
-                self._put(_Item(step, batch, gbs, prepared, rows, staleness))
+                self._put(self._stage(_Item(step, batch, gbs, prepared, rows, staleness)))
             self._put(None)
         except BaseException as e:  # surfaced in progress()
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
             self._put(None)
+
+    def _stage(self, item: "_Item") -> "_Item":
+        """Turn the item's arrays into tensors on the training device (rows as fp16 when asked)."""
+        def host(a: np.ndarray, half: bool = False) -> torch.Tensor:
+            t = torch.from_numpy(a)
+            if half:
+                t = t.half()
+            return t.pin_memory() if self.cuda else t
+
+        tensors = {}
+        for name, p in item.prepared.items():
+            tensors[name] = (host(item.rows[name], self.fp16), host(p.inverse), host(p.offsets))
+        dense, labels = host(item.batch.dense), host(item.batch.labels)
+        if self.cuda:
+            with torch.cuda.stream(self.h2d_stream):
+                tensors = {k: tuple(x.to(self.device, non_blocking=True) for x in v) for k, v in tensors.items()}
+                dense = dense.to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
+                item.event = torch.cuda.Event()
+                item.event.record(self.h2d_stream)
+        item.tensors, item.dense, item.labels = tensors, dense, labels
+        return item
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -240,23 +292,30 @@ class HybridTrainPipeline:
             raise StopIteration
         wait_s = time.perf_counter() - t0
         self.max_staleness = max(self.max_staleness, item.staleness)
-        batch, b = item.batch, item.batch.size
+        b = item.batch.size
+        if item.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(item.event)
         leaves, pooled = {}, []
         for t in self.layouts:
-            leaf = torch.from_numpy(item.rows[t.name]).requires_grad_(True)
+            rows, inverse, offsets = item.tensors[t.name]
+            leaf = (rows.float() if rows.dtype != torch.float32 else rows).requires_grad_(True)
             leaves[t.name] = leaf
-            pooled.append(pool(leaf, item.prepared[t.name], len(t.slots), b))
+            out = F.embedding_bag(inverse, leaf, offsets, mode="sum", include_last_offset=True)
+            pooled.append(out.view(len(t.slots), b, leaf.shape[1]).transpose(0, 1))
         emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
-        logits = self.model(emb, torch.from_numpy(batch.dense))
-        loss_sum = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels), reduction="sum")
+        logits = self.model(emb, item.dense)
+        loss_sum = F.binary_cross_entropy_with_logits(logits, item.labels, reduction="sum")
         scaled = loss_sum * (self.M / max(item.global_batch, 1))
         self.optimizer.zero_grad(set_to_none=True)
         scaled.backward()
         futs = []
         for t in self.layouts:
             g = leaves[t.name].grad
-            grads = (g.numpy() / self.M).astype(np.float32, copy=False) if g is not None else \
-                np.zeros((len(item.prepared[t.name].uniq), t.dim), np.float32)
+            if g is None:
+                grads = np.zeros((len(item.prepared[t.name].uniq), t.dim), np.float32)
+            else:
+                grads, fell_back = grads_to_host(g / self.M, self.fp16)
+                self.fp16_fallbacks += int(fell_back)
             futs.append(self.backend.push(t.name, item.prepared[t.name].uniq, grads, step=item.step,
                                           sync_workers=self.M if self.K == 0 else 0))
         self._track(item.step, futs)

@@ -28,6 +28,18 @@ from persia_core.train.hybrid import HybridTrainPipeline, make_schedule, model_s
 log = logging.getLogger("persia.worker")
 
 
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> the GPU of this local rank when CUDA is available, else the CPU. Raises ``ValueError`` for
+    ``cuda`` on a machine without CUDA."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device is 'cuda' but CUDA is not available on this machine")
+        idx = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(idx)
+        return torch.device("cuda", idx)
+    return torch.device("cpu")
+
+
 def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
     """The dense model for a run, seeded by ``trainer.seed`` (identical on every rank)."""
     torch.manual_seed(config.trainer.seed)
@@ -52,13 +64,17 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         dist.all_gather_object(gathered, len(examples))
         counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
-    model = build_dense(config, schema)
-    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
+    model = build_dense(config, schema).to(device)
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    else:
+        net = model
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr)
     dropout = {s.name: s.id_dropout for s in config.slots}
     batches = ((t, examples.batch(rows), schedule.global_batch[t]) for t, rows in enumerate(schedule.rows[rank]))
     pipe = HybridTrainPipeline(net, opt, backend, table_layouts(config), batches, tc.embedding_staleness, world,
-                               rank, dropout, tc.seed)
+                               rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer)
     history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     total_steps = len(schedule.global_batch)
     t0 = time.perf_counter()
@@ -96,10 +112,11 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         dist.barrier()
     history.update({"samples_per_s": samples / max(elapsed, 1e-9), "max_staleness": int(max_stal.item()),
                     "train_seconds": elapsed, "wait_seconds_rank0": wait, "steps": total_steps,
-                    "num_workers": world, "embedding_staleness": tc.embedding_staleness})
+                    "num_workers": world, "embedding_staleness": tc.embedding_staleness, "device": str(device),
+                    "fp16_fallbacks": pipe.fp16_fallbacks})
     if rank == 0:
         buf = __import__("io").BytesIO()
-        torch.save(model.state_dict(), buf)
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
         io.write_bytes(io.join(out_dir, "dense.pt"), buf.getvalue())
         io.write_text(io.join(out_dir, "train_metrics.json"), json.dumps(history))
     return history
@@ -117,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     torch.set_num_threads(config.trainer.threads_per_worker)
     if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        backend = "nccl" if resolve_device(config.trainer.device, local_rank).type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from persia_core.ps.client import EmbeddingClient
 
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]

@@ -173,3 +173,53 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path):
     hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
     assert hist["samples"][-1] == 107
     assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
+
+
+def test_fp16_gradient_overflow_never_reaches_a_server():
+    from persia_core.train.hybrid import grads_to_host
+
+    g = torch.tensor([[1e-3, 2.0], [70000.0, -1.0]])  # 70000 overflows fp16
+    host, fell_back = grads_to_host(g, fp16=True)
+    assert fell_back and np.isfinite(host).all()
+    np.testing.assert_array_equal(host, g.numpy())
+    small, fell_back = grads_to_host(g[:1], fp16=True)
+    assert not fell_back and np.allclose(small, g[:1].numpy(), rtol=1e-3)
+    with pytest.raises(FloatingPointError):
+        grads_to_host(torch.tensor([[float("inf"), 0.0]]), fp16=False)
+
+
+def test_staleness_bound_holds_under_a_slow_server(tmp_path):
+    """Lookups never run more than K batches ahead of the oldest unapplied push, even when pushes are slow."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    data = write_dataset(str(tmp_path / "data"), rows=320, shards=1)
+    cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=1)
+
+    class SlowPushes(LocalEmbedding):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.lookups, self.applied = [], []
+
+        def lookup(self, table, ids):
+            self.lookups.append(time.monotonic())
+            return super().lookup(table, ids)
+
+        def push(self, table, ids, grads, step=0, sync_workers=0):
+            fut: Future = Future()
+
+            def later():
+                time.sleep(0.05)
+                super(SlowPushes, self).push(table, ids, grads)
+                self.applied.append(step)
+                fut.set_result(0)
+
+            threading.Thread(target=later, daemon=True).start()
+            return fut
+
+    backend = SlowPushes(cfg.embedding, 1)
+    hist = run_worker(cfg, data, str(tmp_path / "out"), backend, rank=0, world=1)
+    assert max(hist["staleness"]) <= 2
+    assert hist["max_staleness"] == 2  # the slow server makes the worker use its whole budget
+    assert len(backend.applied) == len(hist["loss"]) == 20
