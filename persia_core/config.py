@@ -306,6 +306,8 @@ class TrainerConfig:
     """Shuffle each worker's rows every epoch (seeded by seed, epoch, rank); false: file order."""
     threads_per_worker: int = 1
     """torch intra-op threads per NN worker."""
+    prefetch_threads: int = 2
+    """Batches an NN worker prepares concurrently (dedup, lookups, host-to-device staging)."""
     rpc_timeout_s: float = 30.0
     """Deadline of every parameter-server call (seconds)."""
     network_delay_s: float = 0.0
@@ -320,7 +322,7 @@ class TrainerConfig:
     fp16 is caught and that step's push is sent in fp32, never as inf)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "epochs", "num_workers", "threads_per_worker"):
+        for name in ("batch_size", "epochs", "num_workers", "threads_per_worker", "prefetch_threads"):
             if getattr(self, name) < 1:
                 raise _fail(f"trainer.{name}", "must be >= 1")
         if self.embedding_staleness < 0:

@@ -3,7 +3,7 @@
 Algorithm (Lian et al., "PERSIA: An Open, Hybrid System Scaling Deep Learning-based Recommenders up to 100
 Trillion Parameters", KDD 2022, Sec. 4 and Alg. 1), per NN worker r of M:
 
-    prefetch thread (runs ahead):                    main thread, step t:
+    preparation threads (run ahead):                 main thread, step t:
       batch t: ID dropout, dedup IDs per table          take prepared batch t (rows looked up)
       wait until pushes of steps <= t-K-1 applied       pool rows per slot, dense forward/backward
       look rows up on the parameter servers             (DDP all-reduces dense gradients: synchronous)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,16 +167,18 @@ class HybridTrainPipeline:
         layouts: tables and their slots (``table_layouts``).
         batches: iterator of ``(step, Batch, global_batch_size)``; steps increase by 1 from any start.
         staleness: K. num_workers: M. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
-        device: where the dense model runs. On CUDA the prefetch thread also copies each batch's unique rows,
+        device: where the dense model runs. On CUDA the preparation threads also copy each batch's unique rows,
             bag indices and dense features into pinned host memory and to the GPU on a side stream
             (non-blocking), so the copy overlaps the previous step; gradients come back once per unique ID.
         fp16_transfer: embeddings and gradients cross between host and device as fp16; a summed gradient that
             overflows fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
+        prefetch_threads: batches prepared concurrently (dedup, lookups, staging; the compiled dedup and gRPC
+            release the GIL). A feeder thread decodes batches in order; results are consumed in order.
     """
 
     def __init__(self, model, optimizer, backend, layouts: list[TableLayout], batches, staleness: int,
                  num_workers: int, rank: int = 0, dropout: dict[str, float] | None = None, seed: int = 0,
-                 device: str | torch.device = "cpu", fp16_transfer: bool = False):
+                 device: str | torch.device = "cpu", fp16_transfer: bool = False, prefetch_threads: int = 2):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.fp16 = fp16_transfer
@@ -199,11 +202,13 @@ class HybridTrainPipeline:
         self.queue: queue.Queue = queue.Queue(maxsize=self.K + 2)
         self._stop = threading.Event()
         self._batches = batches
+        self.pool = ThreadPoolExecutor(max_workers=max(1, prefetch_threads), thread_name_prefix=f"prepare-{rank}")
         self.thread = threading.Thread(target=self._prefetch, name=f"prefetch-{rank}", daemon=True)
         self.thread.start()
 
-    # ---- prefetch thread ------------------------------------------------------------------------------
+    # ---- prefetch ------------------------------------------------------------------------------------
     def _prefetch(self) -> None:
+        """Feeder thread: decode batches in order and hand each to the preparation pool."""
         try:
             for step, batch, gbs in self._batches:
                 if self._stop.is_set():
@@ -211,24 +216,30 @@ class HybridTrainPipeline:
                 if self.applied_upto is None:
                     with self.cond:
                         self.applied_upto = step - 1
-                ids = batch.ids
-                if self.dropout:
-                    ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
-                prepared = prepare_ids(ids, self.layouts)
-                with self.cond:
-                    while self.applied_upto < step - self.K - 1 and self.error is None and not self._stop.is_set():
-                        self.cond.wait(0.5)
-                    if self.error is not None or self._stop.is_set():
-                        return
-                    staleness = step - 1 - self.applied_upto
-                rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
-                self._put(self._stage(_Item(step, batch, gbs, prepared, rows, staleness)))
+                self._put(self.pool.submit(self._prepare, step, batch, gbs))
             self._put(None)
         except BaseException as e:  # surfaced in progress()
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
             self._put(None)
+
+    def _prepare(self, step: int, batch: Batch, gbs: int) -> "_Item":
+        """ID dropout and dedup, then (once the staleness bound allows) lookups and staging for one batch."""
+        ids = batch.ids
+        if self.dropout:
+            ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
+        prepared = prepare_ids(ids, self.layouts)
+        with self.cond:
+            while self.applied_upto < step - self.K - 1 and self.error is None and not self._stop.is_set():
+                self.cond.wait(0.5)
+            if self.error is not None:
+                raise self.error
+            if self._stop.is_set():
+                raise RuntimeError("training pipeline closed")
+            staleness = step - 1 - self.applied_upto
+        rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
+        return self._stage(_Item(step, batch, gbs, prepared, rows, staleness))
 
     def _stage(self, item: "_Item") -> "_Item":
         """Turn the item's arrays into tensors on the training device (rows as fp16 when asked)."""
@@ -290,6 +301,7 @@ class HybridTrainPipeline:
             if self.error is not None:
                 raise self.error
             raise StopIteration
+        item = item.result()
         wait_s = time.perf_counter() - t0
         self.max_staleness = max(self.max_staleness, item.staleness)
         b = item.batch.size
@@ -356,11 +368,12 @@ class HybridTrainPipeline:
             raise self.error
 
     def close(self) -> None:
-        """Stop the prefetch thread (after ``drain`` for a clean end)."""
+        """Stop the feeder and preparation threads (after ``drain`` for a clean end)."""
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
         self.thread.join(timeout=5)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

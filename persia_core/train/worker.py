@@ -74,7 +74,8 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     dropout = {s.name: s.id_dropout for s in config.slots}
     batches = ((t, examples.batch(rows), schedule.global_batch[t]) for t, rows in enumerate(schedule.rows[rank]))
     pipe = HybridTrainPipeline(net, opt, backend, table_layouts(config), batches, tc.embedding_staleness, world,
-                               rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer)
+                               rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer,
+                               prefetch_threads=tc.prefetch_threads)
     history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     total_steps = len(schedule.global_batch)
     t0 = time.perf_counter()
