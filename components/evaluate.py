@@ -13,21 +13,33 @@ def evaluate(
     metrics: Output[Metrics],
     roc: Output[ClassificationMetrics],
     report: Output[HTML],
+    user_slot: str = "user",
+    blessed_dir: str = "",
+    min_auc: float = 0.5,
+    max_auc_drop: float = 0.0,
+    max_logloss_increase: float = 0.01,
 ) -> str:
-    """AUC (sklearn), logloss, normalized entropy and calibration on the eval split (read-only lookups);
-    returns them as a JSON string."""
+    """AUC (sklearn), GAUC over ``user_slot``, logloss, normalized entropy and calibration on the eval split
+    (read-only lookups), also split by whether the row's user was seen in training, and per-slot coverage.
+    Logs the scalars as ``metrics`` (``seen_user_auc``, ``unseen_share_<slot>``, ...), the ROC curve as
+    ``roc``, and writes the HTML ``report``, whose "Model gate" section shows what the ``gate`` component will
+    decide with the same thresholds against the latest blessed model in ``blessed_dir`` (empty: threshold
+    only). Returns the overall metrics as a JSON string (the input of the ``gate`` component)."""
     import json
 
+    from persia_core.evaluate.gate import gate
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate as run
+    from persia_core.evaluate.run import flat_metrics
 
-    r = run(model.path, dataset.path)
+    r = run(model.path, dataset.path, user_slot=user_slot)
     m = r["metrics"]
-    for k, v in m.items():
-        if v is not None:
-            metrics.log_metric(k, v)
+    for k, v in flat_metrics(r).items():
+        metrics.log_metric(k, v)
     if r["roc"] is not None:
         roc.log_roc_curve(r["roc"]["fpr"], r["roc"]["tpr"], r["roc"]["thresholds"])
+    decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase)
     write_report(report.path, m, r["labels"], r["preds"], r["train_history"], r["config"],
-                 {"model": model.uri, "dataset": dataset.uri})
+                 {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"},
+                 user_split=r["user_split"], coverage=r["coverage"], gate=decision)
     return json.dumps(m)

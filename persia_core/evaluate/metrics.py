@@ -275,3 +275,59 @@ class StreamingMetrics:
         self._labels.clear()
         self._preds.clear()
         self._count = 0
+
+
+#: Keys of :func:`binary_metrics` (and of :func:`undefined_metrics`), in display order.
+METRIC_KEYS = ("auc", "logloss", "ne", "calibration", "base_rate", "mean_prediction", "count")
+
+
+def undefined_metrics() -> dict:
+    """The metrics of an empty set of examples: every value ``None`` except ``count = 0``."""
+    return {k: (0 if k == "count" else None) for k in METRIC_KEYS}
+
+
+def subset_metrics(labels: np.ndarray, preds: np.ndarray, mask: np.ndarray) -> dict:
+    """:func:`binary_metrics` on the rows where ``mask: bool[N]`` is true; :func:`undefined_metrics` when none is.
+
+    Raises ``ValueError`` on invalid labels/preds, or when ``mask`` is not bool of length N.
+    """
+    m = _as_1d("mask", mask)
+    if m.dtype != np.bool_:
+        raise ValueError(f"mask must be bool, got dtype {m.dtype}")
+    y = _as_1d("labels", labels)
+    p = _as_1d("preds", preds)
+    if m.shape[0] != y.shape[0] or m.shape[0] != p.shape[0]:
+        raise ValueError(f"mask has {m.shape[0]} entries for {y.shape[0]} labels and {p.shape[0]} preds")
+    if not m.any():
+        return undefined_metrics()
+    return binary_metrics(y[m], p[m])
+
+
+def id_coverage(ids: np.ndarray, seen: np.ndarray) -> dict:
+    """How many of a slot's evaluation IDs were never seen in training.
+
+    Args:
+        ids: ``uint64[n]`` every ID occurrence of the slot in the evaluation rows (an ID may repeat).
+        seen: ``bool[n]``: whether the trained model holds a row for ``ids[i]``.
+
+    Returns ``{"ids": n, "unseen_ids": occurrences not seen, "unseen_share": unseen_ids / ids,
+    "distinct_ids": distinct IDs, "unseen_distinct_ids": distinct IDs not seen,
+    "unseen_distinct_share": unseen_distinct_ids / distinct_ids}``; a share is ``None`` when its denominator
+    is 0 (a slot with no IDs in the evaluation rows). Raises ``ValueError`` when the lengths differ.
+    """
+    ids = np.asarray(ids, dtype=np.uint64).reshape(-1)
+    seen = np.asarray(seen, dtype=bool).reshape(-1)
+    if ids.shape[0] != seen.shape[0]:
+        raise ValueError(f"ids and seen differ in length: {ids.shape[0]} ids, {seen.shape[0]} flags")
+    n = int(ids.shape[0])
+    unseen = int((~seen).sum())
+    distinct = int(np.unique(ids).shape[0])
+    unseen_distinct = int(np.unique(ids[~seen]).shape[0])
+    return {
+        "ids": n,
+        "unseen_ids": unseen,
+        "unseen_share": unseen / n if n else None,
+        "distinct_ids": distinct,
+        "unseen_distinct_ids": unseen_distinct,
+        "unseen_distinct_share": unseen_distinct / distinct if distinct else None,
+    }

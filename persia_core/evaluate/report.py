@@ -8,9 +8,14 @@ HTML-escaped. Sections, in order:
 1. metrics table (the ``metrics`` dict; floats to 6 significant digits, ``None`` as "undefined");
 2. ROC curve with the chance diagonal and the AUC in the legend (omitted with a note when one class only);
 3. reliability (calibration) plot with the diagonal, and the count of predictions per bin;
-4. with ``train_history``: training loss over samples, throughput over time, the max observed staleness, and
+4. with ``user_split``: every metric for rows whose user was seen in training and rows whose user was not;
+5. with ``coverage``: per slot, the share of evaluation IDs never seen in training;
+6. with ``train_history``: training loss over samples, throughput over time, the max observed staleness, and
    the per-shard table when ``"shards"`` is given;
-5. with ``config``: the run config as YAML; with ``extra``: a key/value table.
+7. with ``config``: the run config as YAML; with ``extra``: a key/value table.
+
+With ``gate`` (a model-gate decision, ``persia_core.evaluate.gate.decide``) a "Model gate" section with the
+decision and its reasons comes right after the metrics table.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ th { background: #f3f3f3; }
 img { max-width: 100%; display: block; margin: 0.5em 0; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; }
 p.note { color: #8a4b00; }
+.gate { padding: 0.6em 1em; border-radius: 4px; font-weight: bold; display: inline-block; }
+.gate.bless { background: #e3f4e1; color: #1d5e1a; border: 1px solid #8fc98a; }
+.gate.reject { background: #fbe4e2; color: #8a1c12; border: 1px solid #e29a92; }
 """
 
 
@@ -83,6 +91,70 @@ def _kv_table(d: Mapping, key_header: str = "Name", value_header: str = "Value")
         f"<table><thead><tr><th>{_esc(key_header)}</th><th>{_esc(value_header)}</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
+
+
+#: Rows of the seen/unseen-user table: (metric key, label).
+_SPLIT_ROWS = (("auc", "AUC"), ("gauc", "GAUC"), ("logloss", "Log loss"), ("ne", "Normalized entropy"),
+               ("calibration", "Calibration (mean pred / base rate)"), ("base_rate", "Base rate"),
+               ("mean_prediction", "Mean prediction"), ("count", "Rows"))
+
+
+def _num_td(v) -> str:
+    return f'<td class="num">{_esc(_fmt(v))}</td>'
+
+
+def _split_table(metrics: Mapping, split: Mapping) -> str:
+    """Overall / seen-user / unseen-user metrics side by side (see ``persia_core.evaluate.run.evaluate``)."""
+    seen, unseen = split.get("seen") or {}, split.get("unseen") or {}
+    rows = "".join(
+        f"<tr><td>{_esc(label)}</td>{_num_td(metrics.get(k))}{_num_td(seen.get(k))}{_num_td(unseen.get(k))}</tr>"
+        for k, label in _SPLIT_ROWS
+        if k in metrics or k in seen or k in unseen
+    )
+    return (
+        "<table><thead><tr><th>Metric</th><th>All rows</th><th>User seen in training</th>"
+        f"<th>User not seen in training</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+def _coverage_table(coverage: Mapping) -> str:
+    """Per slot: ID occurrences and distinct IDs of the evaluation rows, and how many were never seen."""
+    rows = "".join(
+        f"<tr><td>{_esc(slot)}</td>{_num_td(c.get('ids'))}{_num_td(c.get('unseen_ids'))}"
+        f"{_num_td(_pct(c.get('unseen_share')))}{_num_td(c.get('distinct_ids'))}"
+        f"{_num_td(c.get('unseen_distinct_ids'))}{_num_td(_pct(c.get('unseen_distinct_share')))}</tr>"
+        for slot, c in coverage.items()
+    )
+    return (
+        "<table><thead><tr><th>Slot</th><th>Eval IDs</th><th>Never seen</th><th>Share never seen</th>"
+        "<th>Distinct IDs</th><th>Distinct never seen</th><th>Share of distinct never seen</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+def _pct(v):
+    return None if v is None else f"{100.0 * float(v):.2f}%"
+
+
+def _gate_section(gate: Mapping) -> str:
+    decision = str(gate.get("decision") or ("bless" if gate.get("bless") else "reject"))
+    cls = "bless" if decision == "bless" else "reject"
+    where = gate.get("blessed_dir")
+    if cls == "bless":
+        text = ("passes the gate: the bless step publishes it as the latest blessed model in " + str(where)
+                if where else "passes the gate (no blessed-model location is set, so nothing is published)")
+    else:
+        text = ("fails the gate: the latest blessed model in " + str(where) + " stays in place"
+                if where else "fails the gate: it is not published")
+    items = "".join(f"<li>{_esc(r)}</li>" for r in gate.get("reasons", []))
+    parts = [f'<p><span class="gate {cls}">Decision: {_esc(decision)}</span> {_esc(text)}.</p>',
+             f"<ul>{items}</ul>" if items else ""]
+    baseline = gate.get("baseline")
+    if baseline:
+        keys = [k for k in ("auc", "gauc", "logloss", "ne", "calibration", "count") if k in baseline]
+        parts += ["<p>Baseline (latest blessed model):</p>", _kv_table({k: baseline[k] for k in keys},
+                                                                       "Metric", "Baseline")]
+    return "".join(parts)
 
 
 def _png_img(fig: Figure, alt: str) -> str:
@@ -248,6 +320,9 @@ def write_report(
     train_history: dict | None = None,
     config: dict | None = None,
     extra: dict | None = None,
+    user_split: dict | None = None,
+    coverage: dict | None = None,
+    gate: dict | None = None,
 ) -> str:
     """Write the evaluation report as one self-contained HTML file and return ``path``.
 
@@ -268,6 +343,13 @@ def write_report(
             the shard table.
         config: optional run-config dict (numpy values and dataclasses are converted), shown as YAML.
         extra: optional name -> value, shown as a table.
+        user_split: optional ``{"slot": str, "seen": metrics, "unseen": metrics}`` (the ``user_split`` of
+            :func:`persia_core.evaluate.run.evaluate`), shown as a table beside the overall ``metrics``.
+        coverage: optional ``{slot: id_coverage dict}`` (:func:`persia_core.evaluate.metrics.id_coverage`),
+            shown as the per-slot table of evaluation IDs never seen in training.
+        gate: optional model-gate decision ``{"decision": "bless"|"reject", "reasons": [str], "baseline":
+            metrics|None, "blessed_dir": str}`` (:func:`persia_core.evaluate.gate.gate`), shown right after the
+            metrics.
 
     Returns ``path``.
 
@@ -287,13 +369,25 @@ def write_report(
         f"<p>{_esc(y.shape[0])} evaluation examples, {_esc(int(y.sum()))} positive.</p>",
         "<h2>Metrics</h2>",
         _kv_table(metrics, "Metric", "Value"),
-        "<h2>ROC curve</h2>",
     ]
+    if gate is not None:
+        parts += ["<h2>Model gate</h2>", _gate_section(gate)]
+    parts.append("<h2>ROC curve</h2>")
     if y.min() == y.max():
         parts.append(f'<p class="note">ROC curve undefined: all labels are {_esc(int(y[0]))}.</p>')
     else:
         parts.append(_roc_figure(y, p))
     parts += ["<h2>Calibration</h2>", _reliability_figure(y, p)]
+    if user_split:
+        parts += ["<h2>Users seen and not seen in training</h2>",
+                  f"<p>Rows split by whether the trained model holds a row for their user "
+                  f"(slot <code>{_esc(user_split.get('slot', ''))}</code>); GAUC is the impression-weighted "
+                  "mean of per-user AUC over users with both classes.</p>",
+                  _split_table(metrics, user_split)]
+    if coverage:
+        parts += ["<h2>Per-slot coverage</h2>",
+                  "<p>Evaluation IDs of each slot that have no row in the trained shards (never seen in "
+                  "training); they are looked up as the zero row.</p>", _coverage_table(coverage)]
 
     if history is not None:
         parts += [

@@ -2,12 +2,21 @@
 
 Lookups are read-only: an ID never seen in training gets the zero (default) row and no row is inserted. The
 shards are loaded in this process (``LocalEmbedding``) with the same routing as training.
+
+Besides the overall metrics (``metrics.binary_metrics`` over every (prediction, label) pair, streamed batch by
+batch), ``evaluate`` reports, from the same predictions:
+
+* per-slot coverage: the share of evaluation IDs that have no row in the trained shards, i.e. were never seen in
+  training (``LocalEmbedding.contains``; by occurrence and by distinct ID);
+* with a user slot (``user_slot``, default ``"user"``): GAUC over users, and every metric for rows whose user
+  was seen in training vs not (a row's user is seen when the shards hold a row for its user ID).
 """
 
 from __future__ import annotations
 
 import io as _io
 import json
+import logging
 
 import numpy as np
 import torch
@@ -16,9 +25,12 @@ from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.sharded import LocalEmbedding
-from persia_core.evaluate.metrics import StreamingMetrics, roc_points
+from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
+from persia_core.logging_utils import progress
 from persia_core.models import build_model
 from persia_core.train.hybrid import model_slot_order, pool, prepare_ids, table_layouts
+
+log = logging.getLogger("persia.evaluate")
 
 
 class LoadedModel:
@@ -57,27 +69,127 @@ class LoadedModel:
         return torch.sigmoid(self.dense(emb, torch.from_numpy(batch.dense))).numpy()
 
 
-def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096) -> dict:
+def score(model: LoadedModel, examples: ParquetExamples, batch_size: int = 4096, desc: str = "score",
+          stream: StreamingMetrics | None = None) -> np.ndarray:
+    """Click probabilities ``float32[N]`` of every row of ``examples``, in order, ``batch_size`` rows at a time
+    (progress: a bar on a terminal, periodic log lines elsewhere). Each batch is also fed to ``stream``."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    preds = []
+    starts = range(0, len(examples), batch_size)
+    for start in progress(starts, total=len(starts), desc=desc, unit="batch"):
+        batch = examples.batch(np.arange(start, min(start + batch_size, len(examples))))
+        p = model.predict(batch)
+        if stream is not None:
+            stream.update(batch.labels, p)
+        preds.append(p)
+    return np.concatenate(preds) if preds else np.zeros(0, np.float32)
+
+
+def _seen_flags(model: LoadedModel, slot: str, values: np.ndarray) -> np.ndarray:
+    """``bool[n]``: whether the model's shards hold a row for each ID of ``slot`` (its table's rows)."""
+    table = next(s.table for s in model.config.slots if s.name == slot)
+    if values.shape[0] == 0:
+        return np.zeros(0, dtype=bool)
+    return model.embedding.contains(table, values)
+
+
+def slot_coverage(model: LoadedModel, examples: ParquetExamples) -> dict:
+    """Per slot (model order), :func:`persia_core.evaluate.metrics.id_coverage` of the rows of ``examples``:
+    how many ID occurrences and distinct IDs have no row in the trained shards (never seen in training)."""
+    out = {}
+    for slot in model.slots:
+        values, _ = examples.ids[slot]
+        out[slot] = id_coverage(values, _seen_flags(model, slot, values))
+    return out
+
+
+def user_seen_rows(model: LoadedModel, examples: ParquetExamples, user_slot: str) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows' user was seen in training, and each row's user key.
+
+    Returns ``(seen: bool[R], user: uint64[R])``: a row's user is seen when the row has at least one ID in
+    ``user_slot`` and the trained shards hold a row for every one of them; ``user`` is the row's first ID of
+    the slot (0 for a row without one; such rows are left out of GAUC)."""
+    values, offsets = examples.ids[user_slot]
+    lengths = np.diff(offsets)
+    rows = len(examples)
+    flags = _seen_flags(model, user_slot, values)
+    row_of = np.repeat(np.arange(rows), lengths)
+    seen_count = np.bincount(row_of, weights=flags.astype(np.float64), minlength=rows)
+    has = lengths > 0
+    seen = has & (seen_count == lengths)
+    user = np.zeros(rows, dtype=np.uint64)
+    user[has] = values[offsets[:-1][has]]
+    return seen, user
+
+
+def _gauc(labels: np.ndarray, preds: np.ndarray, user: np.ndarray, rows: np.ndarray) -> float | None:
+    return group_auc(labels[rows], preds[rows], user[rows]) if rows.any() else None
+
+
+def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user") -> dict:
     """Score the evaluation split of ``data_dir`` with the model in ``model_dir``.
 
-    Returns ``{"metrics": {...auc, logloss, ne, calibration, ...}, "roc": {...}, "labels": float32[N],
-    "preds": float32[N], "config": dict, "train_history": dict|None}``."""
+    ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split); when the model has
+    no such slot both are skipped (``metrics`` has no ``gauc`` and ``user_split`` is None).
+
+    Returns::
+
+        {"metrics": {auc, logloss, ne, calibration, base_rate, mean_prediction, count[, gauc]},
+         "roc": {"fpr", "tpr", "thresholds"} | None (one class),
+         "labels": float32[N], "preds": float32[N], "config": dict, "train_history": dict | None,
+         "coverage": {slot: id_coverage dict},          share of eval IDs without a trained row, per slot
+         "user_split": {"slot": user_slot, "seen": {...metrics, gauc}, "unseen": {...metrics, gauc}} | None}
+
+    Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
+    for a missing model or dataset file, ``ValueError`` for invalid ones."""
     model = LoadedModel(model_dir)
     read_schema(data_dir)
     examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots)
     stream = StreamingMetrics()
-    preds = []
-    for start in range(0, len(examples), batch_size):
-        batch = examples.batch(np.arange(start, min(start + batch_size, len(examples))))
-        p = model.predict(batch)
-        stream.update(batch.labels, p)
-        preds.append(p)
-    preds_all = np.concatenate(preds) if preds else np.zeros(0, np.float32)
+    preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)
     metrics = stream.compute()
+    labels = examples.labels
+    user_split = None
+    if user_slot in model.slots:
+        seen, user = user_seen_rows(model, examples, user_slot)
+        has_user = np.diff(examples.ids[user_slot][1]) > 0
+        metrics["gauc"] = _gauc(labels, preds_all, user, has_user)
+        user_split = {"slot": user_slot}
+        for name, rows in (("seen", seen), ("unseen", ~seen)):
+            m = subset_metrics(labels, preds_all, rows)
+            m["gauc"] = _gauc(labels, preds_all, user, rows & has_user)
+            user_split[name] = m
+    else:
+        log.info("no slot named %r: GAUC and the seen/unseen-user split are skipped", user_slot)
+    coverage = slot_coverage(model, examples)
     history = None
     hp = io.join(model_dir, "train_metrics.json")
     if io.exists(hp):
         history = json.loads(io.read_text(hp))
-    return {"metrics": metrics, "roc": roc_points(examples.labels, preds_all) if metrics["auc"] is not None else None,
-            "labels": examples.labels, "preds": preds_all, "config": model.manifest["config"],
-            "train_history": history}
+    log.info("evaluate: %d rows, AUC=%s logloss=%.4f", metrics["count"], metrics["auc"], metrics["logloss"])
+    return {"metrics": metrics, "roc": roc_points(labels, preds_all) if metrics["auc"] is not None else None,
+            "labels": labels, "preds": preds_all, "config": model.manifest["config"],
+            "train_history": history, "coverage": coverage, "user_split": user_split}
+
+
+def flat_metrics(result: dict) -> dict[str, float]:
+    """The scalars of an :func:`evaluate` result for KFP ``Metrics.log_metric``: every defined overall metric
+    (``auc``, ``gauc``, ...), ``seen_user_<m>`` / ``unseen_user_<m>`` of the user split, and
+    ``unseen_share_<slot>`` per slot. Undefined (None) values are left out."""
+    out: dict[str, float] = {}
+
+    def put(key: str, v) -> None:
+        if v is not None and not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating)):
+            out[key] = float(v)
+
+    for k, v in result["metrics"].items():
+        put(k, v)
+    split = result.get("user_split")
+    if split:
+        for side in ("seen", "unseen"):
+            for k, v in split[side].items():
+                put(f"{side}_user_{k}", v)
+    for slot, c in (result.get("coverage") or {}).items():
+        put(f"unseen_share_{slot}", c["unseen_share"])
+    return out

@@ -97,3 +97,60 @@ def test_malformed_history_raises_value_error_naming_the_key(tmp_path, change, m
     with pytest.raises(ValueError, match="missing key.*elapsed_s"):
         write_report(str(tmp_path / "r.html"), {}, labels, preds, train_history=history)
     assert not (tmp_path / "r.html").exists()
+
+
+def _split_and_coverage(labels, preds):
+    from persia_core.evaluate.metrics import subset_metrics
+
+    seen = np.arange(labels.shape[0]) % 3 == 0
+    split = {"slot": "user", "seen": subset_metrics(labels, preds, seen),
+             "unseen": subset_metrics(labels, preds, ~seen)}
+    split["seen"]["gauc"] = 0.61234
+    split["unseen"]["gauc"] = None
+    coverage = {"user": {"ids": 200, "unseen_ids": 150, "unseen_share": 0.75, "distinct_ids": 40,
+                         "unseen_distinct_ids": 30, "unseen_distinct_share": 0.75},
+                "movie": {"ids": 0, "unseen_ids": 0, "unseen_share": None, "distinct_ids": 0,
+                          "unseen_distinct_ids": 0, "unseen_distinct_share": None}}
+    return split, coverage
+
+
+def test_report_shows_gate_decision_seen_unseen_split_and_slot_coverage(tmp_path):
+    labels, preds = _data(n=600, seed=4)
+    metrics = binary_metrics(labels, preds)
+    split, coverage = _split_and_coverage(labels, preds)
+    gate = {"bless": False, "decision": "reject",
+            "reasons": ["passed: AUC 0.700000 >= min_auc 0.500000", "rejected: AUC < baseline <AUC>"],
+            "baseline": {"auc": 0.8, "logloss": 0.4}}
+    write_report(str(tmp_path / "r.html"), metrics, labels, preds, user_split=split, coverage=coverage, gate=gate)
+    text = (tmp_path / "r.html").read_text()
+    gate_part = text.split("<h2>Model gate</h2>")[1].split("<h2>")[0]
+    assert "Decision: reject" in gate_part and "rejected: AUC &lt; baseline &lt;AUC&gt;" in gate_part
+    assert "0.8" in gate_part  # the baseline's AUC
+    assert text.index("Model gate") < text.index("ROC curve")
+    split_part = text.split("Users seen and not seen in training</h2>")[1].split("<h2>")[0]
+    assert "User seen in training" in split_part and "User not seen in training" in split_part
+    assert f"{split['seen']['auc']:.6g}" in split_part and f"{split['unseen']['logloss']:.6g}" in split_part
+    assert "0.61234" in split_part and "undefined" in split_part  # unseen GAUC
+    cov_part = text.split("Per-slot coverage</h2>")[1].split("<h2>")[0]
+    assert "75.00%" in cov_part and ">150<" in cov_part and "movie" in cov_part and "undefined" in cov_part
+
+
+def test_report_every_plot_has_labelled_axes(tmp_path, monkeypatch):
+    import persia_core.evaluate.report as R
+
+    figures = []
+    real = R._png_img
+
+    def capture(fig, alt):
+        figures.append(fig)
+        return real(fig, alt)
+
+    monkeypatch.setattr(R, "_png_img", capture)
+    labels, preds = _data(n=300, seed=2)
+    split, coverage = _split_and_coverage(labels, preds)
+    write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds, train_history=_history(),
+                 user_split=split, coverage=coverage, gate={"decision": "bless", "reasons": []})
+    assert len(figures) == 4  # ROC, reliability (+ histogram), loss, throughput
+    for fig in figures:
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axes in {ax.get_title()!r}"

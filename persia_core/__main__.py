@@ -1,0 +1,355 @@
+"""The ``persia`` command line: run each pipeline step outside KFP on local (or gs://) files.
+
+    python -m persia_core <command> [options]      (or the installed ``persia`` command)
+
+Commands call the same ``persia_core`` functions as the KFP components:
+
+    preprocess    raw files -> Parquet shards + schema.json      persia_core.preprocess.pipeline.run_preprocess
+    init-shards   shard plan + initial shard state               persia_core.embedding.plan.init_shards
+    train         hybrid training -> Model folder                persia_core.train.launcher.train
+    evaluate      metrics + HTML report (+ model gate)           persia_core.evaluate.run.evaluate, report, gate
+    predict       score Parquet / raw rows with a Model          persia_core.evaluate.predict.predict
+    plan          capacity planning                              persia_core.planner.main
+    serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.launcher.LocalCluster
+
+Exit codes: 0 success; 2 bad input (a usage error, an invalid config or argument: ``ValueError``, a missing
+file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died).
+"""
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("persia.cli")
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """``["trainer.epochs=1"]`` -> ``{"trainer.epochs": 1}`` (values parsed as YAML). ``ValueError`` without ``=``."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _config(name_or_path: str | None, fallbacks: list[str], overrides: list[str]):
+    """Load the run config ``name_or_path``, else the first existing of ``fallbacks``, with ``--set`` overrides."""
+    from persia_core import io
+    from persia_core.config import load_config
+
+    path = name_or_path or next((f for f in fallbacks if f and io.exists(f)), None)
+    if path is None:
+        raise FileNotFoundError(f"no run config given (--config) and none found at {[f for f in fallbacks if f]}")
+    return load_config(path, _overrides(overrides) or None)
+
+
+def _print(obj: dict) -> None:
+    print(json.dumps(obj, indent=None, default=str))
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+def cmd_preprocess(args, beam_args: list[str]) -> int:
+    from persia_core.preprocess.pipeline import run_preprocess
+
+    config = _config(args.config, [], args.set)
+    schema = run_preprocess(config, args.data, args.output, beam_args or None)
+    _print({"output": args.output, "rows": schema["rows"], "split": schema["split"]})
+    return EXIT_OK
+
+
+def cmd_init_shards(args, _extra) -> int:
+    from persia_core import io
+    from persia_core.embedding.plan import init_shards
+
+    config = _config(args.config, [io.join(args.data, "run_config.yaml")], args.set)
+    plan = init_shards(config, args.data, args.output)
+    _print({"output": args.output, "num_shards": plan["num_shards"],
+            "estimated_bytes_per_shard": plan["estimated_bytes_per_shard"],
+            "shard_memory_bytes": plan["shard_memory_bytes"]})
+    return EXIT_OK
+
+
+def cmd_train(args, _extra) -> int:
+    from persia_core import io
+    from persia_core.train.launcher import train
+
+    fallbacks = [io.join(args.init, "run_config.yaml") if args.init else "", io.join(args.data, "run_config.yaml")]
+    config = _config(args.config, fallbacks, args.set)
+    manifest = train(config, args.data, args.output, init_dir=args.init or "", work_dir=args.work_dir or "")
+    out = {"output": args.output, "summary": manifest["summary"]}
+    if args.tensorboard:
+        from persia_core.logging_utils import write_tensorboard
+
+        history = json.loads(io.read_text(io.join(args.output, "train_metrics.json")))
+        out["tensorboard"] = write_tensorboard(history, args.tensorboard)
+    _print(out)
+    return EXIT_OK
+
+
+def cmd_evaluate(args, _extra) -> int:
+    from persia_core import io
+    from persia_core.evaluate.gate import bless, gate
+    from persia_core.evaluate.report import write_report
+    from persia_core.evaluate.run import evaluate
+
+    r = evaluate(args.model, args.data, batch_size=args.batch_size, user_slot=args.user_slot)
+    m = r["metrics"]
+    decision = gate(m, args.blessed_dir, args.min_auc, args.max_auc_drop, args.max_logloss_increase)
+    write_report(args.report, m, r["labels"], r["preds"], r["train_history"], r["config"],
+                 {"model": args.model, "dataset": args.data, "blessed_dir": args.blessed_dir or "(none)"},
+                 user_split=r["user_split"], coverage=r["coverage"], gate=decision)
+    out = {"metrics": m, "user_split": r["user_split"], "coverage": r["coverage"], "report": args.report,
+           "gate": {"decision": decision["decision"], "reasons": decision["reasons"]}}
+    if args.bless:
+        if not args.blessed_dir:
+            raise ValueError("--bless needs --blessed-dir")
+        if decision["bless"]:
+            marker = bless(args.model, m, args.blessed_dir, decision)
+            out["blessed_model"] = io.join(args.blessed_dir, marker["model"])
+    if args.metrics_json:
+        io.write_text(args.metrics_json, json.dumps(out, indent=1, default=str) + "\n")
+    _print(out)
+    return EXIT_OK
+
+
+def cmd_predict(args, _extra) -> int:
+    from persia_core.evaluate.predict import predict
+
+    r = predict(args.model, args.input, args.output, config=args.config, batch_size=args.batch_size)
+    _print({"output": r["output"], "rows": r["rows"]})
+    return EXIT_OK
+
+
+def cmd_plan(args, extra: list[str]) -> int:
+    import importlib
+
+    try:
+        planner = importlib.import_module("persia_core.planner")
+    except ModuleNotFoundError as e:
+        if e.name != "persia_core.planner":
+            raise
+        print("persia plan: error: the capacity planner (persia_core.planner) is not available in this "
+              "installation", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        rc = planner.main(list(extra))
+    except SystemExit as e:  # the planner's argparse: --help (0) or a usage error (2)
+        rc = e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_BAD_INPUT)
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+def cmd_serve_shards(args, _extra) -> int:
+    import tempfile
+
+    from persia_core.train.launcher import LocalCluster
+
+    config = _config(args.config, [], args.set)
+    n = args.num_shards or config.embedding.num_shards
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="persia-serve-")
+    os.makedirs(work_dir, exist_ok=True)
+    cfg_path = os.path.join(work_dir, "run_config.yaml")
+    with open(cfg_path, "w") as f:
+        f.write(config.to_yaml())
+    if args.plan and not os.path.exists(args.plan):
+        raise FileNotFoundError(f"--plan {args.plan} not found")
+    if args.init and not os.path.isdir(args.init):
+        raise FileNotFoundError(f"--init {args.init} is not a folder")
+
+    def _stop(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "") as cluster:
+            addresses = cluster.start_servers()
+            token_file = os.path.join(work_dir, "ps_token")
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(cluster.token)
+            _print({"addresses": addresses, "token_file": token_file, "logs": os.path.join(work_dir, "logs")})
+            sys.stdout.flush()
+            log.info("serving %d shard(s); Ctrl-C stops them", n)
+            try:
+                while True:
+                    for p in cluster.servers:
+                        rc = p.popen.poll()
+                        if rc is not None:
+                            raise RuntimeError(f"{p.name} exited with code {rc}; last log lines:\n{p.tail()}")
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                log.info("stopping the parameter servers")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``persia`` and its subcommands."""
+    from persia_core.evaluate import gate as G
+
+    p = argparse.ArgumentParser(
+        prog="persia", description="Run the persia-kfp steps outside KFP on local (or gs://) files.",
+        epilog="Exit codes: 0 success, 2 bad input (usage, invalid config, missing file), 1 other failures.",
+        allow_abbrev=False)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of the messages on stderr (default INFO)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_: str, func, **kw) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False, **kw)
+        sp.set_defaults(func=func)
+        return sp
+
+    def config_flags(sp, default_help: str, default: str | None = None) -> None:
+        sp.add_argument("--config", default=default, help=f"run config: a shipped name (movielens, criteo) or a YAML "
+                                                        f"path; {default_help}")
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field, e.g. --set trainer.epochs=1 (repeatable; value as YAML)")
+
+    sp = add("preprocess", "Raw files -> Parquet train/eval shards, schema.json and dead letters (Apache Beam). "
+             "Flags not listed here are passed to Beam as pipeline options (e.g. --runner DataflowRunner).",
+             cmd_preprocess)
+    sp.add_argument("--data", required=True, help="raw data: a MovieLens folder, or a delimited file, folder "
+                                                  "or glob (local or gs://)")
+    sp.add_argument("--output", required=True, help="output folder for the shards and schema.json")
+    config_flags(sp, "default movielens", "movielens")
+
+    sp = add("init-shards", "Plan the embedding shards (memory per shard) and write their initial state.",
+             cmd_init_shards)
+    sp.add_argument("--data", required=True, help="preprocess output folder (holds schema.json)")
+    sp.add_argument("--output", required=True, help="folder for shard_plan.json, run_config.yaml, shards/")
+    config_flags(sp, "default: <data>/run_config.yaml")
+
+    sp = add("train", "Hybrid training on this machine: N parameter servers + M NN workers -> a Model folder.",
+             cmd_train)
+    sp.add_argument("--data", required=True, help="preprocess output folder")
+    sp.add_argument("--output", required=True, help="Model folder to write (manifest.json, dense.pt, shards/)")
+    sp.add_argument("--init", default="", help="init-shards output folder (shard plan and initial state); "
+                                               "optional")
+    config_flags(sp, "default: <init>/run_config.yaml, else <data>/run_config.yaml")
+    sp.add_argument("--work-dir", default="", help="folder for process logs and port files (default: a temp dir)")
+    sp.add_argument("--tensorboard", default="", metavar="DIR",
+                    help="also write the training metrics as TensorBoard event files to DIR (needs tensorboard)")
+
+    sp = add("evaluate", "Evaluate a Model on the eval split: metrics, seen/unseen users, coverage, HTML report, "
+             "model gate.", cmd_evaluate)
+    sp.add_argument("--model", required=True, help="Model folder (from train)")
+    sp.add_argument("--data", required=True, help="preprocess output folder (its eval split is scored)")
+    sp.add_argument("--report", default="report.html", help="HTML report to write (default report.html)")
+    sp.add_argument("--metrics-json", default="", help="also write the results as JSON to this file")
+    sp.add_argument("--user-slot", default="user", help="slot that names the user, for GAUC and the "
+                                                        "seen/unseen-user split (default user; skipped if absent)")
+    sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
+    sp.add_argument("--blessed-dir", default="", help="latest-blessed-model location to compare with (local or "
+                                                      "gs://); empty: only --min-auc applies")
+    sp.add_argument("--min-auc", type=float, default=G.DEFAULT_MIN_AUC,
+                    help=f"gate: AUC needed at least (default {G.DEFAULT_MIN_AUC})")
+    sp.add_argument("--max-auc-drop", type=float, default=G.DEFAULT_MAX_AUC_DROP,
+                    help=f"gate: allowed AUC drop below the blessed model's (default {G.DEFAULT_MAX_AUC_DROP})")
+    sp.add_argument("--max-logloss-increase", type=float, default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
+                    help="gate: allowed logloss increase over the blessed model's, in nats "
+                         f"(default {G.DEFAULT_MAX_LOGLOSS_INCREASE})")
+    sp.add_argument("--bless", action="store_true", help="copy the model to --blessed-dir when the gate "
+                                                         "blesses it")
+
+    sp = add("predict", "Score rows with a Model: a Parquet file/folder of preprocessed rows, or a file of raw "
+             "rows of the layout; writes source,probability[,label] as CSV or Parquet.", cmd_predict)
+    sp.add_argument("--model", required=True, help="Model folder (from train)")
+    sp.add_argument("--input", required=True, help=".parquet file or folder of preprocessed rows, or a raw file")
+    sp.add_argument("--output", required=True, help="predictions file: .parquet for Parquet, else CSV")
+    sp.add_argument("--config", default=None, help="run config whose layout parses raw rows (default: the "
+                                                   "model's own)")
+    sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
+
+    add("plan", "Capacity planning (persia_core.planner); every argument after 'plan' is passed to it as it is "
+        "(try: persia plan --help).", cmd_plan, add_help=False)
+
+    sp = add("serve-shards", "Start N embedding parameter-server shards on 127.0.0.1, print their addresses "
+             "and the token file, and serve until Ctrl-C.", cmd_serve_shards)
+    sp.add_argument("--config", required=True, help="run config: a shipped name or a YAML path")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field "
+                                                                                      "(repeatable)")
+    sp.add_argument("--num-shards", type=_int_at_least(0), default=0,
+                    help="shards to start (default: embedding.num_shards)")
+    sp.add_argument("--plan", default="", help="shard_plan.json from init-shards (row capacities)")
+    sp.add_argument("--init", default="", help="init-shards output or Model folder: shards/shard-*.npz to load")
+    sp.add_argument("--work-dir", default="", help="folder for logs, port files and the token file")
+    return p
+
+
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``(head, rest)``: for ``[global options] plan ARGS...`` the ARGS go to the planner untouched (rest);
+    otherwise rest is None."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] == "--log-level" else 1
+    if i < len(argv) and argv[i] == "plan":
+        return argv[: i + 1], argv[i + 1 :]
+    return argv, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (0 ok, 2 bad input, 1 failure). See the module docstring."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, passthrough = _split_passthrough(argv)
+    try:
+        args, extra = parser.parse_known_args(head)
+        if passthrough is not None:
+            extra = passthrough
+        elif extra and args.command != "preprocess":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_BAD_INPUT)
+    from persia_core.logging_utils import setup_logging
+
+    handler = setup_logging(args.command, None, args.log_level)
+    try:
+        return int(args.func(args, extra) or EXIT_OK)
+    except (ValueError, FileNotFoundError) as e:
+        log.debug("bad input", exc_info=True)
+        print(f"persia {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"persia {args.command}: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as e:  # any other failure: exit 1 with the message (traceback with --log-level DEBUG)
+        log.debug("failure", exc_info=True)
+        print(f"persia {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    finally:
+        logging.getLogger().removeHandler(handler)  # leave an embedding process (a test) as it was
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The model gate: bless a new model only when its evaluation beats a threshold and the latest blessed model.
+
+A blessed-model location (local, ``/gcs/...`` or ``gs://bucket/prefix``) holds::
+
+    BLESSED.json          the marker: {"format", "model": "models/<version>", "metrics", "source", "blessed_at",
+                          "decision"}; written last, in one write (a local rename or one GCS object upload)
+    models/<version>/     a full copy of each blessed Model artifact (manifest.json, dense.pt, shards/, ...)
+
+Blessing copies the Model artifact into a new ``models/<version>/`` folder and only then replaces the marker,
+so a crash half-way through a copy leaves the previous blessed model (and its marker) intact, and a reader never
+takes a half-copied folder for the blessed model: the latest blessed model is the folder the marker names
+(:func:`latest_blessed_model`), and its metrics are the baseline of the next gate (:func:`read_baseline`).
+Locally, versions older than the previous one are removed after the marker moves; on ``gs://`` they are left
+for a bucket lifecycle rule.
+
+Decision (:func:`decide`): bless when the new AUC is defined and ``>= min_auc`` and, with a baseline,
+``AUC >= baseline AUC - max_auc_drop`` and ``logloss <= baseline logloss + max_logloss_increase``; the reasons
+say which check passed or failed and by how much.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import shutil
+
+from persia_core import io
+
+MARKER = "BLESSED.json"
+MODELS_DIR = "models"
+FORMAT = "persia-blessed/1"
+
+#: Defaults of the gate's thresholds (the components and the CLI use the same values).
+DEFAULT_MIN_AUC = 0.5
+DEFAULT_MAX_AUC_DROP = 0.0
+DEFAULT_MAX_LOGLOSS_INCREASE = 0.01
+
+log = logging.getLogger("persia.gate")
+
+
+def _num(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MIN_AUC,
+           max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+           max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE) -> dict:
+    """Decide whether a newly evaluated model is blessed.
+
+    Args:
+        new_metrics: the new model's evaluation metrics (``auc``, ``logloss``; ``None`` = undefined).
+        baseline: the latest blessed model's metrics (:func:`read_baseline`), or ``None`` when there is none;
+            then only ``min_auc`` applies.
+        min_auc: the AUC a model needs at least (an absolute threshold).
+        max_auc_drop: how much lower than the baseline's AUC the new AUC may be (0: not lower).
+        max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
+
+    Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
+    saying whether it passed. A model whose AUC is undefined is rejected. A baseline AUC or logloss that is
+    undefined skips that comparison (said in the reasons).
+
+    Raises ``ValueError`` for a negative tolerance or a ``min_auc`` outside [0, 1].
+    """
+    if not 0.0 <= min_auc <= 1.0:
+        raise ValueError(f"min_auc must be in [0, 1], got {min_auc}")
+    if max_auc_drop < 0:
+        raise ValueError(f"max_auc_drop must be >= 0, got {max_auc_drop}")
+    if max_logloss_increase < 0:
+        raise ValueError(f"max_logloss_increase must be >= 0, got {max_logloss_increase}")
+    reasons: list[str] = []
+    ok = True
+    auc = _num(new_metrics.get("auc"))
+    logloss = _num(new_metrics.get("logloss"))
+    if auc is None:
+        ok = False
+        reasons.append("rejected: the new model's AUC is undefined (one class in the evaluation split)")
+    elif auc >= min_auc:
+        reasons.append(f"passed: AUC {auc:.6f} >= min_auc {min_auc:.6f}")
+    else:
+        ok = False
+        reasons.append(f"rejected: AUC {auc:.6f} < min_auc {min_auc:.6f}")
+    if baseline is None:
+        reasons.append("no blessed baseline yet: only the min_auc threshold applies")
+    else:
+        base_auc = _num(baseline.get("auc"))
+        base_ll = _num(baseline.get("logloss"))
+        if base_auc is None:
+            reasons.append("baseline AUC undefined: AUC not compared with the baseline")
+        elif auc is not None:
+            floor = base_auc - max_auc_drop
+            if auc >= floor:
+                reasons.append(f"passed: AUC {auc:.6f} >= baseline AUC {base_auc:.6f} - max_auc_drop "
+                               f"{max_auc_drop:.6f}")
+            else:
+                ok = False
+                reasons.append(f"rejected: AUC {auc:.6f} < baseline AUC {base_auc:.6f} - max_auc_drop "
+                               f"{max_auc_drop:.6f} (drop {base_auc - auc:.6f})")
+        if base_ll is None or logloss is None:
+            reasons.append("logloss undefined: logloss not compared with the baseline")
+        elif logloss <= base_ll + max_logloss_increase:
+            reasons.append(f"passed: logloss {logloss:.6f} <= baseline logloss {base_ll:.6f} + "
+                           f"max_logloss_increase {max_logloss_increase:.6f}")
+        else:
+            ok = False
+            reasons.append(f"rejected: logloss {logloss:.6f} > baseline logloss {base_ll:.6f} + "
+                           f"max_logloss_increase {max_logloss_increase:.6f} (worse by {logloss - base_ll:.6f})")
+    return {"bless": ok, "decision": "bless" if ok else "reject", "reasons": reasons}
+
+
+def read_marker(blessed_dir: str) -> dict | None:
+    """The ``BLESSED.json`` marker of ``blessed_dir`` as a dict, or ``None`` when there is none (nothing has
+    been blessed there yet). Raises ``ValueError`` for a marker that is not valid JSON or of another format."""
+    if not blessed_dir:
+        return None
+    path = io.join(blessed_dir, MARKER)
+    if not io.exists(path):
+        return None
+    try:
+        marker = json.loads(io.read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a blessed-model marker of format {FORMAT!r}")
+    return marker
+
+
+def read_baseline(blessed_dir: str) -> dict | None:
+    """The evaluation metrics of the latest blessed model in ``blessed_dir``, or ``None`` when there is none
+    (an empty ``blessed_dir`` string included)."""
+    marker = read_marker(blessed_dir)
+    return dict(marker["metrics"]) if marker is not None else None
+
+
+def latest_blessed_model(blessed_dir: str) -> str | None:
+    """Path of the latest blessed Model artifact (a folder with ``manifest.json``), or ``None``: the model a
+    next run warm-starts from."""
+    marker = read_marker(blessed_dir)
+    return io.join(blessed_dir, marker["model"]) if marker is not None else None
+
+
+def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
+         max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+         max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE) -> dict:
+    """:func:`decide` against the latest blessed model in ``blessed_dir`` (none when it is empty or holds no
+    marker). Returns the decision with ``"baseline"`` (the baseline metrics or None) and ``"blessed_dir"``
+    added."""
+    baseline = read_baseline(blessed_dir)
+    out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase)
+    out["baseline"] = baseline
+    out["blessed_dir"] = blessed_dir
+    return out
+
+
+def _files_under(root: str) -> list[str]:
+    """Relative paths of every file under ``root`` (local, ``/gcs/`` or ``gs://``), sorted."""
+    if not io.is_gcs(root):
+        out = []
+        for d, _, files in os.walk(root):
+            for f in files:
+                out.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
+        return sorted(out)
+    out = []
+    for name in io.listdir(root):
+        path = io.join(root, name)
+        if io.isdir(path):
+            out += [f"{name}/{rel}" for rel in _files_under(path)]
+        else:
+            out.append(name)
+    return sorted(out)
+
+
+def _new_version() -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%S}Z-{secrets.token_hex(3)}"
+
+
+def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None = None) -> dict:
+    """Copy the Model artifact ``model_dir`` into ``blessed_dir`` as the latest blessed model.
+
+    Writes every file of ``model_dir`` to ``blessed_dir/models/<version>/``, then the marker ``BLESSED.json``
+    (last; it names the version and holds ``metrics``, the baseline of the next gate, and ``decision`` when
+    given). Locally, blessed versions older than the one the marker named before are then removed.
+
+    Returns the marker dict. Raises ``FileNotFoundError`` when ``model_dir`` is not a Model artifact (no
+    ``manifest.json``), ``ValueError`` for an empty ``blessed_dir``.
+    """
+    if not blessed_dir:
+        raise ValueError("bless: blessed_dir must not be empty")
+    if not io.exists(io.join(model_dir, "manifest.json")):
+        raise FileNotFoundError(f"{io.join(model_dir, 'manifest.json')}: not a trained model (no manifest.json)")
+    try:
+        previous = read_marker(blessed_dir)
+    except ValueError:
+        previous = None  # an unreadable marker is replaced
+    version = _new_version()
+    rel = f"{MODELS_DIR}/{version}"
+    files = _files_under(model_dir)
+    for f in files:
+        io.write_bytes(io.join(blessed_dir, rel, f), io.read_bytes(io.join(model_dir, f)))
+    marker = {
+        "format": FORMAT,
+        "model": rel,
+        "metrics": {k: v for k, v in metrics.items() if v is None or isinstance(v, (bool, int, float, str))},
+        "source": str(model_dir),
+        "files": len(files),
+        "blessed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if decision is not None:
+        marker["decision"] = {"decision": decision.get("decision"), "reasons": list(decision.get("reasons", []))}
+    io.write_text(io.join(blessed_dir, MARKER), json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    log.info("blessed %s -> %s (%d files)", model_dir, io.join(blessed_dir, rel), len(files))
+    if not io.is_gcs(blessed_dir):
+        keep = {version} | ({previous["model"].rpartition("/")[2]} if previous else set())
+        models = os.path.join(blessed_dir, MODELS_DIR)
+        for name in os.listdir(models):
+            if name not in keep:
+                shutil.rmtree(os.path.join(models, name), ignore_errors=True)
+    return marker

@@ -1,0 +1,171 @@
+"""The ``persia`` command line: help, exit codes (2 bad input, 1 failure), and each step on tiny local files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from persia_core.__main__ import main
+from persia_core.config import load_config
+from support import tiny_config, write_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMANDS = ("preprocess", "init-shards", "train", "evaluate", "predict", "plan", "serve-shards")
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "persia_core", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_help_lists_every_subcommand_and_explains_flags(capsys):
+    p = _run("--help")
+    assert p.returncode == 0
+    for cmd in COMMANDS:
+        assert cmd in p.stdout
+    assert "Exit codes" in p.stdout
+    assert main(["evaluate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--data", "--report", "--user-slot", "--blessed-dir", "--min-auc", "--bless"):
+        assert flag in out
+
+
+def _typo_config(tmp_path) -> str:
+    text = tiny_config().to_yaml().replace("batch_size:", "batch_sise:")
+    path = tmp_path / "typo.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_misspelled_key_fails_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer\.batch_sise.*unknown key"):
+        load_config(_typo_config(tmp_path))
+
+
+def test_cli_misspelled_config_key_exits_2_naming_the_key(tmp_path, capsys):
+    data = write_dataset(str(tmp_path / "data"))
+    rc = main(["init-shards", "--data", data, "--output", str(tmp_path / "shards"), "--config", _typo_config(tmp_path)])
+    assert rc == 2
+    assert "trainer.batch_sise" in capsys.readouterr().err
+
+
+def test_cli_bad_input_exits_2_and_failures_exit_1(tmp_path, capsys, monkeypatch):
+    assert main(["evaluate", "--model", str(tmp_path / "nope"), "--data", str(tmp_path)]) == 2  # missing file
+    assert "manifest.json" in capsys.readouterr().err
+    assert main(["train", "--data", str(tmp_path)]) == 2  # usage: --output missing
+    assert main(["no-such-command"]) == 2
+    assert main(["predict", "--model", "m", "--input", "i", "--output", "o", "--batch-size", "0"]) == 2
+    assert main(["init-shards", "--data", "d", "--output", "o", "--bogus"]) == 2
+    assert main(["init-shards", "--data", "d", "--output", "o", "--set", "nokeyvalue"]) == 2
+
+    import persia_core.embedding.plan as plan
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(plan, "init_shards", boom)
+    data = write_dataset(str(tmp_path / "data"))
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    capsys.readouterr()
+    assert main(["init-shards", "--data", data, "--output", str(tmp_path / "s"), "--config", str(cfg)]) == 1
+    assert "disk on fire" in capsys.readouterr().err
+
+
+def test_cli_plan_delegates_to_the_planner_or_says_it_is_missing(monkeypatch, capsys):
+    seen = []
+    fake = types.ModuleType("persia_core.planner")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "persia_core.planner", fake)
+    assert main(["plan", "--rows", "1e9", "--dim", "16"]) == 0
+    assert main(["plan", "--help"]) == 0
+    assert seen == [["--rows", "1e9", "--dim", "16"], ["--help"]]
+    monkeypatch.setitem(sys.modules, "persia_core.planner", None)  # as if the module did not exist
+    assert main(["plan"]) == 1
+    assert "planner" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
+    data = write_dataset(str(tmp_path / "data"), rows=256, eval_rows=120)
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    shards, model = str(tmp_path / "shards"), str(tmp_path / "model")
+
+    assert main(["init-shards", "--data", data, "--output", shards, "--config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["num_shards"] == 2
+    assert main(["train", "--data", data, "--init", shards, "--output", model, "--set", "trainer.epochs=1"]) == 0
+    assert "samples_per_s" in json.loads(capsys.readouterr().out)["summary"]
+
+    report, blessed = str(tmp_path / "report.html"), str(tmp_path / "blessed")
+    rc = main(["evaluate", "--model", model, "--data", data, "--report", report, "--user-slot", "a",
+               "--blessed-dir", blessed, "--min-auc", "0", "--bless", "--metrics-json", str(tmp_path / "m.json")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gate"]["decision"] == "bless" and os.path.exists(os.path.join(out["blessed_model"], "dense.pt"))
+    assert out["user_split"]["slot"] == "a" and set(out["coverage"]) == {"a", "b", "tags"}
+    html = open(report).read()
+    assert "Model gate" in html and "Per-slot coverage" in html and "Users seen and not seen" in html
+    assert json.load(open(tmp_path / "m.json"))["metrics"] == out["metrics"]
+
+    preds = str(tmp_path / "preds.csv")
+    eval_file = os.path.join(data, "eval", "eval-00000-of-00001.parquet")
+    assert main(["predict", "--model", model, "--input", eval_file, "--output", preds]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 120
+    rows = np.loadtxt(preds, delimiter=",", skiprows=1, usecols=(1, 2))
+    assert roc_auc_score(rows[:, 1], rows[:, 0].astype(np.float32)) == out["metrics"]["auc"]
+
+
+@pytest.mark.timeout(120)
+def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
+                             "--num-shards", "2", "--work-dir", str(tmp_path / "work")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        info = json.loads(line)
+        assert len(info["addresses"]) == 2 and all(a.startswith("127.0.0.1:") for a in info["addresses"])
+        assert oct(os.stat(info["token_file"]).st_mode & 0o777) == "0o600"
+        from persia_core.ps.client import EmbeddingClient
+
+        client = EmbeddingClient(info["addresses"], tiny_config().embedding, token=open(info["token_file"]).read())
+        try:
+            assert len(client.stats()) == 2
+        finally:
+            client.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_preprocess_runs_beam_on_raw_files_and_applies_overrides(tmp_path, capsys):
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    files = {"ratings.csv": ["userId,movieId,rating,timestamp"] + [f"{u},{m},{(u + m) % 5 + 1}.0,{1000 + 10 * i}"
+                                                                   for i, (u, m) in enumerate(
+                                                                       [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)])],
+             "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
+             "tags.csv": ["userId,movieId,tag,timestamp"]}
+    for name, lines in files.items():
+        (folder / name).write_text("\n".join(lines) + "\n")
+    out = str(tmp_path / "out")
+    rc = main(["preprocess", "--data", str(folder), "--output", out, "--set", "split.num_train_shards=1"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"]["train"] + summary["rows"]["eval"] == 5
+    assert load_config(os.path.join(out, "run_config.yaml")).split.num_train_shards == 1
+    assert main(["preprocess", "--data", str(tmp_path / "missing"), "--output", out]) == 2

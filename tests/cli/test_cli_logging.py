@@ -1,0 +1,83 @@
+"""One log format across processes, progress as log lines off a terminal, and TensorBoard training metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import logging
+import os
+
+import pytest
+
+from persia_core.logging_utils import log_format, progress, setup_logging, write_tensorboard
+
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+@pytest.fixture
+def root_logger():
+    """The root logger, with its handlers and level restored after the test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield root
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
+def test_cli_log_lines_name_role_rank_and_logger(root_logger):
+    stream = io.StringIO()
+    setup_logging("nn_worker", 3, stream=stream)
+    logging.getLogger("persia.worker").info("step %d", 7)
+    line = stream.getvalue().strip()
+    assert line.endswith("INFO nn_worker[3] persia.worker: step 7"), line
+    assert log_format("evaluate") == "%(asctime)s %(levelname)s evaluate %(name)s: %(message)s"
+    stream2 = io.StringIO()
+    setup_logging("ps", 0, stream=stream2)  # replaces the previous handler, not added beside it
+    logging.getLogger("persia.ps").warning("hello")
+    assert "WARNING ps[0] persia.ps: hello" in stream2.getvalue()
+    assert "hello" not in stream.getvalue()
+    with pytest.raises(ValueError, match="role"):
+        log_format("")
+
+
+def test_cli_progress_off_a_terminal_is_periodic_log_lines(caplog):
+    stream = io.StringIO()  # not a terminal
+    with caplog.at_level(logging.INFO, logger="persia.progress"):
+        items = list(progress(range(5), total=5, desc="evaluate", unit="batch", interval_s=0.0, stream=stream))
+    assert items == [0, 1, 2, 3, 4]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6 and lines[-1].startswith("evaluate: 5/5 batch (100%)")
+    assert stream.getvalue() == ""  # no bar drawn into a log file
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="persia.progress"):
+        list(progress(iter(range(3)), desc="x", interval_s=3600, stream=stream))
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["x: 3 it"]
+
+
+HISTORY = {"samples": [16, 32, 48], "loss": [0.7, 0.6, 0.55], "elapsed_s": [0.1, 0.2, 0.4],
+           "staleness": [0, 1, 1], "samples_per_s": 120.0, "max_staleness": 1}
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
+def test_training_metrics_written_as_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = write_tensorboard(HISTORY, str(tmp_path / "tb"))
+    assert out == str(tmp_path / "tb")
+    acc = EventAccumulator(out)
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [16, 32, 48]
+    assert [round(e.value, 6) for e in loss] == [0.7, 0.6, 0.55]
+    assert [round(e.value, 3) for e in acc.Scalars("train/samples_per_s")] == [160.0, 80.0]
+    assert acc.Scalars("summary/max_staleness")[0].value == 1.0
+
+
+@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed")
+def test_training_metrics_tensorboard_is_skipped_with_a_warning_without_the_package(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert write_tensorboard(HISTORY, str(tmp_path / "tb")) is None
+    assert "tensorboard" in caplog.text
+    assert not os.path.exists(tmp_path / "tb")

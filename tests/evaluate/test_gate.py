@@ -1,0 +1,137 @@
+"""The model gate: the decision rules, blessing with the marker written last, and dsl.If gating under kfp.local.
+
+No ``from __future__ import annotations`` here: KFP reads the pipeline's annotations as types.
+"""
+
+import json
+import os
+
+import pytest
+
+from persia_core import io
+from persia_core.evaluate import gate as G
+from persia_core.evaluate.gate import bless, decide, latest_blessed_model, read_baseline
+
+
+def _fake_model(path, tag: str) -> str:
+    """A folder that looks like a Model artifact (manifest.json + a shard file) whose bytes name ``tag``."""
+    os.makedirs(os.path.join(path, "shards"), exist_ok=True)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump({"format": "persia-model/1", "tag": tag}, f)
+    with open(os.path.join(path, "shards", "shard-00000.npz"), "wb") as f:
+        f.write(tag.encode() * 100)
+    return str(path)
+
+
+BASE = {"auc": 0.75, "logloss": 0.50}
+
+
+def test_gate_blesses_a_better_model_and_rejects_a_worse_one():
+    better = decide({"auc": 0.76, "logloss": 0.49}, BASE, min_auc=0.6, max_auc_drop=0.0)
+    assert better["bless"] and better["decision"] == "bless"
+    assert all(r.startswith("passed") for r in better["reasons"])
+    worse_auc = decide({"auc": 0.74, "logloss": 0.49}, BASE, min_auc=0.6, max_auc_drop=0.0)
+    assert not worse_auc["bless"] and worse_auc["decision"] == "reject"
+    assert any("rejected: AUC 0.740000 < baseline AUC 0.750000" in r for r in worse_auc["reasons"])
+    # within the allowed drop and logloss tolerance
+    assert decide({"auc": 0.745, "logloss": 0.505}, BASE, 0.6, max_auc_drop=0.01, max_logloss_increase=0.01)["bless"]
+    worse_ll = decide({"auc": 0.80, "logloss": 0.52}, BASE, 0.6, 0.0, max_logloss_increase=0.01)
+    assert not worse_ll["bless"] and any("logloss 0.520000 >" in r for r in worse_ll["reasons"])
+
+
+def test_gate_without_baseline_uses_the_threshold_and_never_blesses_undefined_auc():
+    assert decide({"auc": 0.61, "logloss": 0.9}, None, min_auc=0.6, max_auc_drop=0.0)["bless"]
+    low = decide({"auc": 0.59, "logloss": 0.1}, None, min_auc=0.6, max_auc_drop=0.0)
+    assert not low["bless"] and "min_auc" in low["reasons"][0]
+    undefined = decide({"auc": None, "logloss": 0.1}, None, min_auc=0.0, max_auc_drop=1.0)
+    assert not undefined["bless"] and "undefined" in undefined["reasons"][0]
+    with pytest.raises(ValueError, match="max_auc_drop"):
+        decide({"auc": 0.7}, None, 0.5, -0.1)
+
+
+def test_gate_bless_copies_the_model_and_writes_the_marker_last(tmp_path, monkeypatch):
+    blessed = str(tmp_path / "blessed")
+    assert read_baseline(blessed) is None and read_baseline("") is None and latest_blessed_model(blessed) is None
+    m1 = _fake_model(tmp_path / "m1", "one")
+    marker = bless(m1, {**BASE, "note": "x", "nested": {"dropped": 1}}, blessed)
+    assert read_baseline(blessed) == {**BASE, "note": "x"}
+    first = latest_blessed_model(blessed)
+    assert first == os.path.join(blessed, marker["model"])
+    assert open(os.path.join(first, "shards", "shard-00000.npz"), "rb").read() == b"one" * 100
+
+    # a copy that dies half-way leaves the previous blessed model and its marker untouched
+    m2 = _fake_model(tmp_path / "m2", "two")
+    real_write = io.write_bytes
+    calls = []
+
+    def flaky(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real_write(path, data)
+
+    monkeypatch.setattr(io, "write_bytes", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        bless(m2, {"auc": 0.9, "logloss": 0.3}, blessed)
+    monkeypatch.setattr(io, "write_bytes", real_write)
+    assert read_baseline(blessed) == {**BASE, "note": "x"} and latest_blessed_model(blessed) == first
+
+    bless(m2, {"auc": 0.9, "logloss": 0.3}, blessed)
+    second = latest_blessed_model(blessed)
+    assert second != first and read_baseline(blessed)["auc"] == 0.9
+    assert json.load(open(os.path.join(second, "manifest.json")))["tag"] == "two"
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        bless(str(tmp_path), BASE, blessed)
+
+
+# --------------------------------------------------------------------------------------------- kfp.local
+
+
+def _gated_pipeline():
+    from kfp import dsl
+    from kfp.dsl import Model
+
+    from components.gate import bless_model, gate
+
+    @dsl.pipeline(name="gate-test")
+    def gated(model_path: str, metrics_json: str, blessed_dir: str, min_auc: float = 0.6) -> str:
+        # kfp.local cannot take an artifact as a pipeline input: import the Model folder by path
+        model = dsl.importer(artifact_uri=model_path, artifact_class=Model, reimport=False)
+        g = gate(metrics_json=metrics_json, blessed_dir=blessed_dir, min_auc=min_auc, max_auc_drop=0.0,
+                 max_logloss_increase=0.01)
+        with dsl.If(g.outputs["Output"] == "bless"):
+            bless_model(model=model.output, metrics_json=metrics_json, blessed_dir=blessed_dir)
+        return g.outputs["Output"]
+
+    return gated
+
+
+@pytest.mark.timeout(240)
+def test_gate_under_kfp_local_blocks_a_worse_model_and_blesses_a_better_one(tmp_path):
+    from kfp import local
+
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
+               raise_on_error=True)
+    gated = _gated_pipeline()
+    blessed = str(tmp_path / "blessed")
+    bless(_fake_model(tmp_path / "m0", "zero"), BASE, blessed)  # yesterday's model
+    before = open(os.path.join(blessed, G.MARKER)).read()
+
+    worse = _fake_model(tmp_path / "worse", "worse")
+    run = gated(model_path=worse, metrics_json=json.dumps({"auc": 0.70, "logloss": 0.55}), blessed_dir=blessed)
+    assert run.output == "reject"
+    assert open(os.path.join(blessed, G.MARKER)).read() == before
+    assert json.load(open(os.path.join(latest_blessed_model(blessed), "manifest.json")))["tag"] == "zero"
+
+    better = _fake_model(tmp_path / "better", "better")
+    run = gated(model_path=better, metrics_json=json.dumps({"auc": 0.80, "logloss": 0.45}), blessed_dir=blessed)
+    assert run.output == "bless"
+    assert read_baseline(blessed) == {"auc": 0.80, "logloss": 0.45}
+    copy = latest_blessed_model(blessed)
+    assert json.load(open(os.path.join(copy, "manifest.json")))["tag"] == "better"
+    assert open(os.path.join(copy, "shards", "shard-00000.npz"), "rb").read() == b"better" * 100
+
+    # the gate component wrote its decision as Markdown
+    md = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "root") for f in fs if f == "decision"]
+    texts = sorted(open(p).read() for p in md)
+    assert any("**bless**" in t for t in texts) and any("**reject**" in t for t in texts)

@@ -1,0 +1,136 @@
+"""Serving export: predict() on preprocessed Parquet reproduces evaluate(), and raw rows score like their
+preprocessed form (delimited layout, and MovieLens joined with movies/tags)."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from persia_core.config import RunConfig, load_config
+from persia_core.data import schema as S
+from persia_core.evaluate.metrics import binary_metrics
+from persia_core.evaluate.predict import predict
+from persia_core.evaluate.run import evaluate
+from persia_core.hashing import feature_ids
+
+
+def test_predict_on_the_eval_split_reproduces_the_evaluate_auc_exactly(trained, tmp_path):
+    model, data = trained
+    r = evaluate(model, data)
+    eval_file = os.path.join(data, "eval", "eval-00000-of-00001.parquet")
+
+    out = predict(model, eval_file, str(tmp_path / "p.parquet"))
+    table = pq.read_table(tmp_path / "p.parquet")
+    assert table.column_names == ["source", "probability", "label"]
+    probs = table.column("probability").to_numpy()
+    labels = table.column("label").to_numpy()
+    assert out["rows"] == len(r["preds"]) == 200
+    assert np.array_equal(probs, r["preds"]) and np.array_equal(labels, r["labels"])
+    assert roc_auc_score(labels, probs) == r["metrics"]["auc"]
+    assert binary_metrics(labels, probs) == {k: v for k, v in r["metrics"].items() if k != "gauc"}
+    assert table.column("source").to_pylist()[:2] == ["synthetic:256", "synthetic:257"]
+
+    predict(model, os.path.join(data, "eval"), str(tmp_path / "p.csv"), batch_size=4096)  # a folder, CSV out
+    with open(tmp_path / "p.csv") as f:
+        rows = list(csv.DictReader(f))
+    csv_probs = np.array([float(x["probability"]) for x in rows], dtype=np.float32)
+    assert np.array_equal(csv_probs, r["preds"])  # 9 significant digits round-trip float32
+    assert roc_auc_score([float(x["label"]) for x in rows], csv_probs) == r["metrics"]["auc"]
+
+
+def _raw_and_parquet(tmp_path, rows):
+    """The same examples as raw tab-separated lines of tiny_config's layout and as preprocessed Parquet."""
+    raw = tmp_path / "raw.tsv"
+    raw.write_text("".join("\t".join(r) + "\n" for r in rows))
+    cols = {
+        S.LABEL: pa.array([float(r[0]) for r in rows], pa.float32()),
+        S.DENSE: pa.array([[math.log1p(max(float(r[1] or 0), 0.0))] for r in rows], pa.list_(pa.float32())),
+        S.slot_column("a"): pa.array([feature_ids("a", [r[2]] if r[2] else []) for r in rows], pa.list_(pa.uint64())),
+        S.slot_column("b"): pa.array([feature_ids("b", [r[3]] if r[3] else []) for r in rows], pa.list_(pa.uint64())),
+        S.slot_column("tags"): pa.array([feature_ids("tags", [r[4]] if r[4] else []) for r in rows],
+                                        pa.list_(pa.uint64())),
+        S.TS: pa.array(range(len(rows)), pa.int64()),
+        S.SOURCE: pa.array([f"row{i}" for i in range(len(rows))], pa.string()),
+    }
+    pq.write_table(pa.table(cols, schema=S.arrow_schema(["a", "b", "tags"])), tmp_path / "rows.parquet")
+    return str(raw), str(tmp_path / "rows.parquet")
+
+
+def test_predict_raw_delimited_rows_score_like_their_preprocessed_form(trained, tmp_path):
+    model, _ = trained
+    rows = [["1", "0.5", "3", "17", "4"], ["0", "", "19", "", ""], ["1", "2.5", "7", "1", "9"]]
+    raw, parquet = _raw_and_parquet(tmp_path, rows)
+    from_raw = predict(model, raw, str(tmp_path / "raw_out.csv"))
+    from_parquet = predict(model, parquet, str(tmp_path / "pq_out.csv"))
+    assert np.array_equal(from_raw["probability"], from_parquet["probability"])
+    assert list(from_raw["label"]) == [1.0, 0.0, 1.0]
+    with open(tmp_path / "raw_out.csv") as f:
+        out = list(csv.DictReader(f))
+    assert [o["source"] for o in out] == [f"{raw}:1", f"{raw}:2", f"{raw}:3"]
+
+    # rows to serve have no label column: same probabilities, no label in the output
+    unlabelled = tmp_path / "serve.tsv"
+    unlabelled.write_text("".join("\t".join(r[1:]) + "\n" for r in rows))
+    served = predict(model, str(unlabelled), str(tmp_path / "served.parquet"))
+    assert served["label"] is None
+    assert pq.read_table(tmp_path / "served.parquet").column_names == ["source", "probability"]
+    assert np.array_equal(served["probability"], from_parquet["probability"])
+
+
+def test_predict_rejects_a_bad_raw_row_naming_file_and_line_and_missing_input(trained, tmp_path):
+    model, _ = trained
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\n")
+    with pytest.raises(ValueError, match=r"bad.tsv:2: .*x"):
+        predict(model, str(bad), str(tmp_path / "o.csv"))
+    with pytest.raises(FileNotFoundError):
+        predict(model, str(tmp_path / "missing.parquet"), str(tmp_path / "o.csv"))
+    other = load_config("movielens")
+    with pytest.raises(ValueError, match="differ from the model"):
+        predict(model, str(bad), str(tmp_path / "o.csv"), config=other)
+
+
+RATINGS = ["userId,movieId,rating,timestamp", "1,1,4.0,1000000000", "1,2,3.5,1000000100", "2,1,5.0,1000000200",
+           "2,3,2.0,1000000300", "3,2,4.5,1000000400", "3,1,1.0,1000000500"]
+MOVIES = ["movieId,title,genres", "1,Toy Story (1995),Adventure|Comedy", '2,"Babe Ruth Story, The (1948) ",Drama',
+          "3,Li'l Quinquin,(no genres listed)"]
+TAGS = ["userId,movieId,tag,timestamp", "5,1,Pixar,999999000", "7,1,Funny,1000000000", "8,1,Later,1000000300"]
+
+
+def test_predict_raw_movielens_ratings_join_movies_and_tags_like_preprocess(tmp_path, model_factory):
+    from persia_core.preprocess.pipeline import run_preprocess
+
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    for name, lines in (("ratings.csv", RATINGS), ("movies.csv", MOVIES), ("tags.csv", TAGS)):
+        (folder / name).write_bytes(("\r\n".join(lines) + "\r\n").encode())
+    cfg = RunConfig.from_dict({
+        "layout": {"kind": "movielens"},
+        "split": {"num_train_shards": 1},
+        "slots": [{"name": "user", "source": "userId"}, {"name": "movie", "source": "movieId"},
+                  {"name": "genres", "source": "genres"}, {"name": "tags", "source": "tags"},
+                  {"name": "year", "source": "year"}, {"name": "user_x_genre", "cross": ["userId", "genres"]}],
+        "embedding": {"tables": [{"name": "default", "dim": 4}], "num_shards": 2, "shard_memory_bytes": 1 << 22},
+        "model": {"kind": "dnn", "hidden": [8], "bottom": [4]},
+    })
+    seen = {"user": ["1", "2"], "movie": ["1"], "genres": ["Comedy"], "tags": ["pixar"], "year": ["1995"]}
+    model = model_factory(str(tmp_path / "model"), cfg, seen, num_dense=len(cfg.layout.dense_fields()))
+    out = tmp_path / "pre"
+    run_preprocess(cfg, str(folder), str(out))
+    expected = {}
+    for split in ("train", "eval"):
+        r = predict(model, str(out / split), str(tmp_path / f"{split}.csv"))
+        with open(tmp_path / f"{split}.csv") as f:
+            for row, p in zip(csv.DictReader(f), r["probability"]):
+                expected[int(row["source"].rsplit(":", 1)[1])] = p
+    raw = predict(model, str(folder / "ratings.csv"), str(tmp_path / "raw.csv"))
+    assert raw["rows"] == 6 and sorted(expected) == [2, 3, 4, 5, 6, 7]
+    assert np.array_equal(raw["probability"], np.array([expected[i] for i in range(2, 8)], dtype=np.float32))
+    assert len(set(raw["probability"].tolist())) > 1
