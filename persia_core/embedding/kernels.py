@@ -345,3 +345,28 @@ def lru_order(head, nxt, size):
         r = nxt[r]
         i += 1
     return order[:i]
+
+
+@njit(nogil=True, cache=True)
+def route(ids, num_shards):
+    """Group ``ids: uint64[N]`` by owning shard (``hashing.shard_of``: SplitMix64 finalizer mod num_shards) with
+    a counting sort. Returns (``int64[N]`` positions ordered by shard, stable; ``int64[S+1]`` shard bounds)."""
+    n = ids.shape[0]
+    owner = np.empty(n, dtype=np.int64)
+    counts = np.zeros(num_shards + 1, dtype=np.int64)
+    for t in range(n):
+        z = ids[t]
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        s = np.int64(z % np.uint64(num_shards))
+        owner[t] = s
+        counts[s + 1] += 1
+    bounds = np.cumsum(counts)
+    fill = bounds[:-1].copy()
+    order = np.empty(n, dtype=np.int64)
+    for t in range(n):
+        s = owner[t]
+        order[fill[s]] = t
+        fill[s] += 1
+    return order, bounds

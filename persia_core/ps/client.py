@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from persia_core.config import EmbeddingConfig
-from persia_core.hashing import shard_of
+from persia_core.embedding.kernels import route
 from persia_core.ps import wire
 from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
@@ -52,13 +52,14 @@ class EmbeddingClient:
         token = token if token is not None else os.environ.get(TOKEN_ENV)
         self.metadata = ((TOKEN_HEADER, token),) if token else ()
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._seq = itertools.count()
+        self._seq = [itertools.count() for _ in self.addresses]  # per shard: each shard sees 0, 1, 2, ...
         self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
         self.calls = {
             name: [ch.unary_unary(f"/{SERVICE}/{name}") for ch in self.channels]
             for name in ("Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Load", "Stats", "Health")
         }
         self.pool = ThreadPoolExecutor(max_workers=max(4, 3 * self.num_shards), thread_name_prefix="ps-client")
+        self.dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
 
     # ---- one call ------------------------------------------------------------------------------------
     def call(self, method: str, shard: int, meta: dict | None = None, arrays: dict | None = None,
@@ -88,9 +89,8 @@ class EmbeddingClient:
 
     # ---- routed batch calls ---------------------------------------------------------------------------
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        owner = shard_of(ids, self.num_shards)
-        order = np.argsort(owner, kind="stable")
-        bounds = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
+        """Positions of ``ids`` owned by each shard (compiled counting sort; see ``hashing.shard_of``)."""
+        order, bounds = route(ids, self.num_shards)
         return [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
 
     def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:
@@ -116,20 +116,30 @@ class EmbeddingClient:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
         when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
-        ids = np.ascontiguousarray(ids, dtype=np.uint64)
-        grads = np.ascontiguousarray(grads, dtype=np.float32)
-        parts = self._route(ids)
-        sync = sync_workers > 1
-        futs = []
-        for s, pos in enumerate(parts):
-            if len(pos) or sync:  # in sync mode every shard hears from every worker every step
-                meta = {"table": table, "client": self.client_id, "seq": next(self._seq), "step": step,
-                        "sync_workers": sync_workers}
-                futs.append(self.pool.submit(self.call, "Push", s, meta, {"ids": ids[pos], "grads": grads[pos]}))
         out: Future = Future()
+        # routing and sending happen off the caller's thread, on one dispatcher thread, in call order
+        self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers)
+        return out
+
+    def _dispatch_push(self, out: Future, table: str, ids, grads, step: int, sync_workers: int) -> None:
+        try:
+            ids = np.ascontiguousarray(ids, dtype=np.uint64)
+            grads = np.ascontiguousarray(grads, dtype=np.float32)
+            parts = self._route(ids)
+            sync = sync_workers > 1
+            futs = []
+            for s, pos in enumerate(parts):
+                if len(pos) or sync:  # in sync mode every shard hears from every worker every step
+                    meta = {"table": table, "client": self.client_id, "seq": next(self._seq[s]), "step": step,
+                            "sync_workers": sync_workers}
+                    futs.append(self.pool.submit(self.call, "Push", s, meta,
+                                                 {"ids": ids[pos], "grads": grads[pos]}))
+        except BaseException as e:
+            out.set_exception(e)
+            return
         if not futs:
             out.set_result(0)
-            return out
+            return
         remaining = [len(futs)]
         dropped = [0]
 
@@ -147,7 +157,6 @@ class EmbeddingClient:
 
         for f in futs:
             f.add_done_callback(done)
-        return out
 
     def contains(self, table: str, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
@@ -173,6 +182,7 @@ class EmbeddingClient:
         pass
 
     def close(self) -> None:
+        self.dispatcher.shutdown(wait=True)
         self.pool.shutdown(wait=True)
         for ch in self.channels:
             ch.close()

@@ -103,3 +103,30 @@ def test_server_answers_an_error_for_an_unknown_table(cluster):
     with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*no table"):
         client.lookup("nope", np.array([1], np.uint64))
     client.close()
+
+
+def test_compiled_routing_agrees_with_shard_of():
+    from persia_core.embedding.kernels import route
+    from persia_core.hashing import shard_of
+
+    ids = np.random.default_rng(3).integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True)
+    ids[:3] = [0, 2**63, 2**64 - 1]
+    for n in (1, 2, 3, 7):
+        order, bounds = route(ids, n)
+        owner = shard_of(ids, n)
+        assert sorted(order.tolist()) == list(range(len(ids)))
+        for s in range(n):
+            part = order[bounds[s]:bounds[s + 1]]
+            assert (owner[part] == s).all() and (np.diff(part) > 0).all()
+
+
+def test_exactly_once_bookkeeping_stays_bounded_when_pushes_arrive_out_of_order():
+    cfg = tiny_config()
+    shard = ParameterServerShard(cfg, 0, 1)
+    shard.table("default").lookup(np.array([1], np.uint64))
+    order = np.random.default_rng(0).permutation(200)
+    for seq in order:
+        meta = {"table": "default", "client": "w0", "seq": int(seq), "step": 0, "sync_workers": 0}
+        shard.push(meta, np.array([1], np.uint64), np.zeros((1, 4), np.float32), timeout=5)
+    rec = shard.applied["w0"]
+    assert rec.low == 199 and not rec.above
