@@ -11,12 +11,20 @@ EPOCHS ?= 0
 MAX_ROWS ?= 0
 PIPELINE_ROOT ?= local_outputs
 PYTEST_ARGS ?=
+TARGET ?= local
+IMAGE ?= persia-kfp:local
+CUDA ?=
+TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
+TF_VENV ?= .venv-tfrecord
+TF_PY   := $(TF_VENV)/bin/python
+TFRECORD ?=
+OUT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test clean
+.PHONY: help venv run compile test clean image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check
 
 help: ## list the targets
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,11 +41,46 @@ run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG 
 		--parameter-servers $(PS) --nn-workers $(WORKERS) --staleness $(STALENESS) --epochs $(EPOCHS) \
 		--max-rows $(MAX_ROWS)
 
-compile: venv ## compile the pipeline to pipelines/persia_pipeline.yaml
-	$(PY) -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml
+compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persia_pipeline.yaml; TARGET=vertex (needs PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_vertex.yaml
+	$(PY) -m pipelines.persia_pipeline --target $(TARGET)
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench-ps: venv ## parameter-server benchmark: lookups/updates per core, gRPC end to end, bytes/row (last line: JSON)
+	$(PY) -m persia_core.bench.ps
+
+bench-ckpt: venv ## checkpoint dump/load of a 10M-row shard vs plain sequential I/O (last line: JSON)
+	$(PY) -m persia_core.bench.ckpt
+
+bench-auc: venv ## MovieLens eval AUC over BENCH_SEEDS seeds (default 3), shipped features and the LR floor's (last line: JSON)
+	$(PY) -m persia_core.bench.movielens_auc
+
+device-check: ## on a CUDA machine, with its own python3 (no .venv): GPU tests + GPU benchmark -> OUT/device_check.json
+	python3 -m persia_core.bench.device_check --out "$(or $(OUT),device_outputs)"
+
+image: ## build the project image with Docker: IMAGE=<tag> (default persia-kfp:local), CUDA=1 for the CUDA build
+	@command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1 || { echo "make image: no working Docker here" \
+		"(docker is not installed or its daemon is not running); build with Cloud Build instead:" \
+		"gcloud builds submit --config cloudbuild.yaml --substitutions=_REGION=...,_REPOSITORY=..." \
+		"(README: Run on Google Cloud)" >&2; exit 1; }
+	DOCKER_BUILDKIT=1 docker build -t $(IMAGE) $(if $(CUDA),--build-arg TORCH_INDEX_URL=$(TORCH_CUDA_INDEX),) .
+
+$(TF_VENV)/.installed: requirements-tfrecord.txt pyproject.toml
+	test -x $(TF_PY) || $(PYTHON) -m venv $(TF_VENV)
+	$(TF_PY) -m pip install -q --upgrade pip
+	$(TF_PY) -m pip install -q -r requirements-tfrecord.txt
+	$(TF_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+venv-tfrecord: $(TF_VENV)/.installed ## create .venv-tfrecord (tensorflow + tensorflow-io, for TFRecord input; ~1.6 GB)
+
+test-tfrecord: venv venv-tfrecord ## run the TFRecord tests in .venv-tfrecord (preprocess runs in .venv)
+	PERSIA_TFRECORD_REQUIRED=1 PERSIA_MAIN_PYTHON=$(abspath $(PY)) $(TF_PY) -m pytest -q tests/tfrecord $(PYTEST_ARGS)
+
+tfrecord: venv-tfrecord ## TFRecord Examples -> delimited text for preprocess: make tfrecord TFRECORD=<file|glob|folder> OUT=<folder> CONFIG=criteo
+	@test -n "$(TFRECORD)" -a -n "$(OUT)" || { echo "make tfrecord: give TFRECORD=<file, glob or folder> and OUT=<folder>" >&2; exit 2; }
+	$(TF_PY) -m persia_core.data.tfrecord --input "$(TFRECORD)" --output "$(OUT)" --config "$(CONFIG)"
 
 clean: ## remove run outputs (keeps .venv)
 	rm -rf $(PIPELINE_ROOT) .pytest_cache

@@ -34,7 +34,10 @@ def preprocess(
     if embedding_staleness >= 0:
         overrides["trainer.embedding_staleness"] = embedding_staleness
     cfg = load_config(config, overrides)
-    schema = run_preprocess(cfg, data, dataset.path, json.loads(beam_args) if beam_args else None)
+    from persia_core import io
+
+    # Dataflow workers cannot see the /gcs/ mount of this container: hand Beam gs:// URIs
+    schema = run_preprocess(cfg, io.to_uri(data), io.to_uri(dataset.path), json.loads(beam_args) if beam_args else None)
     for k, v in schema["rows"].items():
         stats.log_metric(f"rows_{k}", v)
     for k, v in schema["distinct_ids"].items():

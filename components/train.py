@@ -7,20 +7,33 @@ from components import BASE_IMAGE
 
 
 @dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
-def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model], metrics: Output[Metrics]):
+def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model], metrics: Output[Metrics],
+          checkpoint_every_steps: int = 0, checkpoint_every_s: float = 600.0, checkpoint_dir: str = "",
+          delta_every_s: float = 0.0):
     """Start the parameter servers and NN workers of the run config, train, and write the Model artifact
-    (dense weights, embedding shard dumps, manifest, training metrics) into ``model``."""
+    (dense weights, embedding shard dumps, manifest, training metrics) into ``model``.
+
+    Checkpoints go to ``checkpoint_dir`` (empty: ``<model>/checkpoints``, which a retry of this task finds again)
+    every ``checkpoint_every_steps`` steps and/or ``checkpoint_every_s`` seconds (0 = off) and at the end; a
+    retried task resumes from the newest complete one. ``delta_every_s > 0`` also writes incremental exports
+    under ``<model>/deltas``."""
     import os
 
     from persia_core.config import load_config
+    from persia_core.train.checkpoint import CheckpointSettings
     from persia_core.train.launcher import train as run
 
     cfg = load_config(os.path.join(shards.path, "run_config.yaml"))
-    manifest = run(cfg, dataset.path, model.path, init_dir=shards.path)
+    settings = CheckpointSettings(dir=checkpoint_dir, every_steps=checkpoint_every_steps,
+                                  every_s=checkpoint_every_s, at_end=True)
+    manifest = run(cfg, dataset.path, model.path, init_dir=shards.path, checkpoint=settings, resume_from="auto",
+                   delta_every_s=delta_every_s)
     summary = manifest["summary"]
     metrics.log_metric("samples_per_s", summary["samples_per_s"])
     metrics.log_metric("max_staleness", summary["max_staleness"])
     metrics.log_metric("final_loss", summary["final_loss"])
     metrics.log_metric("wall_seconds", summary["wall_seconds"])
+    metrics.log_metric("resumed", manifest["resumed_from"] is not None)
     model.metadata["framework"] = "persia-kfp"
     model.metadata["num_shards"] = manifest["num_shards"]
+    model.metadata["warm_start"] = (manifest.get("warm_start") or {}).get("from", "")

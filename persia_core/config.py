@@ -317,6 +317,19 @@ class TrainerConfig:
     """Injected bandwidth cap of parameter-server calls (bytes/s); 0 = off."""
     device: str = "auto"
     """Where the dense network runs: ``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+    checkpoint_every_steps: int = 0
+    """Checkpoint the whole training state every this many steps (0 = off)."""
+    checkpoint_every_s: float = 0.0
+    """Checkpoint every this many seconds of training (0 = off)."""
+    checkpoint_keep: int = 2
+    """Complete checkpoints kept (older ones are deleted)."""
+    checkpoint_at_end: bool = False
+    """Also checkpoint at the end of training (the Model artifact holds the final state either way)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (empty: ``<model>/checkpoints``); a restarted run resumes from the newest complete one."""
+    delta_every_s: float = 0.0
+    """Incremental export: every this many seconds each server writes the rows updated since its last export
+    (PERSIA's incremental update for online serving); 0 = off."""
     fp16_transfer: bool = False
     """GPU path: move embeddings and their gradients across PCIe as fp16 (a summed gradient that overflows
     fp16 is caught and that step's push is sent in fp32, never as inf)."""
@@ -333,6 +346,11 @@ class TrainerConfig:
             raise _fail("trainer.rpc_timeout_s", "must be > 0")
         if self.network_delay_s < 0 or self.network_bandwidth_bytes_per_s < 0:
             raise _fail("trainer.network_delay_s/network_bandwidth_bytes_per_s", "must be >= 0")
+        for name in ("checkpoint_every_steps", "checkpoint_every_s", "delta_every_s"):
+            if getattr(self, name) < 0:
+                raise _fail(f"trainer.{name}", "must be >= 0")
+        if self.checkpoint_keep < 1:
+            raise _fail("trainer.checkpoint_keep", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise _fail("trainer.device", f"must be auto, cpu or cuda, got {self.device!r}")
 

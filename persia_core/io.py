@@ -1,76 +1,202 @@
 """Paths that may be local, ``gs://bucket/key`` URIs, or the ``/gcs/bucket/key`` mount KFP uses on Vertex AI.
 
-Local and ``/gcs/`` paths use the file system; ``gs://`` goes through ``google-cloud-storage`` (which honours
-``STORAGE_EMULATOR_HOST``). ``join`` never turns ``gs://b/x`` into ``gs:/b/x``.
+Three forms, one behaviour::
+
+    local        /tmp/x, data/movielens        the file system
+    gs://b/k     Cloud Storage object URI      google-cloud-storage (honours STORAGE_EMULATOR_HOST)
+    /gcs/b/k     Cloud Storage FUSE mount      the file system where /gcs/<bucket> is mounted (Vertex AI
+                                               training and pipeline containers); elsewhere the same object
+                                               through google-cloud-storage, as gs://b/k
+
+Cloud Storage has no folders: a "folder" ``gs://b/d`` exists when some object's name starts with ``d/``;
+``listdir`` shows the next path component of such names (files and folders alike), ``glob`` matches files
+only (wildcards ``*``, ``?``, ``[...]`` in the last component). ``join`` never turns ``gs://b/x`` into
+``gs:/b/x``. Writes of whole files are atomic: local ones go to a temporary name and are renamed into place,
+Cloud Storage uploads replace the object in one step.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import threading
 from pathlib import Path
+
+GCS_SCHEME = "gs://"
+FUSE_ROOT = "/gcs/"
+
+_client_lock = threading.Lock()
+_clients: dict[tuple, object] = {}
 
 
 def is_gcs(path: str) -> bool:
-    return str(path).startswith("gs://")
+    """Whether ``path`` is a ``gs://`` URI."""
+    return str(path).startswith(GCS_SCHEME)
+
+
+def is_fuse(path: str) -> bool:
+    """Whether ``path`` is in the ``/gcs/bucket/key`` form."""
+    return str(path).startswith(FUSE_ROOT)
+
+
+def to_uri(path: str) -> str:
+    """``/gcs/b/k`` -> ``gs://b/k``; other paths unchanged."""
+    path = str(path)
+    return GCS_SCHEME + path[len(FUSE_ROOT):] if is_fuse(path) else path
+
+
+def to_fuse(path: str) -> str:
+    """``gs://b/k`` -> ``/gcs/b/k`` (the path a Vertex AI container sees); other paths unchanged."""
+    path = str(path)
+    return FUSE_ROOT + path[len(GCS_SCHEME):] if is_gcs(path) else path
+
+
+def _mounted(path: str) -> bool:
+    """Whether the bucket of a ``/gcs/b/...`` path is visible in the file system (the FUSE mount)."""
+    bucket = path[len(FUSE_ROOT):].split("/", 1)[0]
+    return bool(bucket) and os.path.isdir(FUSE_ROOT + bucket)
+
+
+def _remote(path: str) -> str | None:
+    """The ``gs://`` URI to use for ``path`` through the API, or None for file-system access."""
+    path = str(path)
+    if is_gcs(path):
+        return path
+    if is_fuse(path) and not _mounted(path):
+        return to_uri(path)
+    return None
+
+
+def is_remote(path: str) -> bool:
+    """Whether ``path`` is reached through google-cloud-storage (gs://, or /gcs/ without the mount)."""
+    return _remote(path) is not None
 
 
 def join(base: str, *parts: str) -> str:
-    """Join path parts; keeps the ``gs://`` scheme intact."""
+    """Join path parts; keeps ``gs://`` intact (``join("gs://b", "x/", "y")`` is ``gs://b/x/y``).
+
+    Empty parts are skipped; on Cloud Storage a part is always relative (leading slashes are dropped)."""
     base = str(base)
     if is_gcs(base):
+        split_gcs(base)  # a bucket is required
         out = base.rstrip("/")
         for p in parts:
-            out = out + "/" + str(p).strip("/")
+            p = str(p).strip("/")
+            if p:
+                out = out + ("" if out.endswith("/") else "/") + p
         return out
-    return os.path.join(base, *map(str, parts))
+    return os.path.join(base, *[str(p) for p in parts if str(p)])
 
 
-def _split_gcs(uri: str) -> tuple[str, str]:
-    rest = uri[len("gs://") :]
-    bucket, _, key = rest.partition("/")
+def split_gcs(uri: str) -> tuple[str, str]:
+    """``gs://bucket/key`` -> ``(bucket, key)``; the key may be empty. Raises ``ValueError`` without a bucket."""
+    uri = to_uri(uri)
+    if not is_gcs(uri):
+        raise ValueError(f"not a gs:// URI: {uri!r}")
+    bucket, _, key = uri[len(GCS_SCHEME):].partition("/")
     if not bucket:
         raise ValueError(f"not a gs:// URI with a bucket: {uri!r}")
     return bucket, key
 
 
+_split_gcs = split_gcs  # older name
+
+
 def _client():
+    """A cached ``google.cloud.storage.Client`` (anonymous against ``STORAGE_EMULATOR_HOST``)."""
     from google.cloud import storage
 
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        from google.auth.credentials import AnonymousCredentials
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    key = (emulator, os.getpid())
+    with _client_lock:
+        client = _clients.get(key)
+        if client is None:
+            if emulator:
+                from google.auth.credentials import AnonymousCredentials
 
-        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"), credentials=AnonymousCredentials())
-    return storage.Client()
+                client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"),
+                                        credentials=AnonymousCredentials())
+            else:
+                client = storage.Client()
+            _clients[key] = client
+        return client
 
 
 def _blob(uri: str):
-    bucket, key = _split_gcs(uri)
+    bucket, key = split_gcs(uri)
+    if not key or key.endswith("/"):
+        raise IsADirectoryError(f"{uri!r} names a folder, not an object")
     return _client().bucket(bucket).blob(key)
 
 
+def _folder_prefix(key: str) -> str:
+    return key.rstrip("/") + "/" if key.strip("/") else ""
+
+
+def _has_prefix(bucket: str, prefix: str) -> bool:
+    from google.api_core.exceptions import NotFound
+
+    try:
+        return any(True for _ in _client().list_blobs(bucket, prefix=prefix, max_results=1))
+    except NotFound:  # no such bucket
+        return False
+
+
+def _blobs(bucket: str, prefix: str, **kw) -> list:
+    """The objects under ``prefix`` (``[]`` when the bucket does not exist)."""
+    from google.api_core.exceptions import NotFound
+
+    try:
+        return list(_client().list_blobs(bucket, prefix=prefix, **kw))
+    except NotFound:
+        return []
+
+
 def exists(path: str) -> bool:
-    if is_gcs(path):
-        bucket, key = _split_gcs(path)
-        client = _client()
-        if client.bucket(bucket).blob(key).exists():
-            return True
-        return any(True for _ in client.list_blobs(bucket, prefix=key.rstrip("/") + "/", max_results=1))
-    return os.path.exists(path)
+    """Whether a file or a folder (on Cloud Storage: any object under ``path/``) exists."""
+    uri = _remote(path)
+    if uri is None:
+        return os.path.exists(path)
+    bucket, key = split_gcs(uri)
+    if not key.strip("/"):
+        return _client().bucket(bucket).exists()
+    if not key.endswith("/") and _client().bucket(bucket).blob(key).exists():
+        return True
+    return _has_prefix(bucket, _folder_prefix(key))
 
 
 def isdir(path: str) -> bool:
-    if is_gcs(path):
-        bucket, key = _split_gcs(path)
-        return any(True for _ in _client().list_blobs(bucket, prefix=key.rstrip("/") + "/", max_results=1))
-    return os.path.isdir(path)
+    """Whether ``path`` is a folder (on Cloud Storage: some object's name starts with ``key/``)."""
+    uri = _remote(path)
+    if uri is None:
+        return os.path.isdir(path)
+    bucket, key = split_gcs(uri)
+    if not key.strip("/"):
+        return _client().bucket(bucket).exists()
+    return _has_prefix(bucket, _folder_prefix(key))
+
+
+def isfile(path: str) -> bool:
+    """Whether ``path`` is a file (an object)."""
+    uri = _remote(path)
+    if uri is None:
+        return os.path.isfile(path)
+    bucket, key = split_gcs(uri)
+    return bool(key) and not key.endswith("/") and _client().bucket(bucket).blob(key).exists()
 
 
 def read_bytes(path: str) -> bytes:
-    if is_gcs(path):
-        return _blob(path).download_as_bytes()
-    with open(path, "rb") as f:
-        return f.read()
+    """The whole file. Raises ``FileNotFoundError`` naming the path."""
+    uri = _remote(path)
+    if uri is None:
+        with open(path, "rb") as f:
+            return f.read()
+    from google.api_core.exceptions import NotFound
+
+    try:
+        return _blob(uri).download_as_bytes()
+    except NotFound as e:
+        raise FileNotFoundError(f"{path}: no such object") from e
 
 
 def read_text(path: str) -> str:
@@ -78,12 +204,13 @@ def read_text(path: str) -> str:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Write a whole file; local writes go to a temporary name and are renamed into place."""
-    if is_gcs(path):
-        _blob(path).upload_from_string(data)
+    """Write a whole file (parent folders are created); atomic (see module docstring)."""
+    uri = _remote(path)
+    if uri is not None:
+        _blob(uri).upload_from_string(bytes(data), content_type="application/octet-stream")
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -93,31 +220,115 @@ def write_text(path: str, text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
+def copy(src: str, dst: str) -> None:
+    """Copy one file between any two forms (server-side when both are on Cloud Storage)."""
+    s, d = _remote(src), _remote(dst)
+    if s is not None and d is not None:
+        sb, sk = split_gcs(s)
+        db, dk = split_gcs(d)
+        client = _client()
+        client.bucket(sb).copy_blob(client.bucket(sb).blob(sk), client.bucket(db), dk)
+        return
+    write_bytes(dst, read_bytes(src))
+
+
+def remove(path: str) -> None:
+    """Delete one file. Raises ``FileNotFoundError`` naming the path."""
+    uri = _remote(path)
+    if uri is None:
+        os.remove(path)
+        return
+    from google.api_core.exceptions import NotFound
+
+    try:
+        _blob(uri).delete()
+    except NotFound as e:
+        raise FileNotFoundError(f"{path}: no such object") from e
+
+
 def makedirs(path: str) -> None:
-    if not is_gcs(path):
+    """Create a local folder (and parents); a no-op on Cloud Storage, where folders need no creating."""
+    if _remote(path) is None:
         os.makedirs(path, exist_ok=True)
 
 
 def listdir(path: str) -> list[str]:
-    """Names (not paths) directly under a folder, sorted."""
-    if is_gcs(path):
-        bucket, key = _split_gcs(path)
-        prefix = key.rstrip("/") + "/" if key else ""
-        names = set()
-        for b in _client().list_blobs(bucket, prefix=prefix):
-            names.add(b.name[len(prefix) :].split("/", 1)[0])
-        return sorted(names)
-    return sorted(os.listdir(path))
+    """Names (not paths) directly under a folder, files and folders, sorted.
+
+    Raises ``FileNotFoundError`` for a missing folder."""
+    uri = _remote(path)
+    if uri is None:
+        return sorted(os.listdir(path))
+    bucket, key = split_gcs(uri)
+    prefix = _folder_prefix(key)
+    from google.api_core.exceptions import NotFound
+
+    names = set()
+    it = _client().list_blobs(bucket, prefix=prefix, delimiter="/")
+    try:
+        for b in it:
+            name = b.name[len(prefix):]
+            if name:  # a "folder placeholder" object named exactly ``prefix`` has no name of its own
+                names.add(name)
+    except NotFound as e:
+        raise FileNotFoundError(f"{path}: no such bucket") from e
+    for p in it.prefixes:
+        names.add(p[len(prefix):].rstrip("/"))
+    if not names and not exists(path):
+        raise FileNotFoundError(f"{path}: no such folder")
+    return sorted(names)
+
+
+def walk_files(root: str) -> list[str]:
+    """Relative paths (``/``-separated) of every file under ``root``, recursively, sorted."""
+    uri = _remote(root)
+    if uri is None:
+        out = []
+        for d, _, files in os.walk(root):
+            out += [os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/") for f in files]
+        return sorted(out)
+    bucket, key = split_gcs(uri)
+    prefix = _folder_prefix(key)
+    return sorted(b.name[len(prefix):] for b in _blobs(bucket, prefix) if not b.name.endswith("/"))
 
 
 def glob(pattern: str) -> list[str]:
-    """Files matching a glob (``*`` and ``?`` in the last component only), sorted."""
-    base, _, pat = str(pattern).rpartition("/")
-    if not base:
-        base = "."
+    """Files matching ``pattern`` (wildcards ``*``, ``?``, ``[...]`` in the last component only), sorted.
+
+    A pattern without wildcards gives ``[pattern]`` when it exists (file or folder), else ``[]``."""
+    pattern = str(pattern)
+    if is_gcs(pattern) and any(c in split_gcs(pattern)[0] for c in "*?["):
+        raise ValueError(f"glob {pattern!r}: wildcards in the bucket name are not supported")
+    base, sep, pat = pattern.rpartition("/")
+    if any(c in base for c in "*?["):
+        raise ValueError(f"glob {pattern!r}: wildcards are supported in the last path component only")
     if not any(c in pat for c in "*?["):
         return [pattern] if exists(pattern) else []
-    return [join(base, n) for n in listdir(base) if fnmatch.fnmatch(n, pat)] if exists(base) else []
+    if not sep:
+        base = "."
+    elif not base:
+        base = "/"
+    uri = _remote(base)
+    if uri is None:
+        if not os.path.isdir(base):
+            return []
+        names = [n for n in os.listdir(base) if fnmatch.fnmatchcase(n, pat)]
+        out = [os.path.join(base, n) if sep else n for n in names]
+        return sorted(p for p in out if os.path.isfile(p))
+    bucket, key = split_gcs(uri)
+    prefix = _folder_prefix(key)
+    # the literal part of the pattern narrows the listing
+    literal = pat
+    for i, c in enumerate(pat):
+        if c in "*?[":
+            literal = pat[:i]
+            break
+    out = []
+    for b in _blobs(bucket, prefix + literal, delimiter="/"):
+        name = b.name[len(prefix):]
+        if name and fnmatch.fnmatchcase(name, pat):
+            out.append(join(base, name))
+    return sorted(out)
 
 
 def local_path(path: str) -> str:

@@ -5,27 +5,45 @@ Steps:
   2. init_shards  shard plan, memory estimate and initial state of the embedding parameter servers
   3. train        hybrid training: N parameter servers (async embeddings, staleness K) + M NN workers (DDP)
   4. evaluate     AUC, logloss, normalized entropy, calibration, ROC curve, HTML report
+  5. gate         compare with the latest blessed model (or ``min_auc``) and, only if better, bless the model:
+                  copy it to ``blessed_dir``, the location the next run warm-starts from (``warm_start_from``)
+
+One pipeline, two compile-time targets (``--target``):
+  local   (default) train runs every role as local processes (``components.train``); runs under ``kfp.local``.
+          Writes ``pipelines/persia_pipeline.yaml`` (``make compile``).
+  vertex  train is a Vertex AI CustomJob with one worker pool per role (``pipelines.vertex.train``), and step 0,
+          ``resolve_data``, fills ``{date}`` tokens of ``data`` from the run's scheduled time. Every step runs in
+          ``$PERSIA_BASE_IMAGE``. Writes ``pipelines/persia_pipeline_vertex.yaml``
+          (``make compile TARGET=vertex``).
 
 Every parameter has a default that runs on the bundled MovieLens data. Compile with
-``python -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml`` (``make compile``).
+``python -m pipelines.persia_pipeline [--target vertex] [--output FILE]``.
 """
 
 
 import argparse
+import json
 import sys
 
 from kfp import compiler, dsl
 
+from components import base_image
 from components.evaluate import evaluate
+from components.gate import bless_model, gate
 from components.init_shards import init_shards
 from components.preprocess import preprocess
 from components.train import train
+from pipelines import vertex
 
 PIPELINE_NAME = "persia-hybrid-training"
+PIPELINE_DESCRIPTION = "PERSIA-style hybrid training of a CTR model with huge embeddings"
 DEFAULT_DATA = "data/movielens"
+DEFAULT_BLESSED_DIR = "local_outputs/blessed"
+TARGETS = ("local", "vertex")
+DEFAULT_OUTPUT = {"local": "pipelines/persia_pipeline.yaml", "vertex": "pipelines/persia_pipeline_vertex.yaml"}
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="PERSIA-style hybrid training of a CTR model with huge embeddings")
+@dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
 def persia_pipeline(
     data: str = DEFAULT_DATA,
     config: str = "movielens",
@@ -35,9 +53,16 @@ def persia_pipeline(
     epochs: int = 0,
     max_rows: int = 0,
     beam_args: str = "",
+    blessed_dir: str = DEFAULT_BLESSED_DIR,
+    warm_start_from: str = "",
+    min_auc: float = 0.5,
+    max_auc_drop: float = 0.0,
+    checkpoint_every_s: float = 600.0,
+    checkpoint_every_steps: int = 0,
 ) -> str:
     """Args:
-    data: raw data (folder, file or glob; local, gs:// or /gcs/).
+    data: raw data (folder, file or glob; local, gs:// or /gcs/). Vertex target: ``{date}``, ``{date-1d}``,
+        ``{date:%Y%m%d}`` tokens are filled from the run's scheduled time (see ``pipelines.vertex``).
     config: run config, a shipped name (``movielens``, ``criteo``) or a YAML path.
     num_parameter_servers: embedding parameter-server shards (0 = the config's).
     num_nn_workers: NN workers / DDP ranks (0 = the config's).
@@ -45,32 +70,100 @@ def persia_pipeline(
         synchronous; -1 = the config's).
     epochs: training epochs (0 = the config's). max_rows: read only this many examples (0 = all).
     beam_args: Beam pipeline options as a JSON list (e.g. DataflowRunner settings); empty = DirectRunner.
+    blessed_dir: the stable "latest blessed model" location the gate writes (local path, gs:// or /gcs/).
+    warm_start_from: start from a previous model: a Model artifact, a checkpoint, or a blessed-model location
+        (daily retraining: the same value as ``blessed_dir``; nothing blessed yet = cold start); empty = cold.
+    min_auc: the gate blesses only a model with at least this eval AUC ...
+    max_auc_drop: ... and, when a model is already blessed, at most this much below its AUC.
+    checkpoint_every_s, checkpoint_every_steps: periodic checkpoints of training (0 = off); the train task is
+        retried on failure and resumes from the newest complete checkpoint.
     Returns the evaluation metrics as a JSON string.
     """
+    target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
+    tasks = []
+    if target is not None:
+        resolved = vertex.resolve_data(template=data, schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER
+                                       ).set_display_name("resolve data (schedule time)")
+        tasks.append(resolved)
+        data = resolved.output
     pre = preprocess(
         data=data, config=config, num_parameter_servers=num_parameter_servers, num_nn_workers=num_nn_workers,
         embedding_staleness=embedding_staleness, epochs=epochs, max_rows=max_rows, beam_args=beam_args,
     ).set_display_name("preprocess (Beam)")
-    plan = init_shards(dataset=pre.outputs["dataset"]).set_display_name("init shards")
-    trained = train(dataset=pre.outputs["dataset"], shards=plan.outputs["shards"]).set_display_name(
-        "train (hybrid)")
-    ev = evaluate(dataset=pre.outputs["dataset"], model=trained.outputs["model"]).set_display_name("evaluate")
-    for task in (pre, plan, trained, ev):
+    plan = init_shards(dataset=pre.outputs["dataset"], warm_start_from=warm_start_from).set_display_name(
+        "init shards")
+    if target is None:
+        trained = train(dataset=pre.outputs["dataset"], shards=plan.outputs["shards"],
+                        checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_s=checkpoint_every_s)
+    else:
+        trained = vertex.train(
+            dataset=pre.outputs["dataset"], shards=plan.outputs["shards"],
+            worker_pool_specs=json.dumps(target.worker_pool_specs()), location=target.region,
+            service_account=target.service_account, network=target.network,
+            ps_token_secret=target.ps_token_secret, timeout_s=target.timeout_s)
+    trained.set_display_name("train (hybrid)").set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
+    ev = evaluate(dataset=pre.outputs["dataset"], model=trained.outputs["model"], blessed_dir=blessed_dir,
+                  min_auc=min_auc, max_auc_drop=max_auc_drop).set_display_name("evaluate")
+    decision = gate(metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir, min_auc=min_auc,
+                    max_auc_drop=max_auc_drop).set_display_name("model gate")
+    tasks += [pre, plan, trained, ev, decision]
+    with dsl.If(decision.outputs["Output"] == "bless", name="better-than-blessed"):
+        blessed = bless_model(model=trained.outputs["model"], metrics_json=ev.outputs["Output"],
+                              blessed_dir=blessed_dir).set_display_name("bless model")
+        tasks.append(blessed)
+    image = target.image if target is not None else base_image("local")
+    for task in tasks:
         task.set_caching_options(False)
+        task.set_container_image(image)
     return ev.outputs["Output"]
 
 
-def compile_pipeline(output: str) -> str:
-    """Compile ``persia_pipeline`` to a KFP IR YAML file at ``output``; returns the path."""
-    compiler.Compiler().compile(persia_pipeline, package_path=output)
+def compile_pipeline(output: str, target: str = "local", settings: "vertex.VertexSettings | None" = None) -> str:
+    """Compile ``persia_pipeline`` for ``target`` (``local`` | ``vertex``) to a KFP IR YAML file at ``output``;
+    returns the path. The Vertex AI target takes ``settings`` (default: from ``PERSIA_*`` variables; raises
+    ``ValueError`` without ``$PERSIA_BASE_IMAGE``)."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r} (expected one of {TARGETS})")
+    if target == "local":
+        compiler.Compiler().compile(persia_pipeline, package_path=output)
+        return output
+    settings = settings or vertex.VertexSettings.from_env()
+    with vertex.compiling_for(settings):
+        pipeline = dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)(persia_pipeline.pipeline_func)
+    compiler.Compiler().compile(pipeline, package_path=output)
     return output
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Compile the persia-kfp pipeline to YAML.")
-    p.add_argument("--output", default="pipelines/persia_pipeline.yaml", help="YAML file to write")
+    p.add_argument("--target", choices=TARGETS, default="local",
+                   help="local: train as local processes (kfp.local); vertex: train as a Vertex AI CustomJob")
+    p.add_argument("--output", default="", help="YAML file to write (default: " +
+                   ", ".join(f"{t}: {o}" for t, o in DEFAULT_OUTPUT.items()) + ")")
+    v = p.add_argument_group("vertex target (defaults: the PERSIA_* variables, see pipelines/vertex.py)")
+    v.add_argument("--image", help="image of every step and the parameter servers ($PERSIA_BASE_IMAGE)")
+    v.add_argument("--cuda-image", help="image of the NN pools ($PERSIA_CUDA_IMAGE; default --image)")
+    v.add_argument("--region", help="region of the training CustomJob ($PERSIA_VERTEX_REGION)")
+    v.add_argument("--nn-machine-type", help="machine of NN pools 0 and 1")
+    v.add_argument("--accelerator-type", help="GPU of an NN machine ('' for none)")
+    v.add_argument("--accelerator-count", type=int, help="GPUs per NN machine")
+    v.add_argument("--ps-machine-type", help="high-memory machine of the parameter-server pool 2")
+    v.add_argument("--shards-per-server", type=int, help="parameter-server shards per pool-2 replica")
+    v.add_argument("--ranks-per-replica", type=int, help="NN worker processes (DDP ranks) per NN replica")
+    v.add_argument("--service-account", help="service account of the CustomJob")
+    v.add_argument("--network", help="VPC network of the CustomJob")
+    v.add_argument("--ps-token-secret", help="Secret Manager version of the parameter servers' token")
+    v.add_argument("--timeout-s", type=int, help="CustomJob timeout, seconds")
     args = p.parse_args(argv)
-    print(compile_pipeline(args.output))
+    output = args.output or DEFAULT_OUTPUT[args.target]
+    settings = None
+    try:
+        if args.target == "vertex":
+            names = [f.name for f in vertex.dataclasses.fields(vertex.VertexSettings)]
+            settings = vertex.VertexSettings.from_env(**{k: v for k, v in vars(args).items() if k in names})
+        print(compile_pipeline(output, args.target, settings))
+    except ValueError as e:
+        p.error(str(e))
     return 0
 
 

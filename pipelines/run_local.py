@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -23,13 +24,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=-1, help="embedding staleness K (-1 = config's)")
     p.add_argument("--epochs", type=int, default=0, help="epochs (0 = config's)")
     p.add_argument("--max-rows", type=int, default=0, help="read only this many examples (0 = all)")
+    p.add_argument("--blessed-dir", default="local_outputs/blessed",
+                   help="the latest blessed model's location, written by the gate")
+    p.add_argument("--warm-start-from", default="",
+                   help="start from a previous model, checkpoint or blessed-model location (empty = cold start)")
+    p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
     args = p.parse_args(argv)
 
     from kfp import local
 
+    from persia_core.evaluate.gate import latest_blessed_model
     from pipelines.persia_pipeline import persia_pipeline
 
-    data = args.data if "://" in args.data else os.path.abspath(args.data)
+    def absolute(path: str) -> str:
+        return path if not path or "://" in path else os.path.abspath(path)
+
+    data = absolute(args.data)
     config = args.config
     if config.endswith((".yaml", ".yml")) and "://" not in config:
         config = os.path.abspath(config)
@@ -38,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
                              num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
-                             epochs=args.epochs, max_rows=args.max_rows)
+                             epochs=args.epochs, max_rows=args.max_rows,
+                             blessed_dir=absolute(args.blessed_dir), warm_start_from=absolute(args.warm_start_from),
+                             min_auc=args.min_auc)
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
     reports = sorted(
@@ -46,7 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         key=os.path.getmtime,
     )
     if reports:
-        print(f"report: {reports[-1]}")
+        run_dir = os.path.dirname(os.path.dirname(reports[-1]))
+        html = os.path.join(run_dir, "report.html")
+        shutil.copyfile(reports[-1], html)
+        print(f"report: {html}")
+    marker = os.path.join(absolute(args.blessed_dir), "BLESSED.json")
+    if os.path.exists(marker) and os.path.getmtime(marker) >= t0:
+        print(f"gate: blessed; latest blessed model: {latest_blessed_model(absolute(args.blessed_dir))}")
+    else:
+        print(f"gate: not blessed (the latest blessed model under {args.blessed_dir} stays)")
 
     def fmt(v):
         return "undefined" if v is None else f"{v:.4f}"

@@ -2,13 +2,22 @@
 
 From the preprocess statistics (distinct IDs per slot) and the embedding settings, decide each shard's row
 capacity per table from its memory budget, estimate the memory the run needs, refuse a plan that does not fit,
-and write the initial state of every shard (empty tables: rows are created on first lookup with the
-deterministic per-ID initializer).
+and write the initial state of every shard: empty tables (cold start: rows are created on first lookup with the
+deterministic per-ID initializer), or the rows and optimizer state of a previous run's model (warm start).
+
+Warm start (recurring retraining): ``warm_start_from`` names the previous run's Model artifact, a checkpoint
+folder, or a blessed-model location (``BLESSED.json``, see ``persia_core.evaluate.gate``: its latest blessed
+model; none blessed yet = cold start). Its config must still match in what the state depends on (tables' dim and
+optimizer, the slots and their tables, the dense model and dense features), else the step fails naming each
+difference; its rows are re-sharded to this plan (``hashing.shard_of``) and its dense weights are passed on to
+training (``warm_start/dense.pt``).
 
 Output folder::
 
-    shard_plan.json         routing rule, shards, per table: dim, optimizer, bytes/row, capacity, estimates
+    shard_plan.json         routing rule, shards, per table: dim, optimizer, bytes/row, capacity, estimates;
+                            ``warm_start``: where from, rows carried over and dropped
     shards/shard-SSSSS.npz  initial state of each shard
+    warm_start/dense.pt     the previous model's dense weights (warm start only)
     run_config.yaml         the run config, passed on to training
 """
 
@@ -17,11 +26,17 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
-from persia_core.embedding.sharded import make_tables, shard_file_bytes
+from persia_core.embedding.sharded import (TableArrays, lru_state_dict, make_tables, read_shard_file,
+                                           shard_file_bytes, write_shard_arrays)
 from persia_core.embedding.table import bytes_per_row, capacity_for_budget
+from persia_core.hashing import shard_of
+
+WARM_DENSE = "warm_start/dense.pt"
 
 ROUTING = "shard = splitmix64(feature_id) % num_shards"
 SKEW_MARGIN = 1.2
@@ -30,6 +45,10 @@ SKEW_MARGIN = 1.2
 
 class PlanError(ValueError):
     """The embedding tables do not fit the shards' memory budget; the message gives both figures."""
+
+
+class WarmStartError(ValueError):
+    """The model to warm-start from does not match the run config; the message names every difference."""
 
 
 def make_plan(config: RunConfig, schema: dict) -> dict:
@@ -62,23 +81,186 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
             "estimated_bytes_per_shard": total_est, "estimated_bytes_total": total_est * n, "tables": tables}
 
 
-def init_shards(config: RunConfig, data_dir: str, output_dir: str) -> dict:
+# ---- re-sharding --------------------------------------------------------------------------------------------
+def storage_arrays(sd: dict[str, np.ndarray], meta: dict) -> TableArrays:
+    """Arrays in recency order (``state_dict`` form) as layout ``storage``: row i is the i-th most recent."""
+    n = len(sd["keys"])
+    prev = np.arange(-1, n - 1, dtype=np.int32)
+    nxt = np.arange(1, n + 1, dtype=np.int32)
+    if n:
+        nxt[-1] = -1
+    counters = np.zeros(4, np.int64)
+    counters[0] = n
+    arrays = {k: np.ascontiguousarray(v) for k, v in sd.items()}
+    arrays.setdefault("last_used", np.zeros(n, np.int32))
+    arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([0, n - 1] if n else [-1, -1], np.int32),
+                   "counters": counters})
+    step = int(arrays["last_used"].max()) if n else 0
+    return TableArrays(arrays, {**meta, "layout": "storage", "rows": n, "step": max(step, meta.get("step", 0))})
+
+
+def reshard(sources: list[dict[str, TableArrays]], num_shards: int,
+            capacities: dict[str, int] | None = None) -> tuple[list[dict[str, TableArrays]], dict]:
+    """Re-route the rows of N shards to ``num_shards`` shards by ``hashing.shard_of``.
+
+    Every row keeps its weights and optimizer state; recency is merged by each row's relative position in its old
+    shard's recency list (most recent first). A new shard holding more rows of a table than ``capacities[table]``
+    keeps the most recent ones. Returns (new shards' arrays, ``{"rows": {table: n}, "dropped": {table: n}}``).
+    Server bookkeeping (applied pushes) is not carried: it belongs to the old shards' clients."""
+    names = sorted({n for s in sources for n in s})
+    out: list[dict[str, TableArrays]] = [{} for _ in range(num_shards)]
+    report = {"rows": {}, "dropped": {}}
+    for name in names:
+        parts = [lru_state_dict(s[name]) for s in sources if name in s]
+        metas = [s[name].meta for s in sources if name in s]
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        rank = np.concatenate([np.arange(len(p["keys"])) / max(len(p["keys"]), 1) for p in parts])
+        order = np.argsort(rank, kind="stable")
+        merged = {k: v[order] for k, v in merged.items()}
+        owner = shard_of(merged["keys"], num_shards)
+        base = {k: metas[0][k] for k in ("dim", "optimizer") if k in metas[0]}
+        base["step"] = max(int(m.get("step", 0)) for m in metas)
+        base["dropped_gradients"] = 0
+        dropped = 0
+        for s in range(num_shards):
+            sel = np.flatnonzero(owner == s)
+            cap = (capacities or {}).get(name)
+            if cap is not None and len(sel) > cap:
+                dropped += len(sel) - cap
+                sel = sel[:cap]
+            out[s][name] = storage_arrays({k: v[sel] for k, v in merged.items()}, base)
+        report["rows"][name] = int(len(merged["keys"]) - dropped)
+        report["dropped"][name] = int(dropped)
+    return out, report
+
+
+def resolve_warm_start(path: str) -> str:
+    """The Model artifact or checkpoint folder that ``warm_start_from`` names ("" for a cold start): the folder
+    itself, or the latest blessed model of a blessed-model location. Raises ``FileNotFoundError`` when it
+    names nothing usable."""
+    if not path:
+        return ""
+    if io.exists(io.join(path, "manifest.json")):
+        return path
+    from persia_core.evaluate import gate
+
+    if io.exists(io.join(path, gate.MARKER)):
+        return gate.latest_blessed_model(path) or ""
+    if io.isdir(path) and not io.listdir(path):
+        return ""  # an empty blessed-model location: nothing blessed yet
+    raise FileNotFoundError(f"warm start from {path!r}: not a Model artifact, checkpoint or blessed-model "
+                            f"location (no manifest.json or {gate.MARKER})")
+
+
+def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
+    """What the previous model's state depends on and this run changed (``key: before -> now``)."""
+    out = []
+    old_tables = {t["name"]: t for t in old["embedding"]["tables"]}
+    for t in config.embedding.tables:
+        o = old_tables.get(t.name)
+        if o is None:
+            out.append(f"embedding.tables[{t.name}]: not in the previous model")
+            continue
+        if o["dim"] != t.dim:
+            out.append(f"embedding.tables[{t.name}].dim: {o['dim']} -> {t.dim}")
+        if o["optimizer"]["name"] != t.optimizer.name:
+            out.append(f"embedding.tables[{t.name}].optimizer.name: {o['optimizer']['name']!r} -> "
+                       f"{t.optimizer.name!r}")
+    for name in sorted(set(old_tables) - {t.name for t in config.embedding.tables}):
+        out.append(f"embedding.tables[{name}]: not in this run config")
+
+    def slot(s: dict) -> dict:
+        return {"source": s.get("source", ""), "cross": list(s.get("cross", [])), "table": s.get("table")}
+
+    old_slots = [s["name"] for s in old["slots"]]
+    if old_slots != config.slot_names:
+        out.append(f"slots: {old_slots} -> {config.slot_names}")
+    for s in config.to_dict()["slots"]:
+        o = next((x for x in old["slots"] if x["name"] == s["name"]), None)
+        if o is not None and slot(o) != slot(s):
+            out.append(f"slots[{s['name']}]: {slot(o)} -> {slot(s)}")
+    new_model = config.to_dict()["model"]
+    for k in sorted(set(old["model"]) | set(new_model)):
+        if old["model"].get(k) != new_model.get(k):
+            out.append(f"model.{k}: {old['model'].get(k)!r} -> {new_model.get(k)!r}")
+    if list(old_dense) != list(dense):
+        out.append(f"dense features: {list(old_dense)} -> {list(dense)}")
+    return out
+
+
+def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, capacities: dict[str, int]) -> dict:
+    """Write every shard's initial state from the rows and optimizer state of ``source`` (a Model artifact or a
+    checkpoint), re-sharded to ``config.embedding.num_shards``, and its dense weights to ``WARM_DENSE``.
+    Returns what was carried over. Raises ``WarmStartError`` naming the differences when the config no longer
+    matches, ``ShardFileError`` for a corrupt shard file."""
+    import io as _io
+
+    import torch
+
+    manifest = json.loads(io.read_text(io.join(source, "manifest.json")))
+    fmt = manifest.get("format", "")
+    if fmt == "persia-model/1":
+        old_config, old_dense = manifest["config"], manifest.get("dense", [])
+        shards = [{"path": rel, "bytes": None, "crc32c": c}
+                  for rel, c in zip(manifest["shard_files"], manifest.get("shard_crc32c") or
+                                    [None] * len(manifest["shard_files"]))]
+        dense_rel = manifest["dense_file"]
+    elif fmt.startswith("persia-checkpoint/"):
+        old_config = manifest["lineage"]["config"]
+        old_dense = schema["dense"]  # a checkpoint of a run on the same preprocess layout
+        shards = sorted((e for e in manifest["files"] if e.get("role") == "shard"), key=lambda e: e["shard"])
+        dense_rel = "dense.pt"
+    else:
+        raise WarmStartError(f"warm start from {source}: unknown format {fmt!r}")
+    problems = warm_start_differences(old_config, old_dense, config, schema["dense"])
+    if problems:
+        raise WarmStartError(f"warm start from {source} refused: the run config no longer matches the previous "
+                             f"model: " + "; ".join(problems))
+    sources = [read_shard_file(io.join(source, e["path"]), e.get("bytes"), e.get("crc32c"), build_index=False).tables
+               for e in shards]
+    new, report = reshard(sources, config.embedding.num_shards, capacities)
+    from persia_core.train.launcher import shard_file_name
+
+    files = []
+    for s, tables in enumerate(new):
+        rel = shard_file_name(s)
+        write_shard_arrays(io.join(output_dir, rel), tables)
+        files.append(rel)
+    state = torch.load(_io.BytesIO(io.read_bytes(io.join(source, dense_rel))), weights_only=True, map_location="cpu")
+    if fmt != "persia-model/1":
+        state = state["model"]
+    buf = _io.BytesIO()
+    torch.save(state, buf)
+    io.write_bytes(io.join(output_dir, WARM_DENSE), buf.getvalue())
+    return {"from": source, "format": fmt, "previous_num_shards": len(shards), "rows": report["rows"],
+            "dropped_rows": report["dropped"], "dense_file": WARM_DENSE, "shard_files": files}
+
+
+def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_from: str = "") -> dict:
     """Write the shard plan, run config and initial shard states to ``output_dir``. Returns the plan.
 
-    Raises ``FileNotFoundError`` when ``data_dir`` has no ``schema.json``, ``PlanError`` when the plan does not
-    fit the memory budget."""
+    ``warm_start_from``: see the module docstring ("" = cold start). Raises ``FileNotFoundError`` when
+    ``data_dir`` has no ``schema.json`` or ``warm_start_from`` names nothing usable, ``PlanError`` when the plan
+    does not fit the memory budget, ``WarmStartError`` when the previous model does not match the config."""
     schema = read_schema(data_dir)
     plan = make_plan(config, schema)
     caps = {name: t["capacity_rows_per_shard"] for name, t in plan["tables"].items()}
     from persia_core.train.launcher import shard_file_name
 
-    files = []
-    for s in range(plan["num_shards"]):
-        tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes, config.trainer.seed,
-                             capacities=caps)
-        rel = shard_file_name(s)
-        io.write_bytes(io.join(output_dir, rel), shard_file_bytes(tables))
-        files.append(rel)
+    source = resolve_warm_start(warm_start_from)
+    if source:
+        plan["warm_start"] = warm_start(config, schema, source, output_dir, caps)
+        files = plan["warm_start"].pop("shard_files")
+    else:
+        files = []
+        for s in range(plan["num_shards"]):
+            tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes, config.trainer.seed,
+                                 capacities=caps)
+            rel = shard_file_name(s)
+            io.write_bytes(io.join(output_dir, rel), shard_file_bytes(tables))
+            files.append(rel)
+        if warm_start_from:
+            plan["warm_start"] = {"from": warm_start_from, "cold_start": "no model blessed there yet"}
     plan["shard_files"] = files
     io.write_text(io.join(output_dir, "shard_plan.json"), json.dumps(plan, indent=1))
     io.write_text(io.join(output_dir, "run_config.yaml"), config.to_yaml())

@@ -159,22 +159,14 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
     return out
 
 
+SKIPPED_ON_BLESS = ("checkpoints/", "deltas/")
+"""Parts of a Model artifact that a blessed copy leaves out: training checkpoints and incremental exports."""
+
+
 def _files_under(root: str) -> list[str]:
-    """Relative paths of every file under ``root`` (local, ``/gcs/`` or ``gs://``), sorted."""
-    if not io.is_gcs(root):
-        out = []
-        for d, _, files in os.walk(root):
-            for f in files:
-                out.append(os.path.relpath(os.path.join(d, f), root).replace(os.sep, "/"))
-        return sorted(out)
-    out = []
-    for name in io.listdir(root):
-        path = io.join(root, name)
-        if io.isdir(path):
-            out += [f"{name}/{rel}" for rel in _files_under(path)]
-        else:
-            out.append(name)
-    return sorted(out)
+    """Relative paths of the model files under ``root`` (local, ``/gcs/`` or ``gs://``), sorted, without the
+    folders in ``SKIPPED_ON_BLESS``."""
+    return [f for f in io.walk_files(root) if not f.startswith(SKIPPED_ON_BLESS)]
 
 
 def _new_version() -> str:

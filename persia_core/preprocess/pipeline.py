@@ -676,7 +676,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--config", default="movielens", help="shipped config name or a YAML path")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args, beam_args = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from persia_core.logging_utils import setup_logging
+
+    setup_logging("preprocess")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     config = load_config(args.config, parse_overrides(args.set))
     result = run_preprocess(config, args.data, args.output, beam_args)

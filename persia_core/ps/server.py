@@ -5,7 +5,9 @@ Service ``persia.ParameterServer`` (unary calls, ``persia_core.ps.wire`` message
     Lookup          meta {table}            ids uint64[U]           -> rows float32[U, D] (rows created)
     LookupReadonly  meta {table}            ids uint64[U]           -> rows float32[U, D] (unseen -> zeros)
     Push            meta {table, client, seq, step, sync_workers}  ids, grads float32[U, D] -> {applied, dropped}
-    Dump / Load     meta {path}                                     -> {bytes}
+    Dump            meta {path}                       -> {bytes, crc32c}  (shard file: rows, optimizer state,
+                                                         recency list, applied-push records; see embedding.sharded)
+    Load            meta {path, size?, crc32c?}       -> {ok}   (refused unless size and CRC-32C match, if given)
     Stats, Health
 
 Push semantics (PERSIA, Lian et al., KDD 2022, Sec. 4.2):
@@ -13,7 +15,14 @@ Push semantics (PERSIA, Lian et al., KDD 2022, Sec. 4.2):
 - ``sync_workers = M > 1``: the pushes of ``step`` from M distinct clients are concatenated, gradients of the
   same ID summed, and applied once; each of the M calls returns only after that (fully synchronous, K = 0).
 - Exactly once: a push carries a per-client sequence number; a retried push already applied is acknowledged
-  without being applied again.
+  without being applied again. The records of applied numbers are part of the shard's dump, so they survive a
+  restart from a checkpoint (clients of a resumed run also take new ids: see ``persia_core.train.worker``).
+
+Incremental export (``--delta-dir``, ``--delta-every-s``): the IDs created by lookups and updated by pushes are
+recorded, and every T seconds their rows are written as a delta file (``persia_core.embedding.delta``).
+
+Exit codes of ``main``: 0 stopped by SIGTERM/SIGINT; 3 the ``--init`` state was refused (missing, partial or
+corrupt: the log's last line says which check failed); other non-zero: a crash.
 
 Security: binds 127.0.0.1 unless ``--host`` says otherwise; when ``PERSIA_PS_TOKEN`` is set every call must
 carry it in the ``x-persia-token`` metadata, else it is refused with UNAUTHENTICATED.
@@ -36,7 +45,7 @@ import grpc
 import numpy as np
 
 from persia_core.config import RunConfig, load_config
-from persia_core.embedding.sharded import load_shard_file, make_tables, shard_file_bytes
+from persia_core.embedding.sharded import ShardFileError, load_shard_file, make_tables, write_shard_file
 from persia_core.ps import wire
 
 SERVICE = "persia.ParameterServer"
@@ -47,15 +56,23 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
+EXIT_BAD_INIT = 3
+"""Exit code of ``main`` when the state to start from is refused."""
 log = logging.getLogger("persia.ps")
 
 
 class _Applied:
-    """Per-client record of applied sequence numbers: a watermark plus the set above it."""
+    """Per-client record of applied sequence numbers: a watermark plus the set above it.
 
-    def __init__(self) -> None:
-        self.low = -1
-        self.above: set[int] = set()
+    A client numbers its pushes across all shards, so a shard sees gaps that never fill; the set is kept to
+    ``MAX_ABOVE`` numbers by moving the watermark up past the oldest half (a push older than thousands of newer
+    ones from the same client is taken as applied: with bounded staleness it cannot still be in flight)."""
+
+    MAX_ABOVE = 4096
+
+    def __init__(self, low: int = -1, above=()) -> None:
+        self.low = int(low)
+        self.above: set[int] = {int(a) for a in above}
 
     def seen(self, seq: int) -> bool:
         return seq <= self.low or seq in self.above
@@ -65,6 +82,14 @@ class _Applied:
         while self.low + 1 in self.above:
             self.low += 1
             self.above.discard(self.low)
+        if len(self.above) > self.MAX_ABOVE:
+            ordered = sorted(self.above)
+            cut = ordered[len(ordered) // 2]
+            self.low = cut
+            self.above = {a for a in ordered if a > cut}
+
+    def to_json(self) -> list:
+        return [self.low, sorted(self.above)]
 
 
 class ParameterServerShard:
@@ -87,12 +112,40 @@ class ParameterServerShard:
         self.done_steps: dict[str, int] = {}
         self.pushes = 0
         self.duplicates = 0
+        self.delta_seq = 0
+        self.tracker = None  # a DeltaTracker while incremental export is on
+        self.exporter = None
 
     def table(self, name: str):
         try:
             return self.tables[name]
         except KeyError:
             raise ValueError(f"shard {self.shard}: no table {name!r} (have {sorted(self.tables)})") from None
+
+    def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` in table ``name``, created where unseen (recorded for the incremental export)."""
+        rows = self.table(name).lookup(ids)
+        if self.tracker is not None:
+            self.tracker.record(name, ids)
+        return rows
+
+    def start_deltas(self, delta_dir: str, every_s: float) -> None:
+        """Record changed rows and write them as delta files every ``every_s`` seconds (0: only on
+        ``export_delta``). See ``persia_core.embedding.delta``."""
+        from persia_core.embedding.delta import DeltaExporter, DeltaTracker
+
+        self.tracker = DeltaTracker(self.tables)
+        self.exporter = DeltaExporter(self.tables, self.tracker, delta_dir, self.shard, every_s, self.delta_seq,
+                                      lock=self.cond)
+        self.exporter.start()
+
+    def export_delta(self) -> str | None:
+        """Write the rows changed since the last delta now. Returns the file, or None when nothing changed."""
+        if self.exporter is None:
+            raise ValueError(f"shard {self.shard}: incremental export is off (no delta folder)")
+        path = self.exporter.export()
+        self.delta_seq = self.exporter.seq
+        return path
 
     def push(self, meta: dict, ids: np.ndarray, grads: np.ndarray, timeout: float | None) -> dict:
         """Apply (or buffer, in sync mode) one gradient push; see the module docstring. Raises
@@ -109,6 +162,8 @@ class ParameterServerShard:
                 dropped = table.apply_gradients(ids, grads)
                 rec.add(seq)
                 self.pushes += 1
+                if self.tracker is not None:
+                    self.tracker.record(meta["table"], ids)
                 return {"applied": True, "duplicate": False, "dropped": dropped}
             key = (meta["table"], step)
             if not rec.seen(seq):
@@ -121,6 +176,8 @@ class ParameterServerShard:
                 all_ids = np.concatenate([b[0] for b in bucket.values()])
                 all_grads = np.concatenate([b[1] for b in bucket.values()])
                 dropped = table.apply_gradients(all_ids, all_grads)
+                if self.tracker is not None:
+                    self.tracker.record(meta["table"], all_ids)
                 del self.pending[key]
                 self.done_steps[meta["table"]] = max(self.done_steps.get(meta["table"], -1), step)
                 self.pushes += 1
@@ -141,18 +198,37 @@ class ParameterServerShard:
                     "duplicate_pushes": self.duplicates,
                     "tables": {n: t.stats() for n, t in self.tables.items()}}
 
-    def dump(self, path: str) -> int:
-        """Write this shard's rows and optimizer state to ``path`` (local or gs://). Returns bytes written."""
-        from persia_core import io
+    def server_state(self) -> dict:
+        """The bookkeeping that goes into a dump: applied-push records per client, last combined step per table
+        (K = 0), counters, and the number of the last delta exported."""
+        return {"shard": self.shard, "num_shards": self.num_shards,
+                "applied": {c: r.to_json() for c, r in self.applied.items()},
+                "done_steps": dict(self.done_steps), "pushes": self.pushes, "duplicates": self.duplicates,
+                "delta_seq": self.exporter.seq if self.exporter is not None else self.delta_seq}
 
-        with self.cond:
-            data = shard_file_bytes(self.tables)
-        io.write_bytes(path, data)
-        return len(data)
+    def restore_server_state(self, state: dict) -> None:
+        """Take back ``server_state()`` from a dump of the same shard (a state re-sharded from other shards has
+        none)."""
+        if not state or state.get("shard") != self.shard or state.get("num_shards") != self.num_shards:
+            return
+        self.applied = {c: _Applied(low, above) for c, (low, above) in state.get("applied", {}).items()}
+        self.done_steps = {k: int(v) for k, v in state.get("done_steps", {}).items()}
+        self.pushes = int(state.get("pushes", 0))
+        self.duplicates = int(state.get("duplicates", 0))
+        self.delta_seq = int(state.get("delta_seq", 0))
 
-    def load(self, path: str) -> None:
+    def dump(self, path: str) -> tuple[int, int]:
+        """Write this shard's rows, optimizer state, recency list and bookkeeping to ``path`` (local or gs://),
+        with no push applied meanwhile. Returns ``(bytes written, CRC-32C)``."""
         with self.cond:
-            load_shard_file(path, self.tables)
+            return write_shard_file(path, self.tables, self.server_state())
+
+    def load(self, path: str, expect_size: int | None = None, expect_crc32c: int | None = None) -> None:
+        """Replace this shard's state with a shard file's. Raises ``ShardFileError`` when the file is partial,
+        corrupt (size or CRC-32C differ from the expected ones) or does not fit the run config."""
+        with self.cond:
+            state = load_shard_file(path, self.tables, expect_size, expect_crc32c)
+            self.restore_server_state(state)
 
 
 class _Servicer:
@@ -188,7 +264,7 @@ class _Servicer:
         s = self.shard
 
         def lookup(meta, arrays, ctx):
-            return {}, {"rows": s.table(meta["table"]).lookup(arrays["ids"])}
+            return {}, {"rows": s.lookup(meta["table"], arrays["ids"])}
 
         def lookup_readonly(meta, arrays, ctx):
             return {}, {"rows": s.table(meta["table"]).lookup_readonly(arrays["ids"])}
@@ -201,10 +277,11 @@ class _Servicer:
             return {}, {"found": s.table(meta["table"]).contains(arrays["ids"]).astype(np.uint8)}
 
         def dump(meta, arrays, ctx):
-            return {"bytes": s.dump(meta["path"])}, {}
+            nbytes, crc = s.dump(meta["path"])
+            return {"bytes": nbytes, "crc32c": crc}, {}
 
         def load(meta, arrays, ctx):
-            s.load(meta["path"])
+            s.load(meta["path"], meta.get("size"), meta.get("crc32c"))
             return {"ok": True}, {}
 
         def stats(meta, arrays, ctx):
@@ -240,11 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-shards", type=int, required=True, help="shards in the plan")
     p.add_argument("--plan", default="", help="shard_plan.json from init_shards (row capacities)")
     p.add_argument("--init", default="", help="shard file to start from (initial state or checkpoint)")
+    p.add_argument("--init-size", type=int, default=None, help="refuse --init unless it has this many bytes")
+    p.add_argument("--init-crc32c", type=int, default=None, help="refuse --init unless its CRC-32C is this")
+    p.add_argument("--delta-dir", default="", help="write incremental exports (delta files) under this folder")
+    p.add_argument("--delta-every-s", type=float, default=0.0, help="seconds between delta files (0: off)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
     p.add_argument("--port-file", default="", help="write the bound port here once serving")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s ps[{args.shard}] %(message)s")
+    from persia_core.logging_utils import setup_logging
+
+    setup_logging("ps", args.shard)
     config = load_config(args.config)
     capacities = None
     if args.plan:
@@ -254,8 +337,17 @@ def main(argv: list[str] | None = None) -> int:
         capacities = {n: t["capacity_rows_per_shard"] for n, t in plan["tables"].items()}
     shard = ParameterServerShard(config, args.shard, args.num_shards, capacities)
     if args.init:
-        shard.load(args.init)
-        log.info("loaded %s", args.init)
+        t0 = time.perf_counter()
+        try:
+            shard.load(args.init, args.init_size, args.init_crc32c)
+        except (ShardFileError, FileNotFoundError) as e:
+            log.error("refused the state to start from: %s", e)
+            return EXIT_BAD_INIT
+        log.info("loaded %s in %.2f s (%s rows)", args.init, time.perf_counter() - t0,
+                 {n: t.size for n, t in shard.tables.items()})
+    if args.delta_dir and args.delta_every_s > 0:
+        shard.start_deltas(args.delta_dir, args.delta_every_s)
+        log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
     token = os.environ.get(TOKEN_ENV) or None
     server, port = serve(shard, args.host, args.port, token)
     if args.port_file:
@@ -269,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     stop.wait()
+    if shard.exporter is not None:
+        shard.exporter.stop()
     server.stop(grace=2).wait()
     return 0
 

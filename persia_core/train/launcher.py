@@ -2,23 +2,35 @@
 
 Roles: N embedding parameter servers (``persia_core.ps.server``, one per shard, gRPC on 127.0.0.1 with a fresh
 shared token) and M NN workers (``persia_core.train.worker``, torch DDP over gloo). When every worker exits 0,
-each server dumps its shard into the model folder and ``manifest.json`` is written last. If any process dies, the
-rest are killed within seconds and ``TrainingFailed`` names the process and its last log lines; children also
-die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
+each server dumps its shard into the model folder and ``manifest.json`` is written last.
+
+Failures fail fast: the launcher polls its children every 0.2 s; on the first one that dies (a crash, SIGKILL,
+OOM) it kills all the others at once (a worker blocked in a gloo collective on a dead peer included) and raises
+``TrainingFailed`` naming the process, how it ended, and its last log lines. Children run in their own sessions
+and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
+
+Checkpoints and resume (``persia_core.train.checkpoint``): with checkpoint settings, the workers write
+checkpoints under ``<model_dir>/checkpoints`` (or the given folder). ``train`` started again on the same output
+(a KFP retry) finds the newest complete checkpoint there and continues from it in new processes; a checkpoint
+whose files are partial or corrupt is refused, with the reason logged, and the previous one is used. A checkpoint
+of another shard count is re-sharded first.
 
 Model folder::
 
-    manifest.json          format, config, tables, shard files, dense file, slots, dense feature stats, summary
+    manifest.json          format, config, tables, shard files, dense file, slots, dense feature stats, summary,
+                           lineage, the checkpoint the run resumed from
     dense.pt               dense model state_dict (load with torch.load(..., weights_only=True))
-    shards/shard-SSSSS.npz one per parameter-server shard: <table>.keys/.weights/<optimizer state> (no pickles)
+    shards/shard-SSSSS.npz one per parameter-server shard (``persia_core.embedding.sharded``; no pickles)
     train_metrics.json     loss curve, samples/s, observed staleness
-    logs/                  each process's log
+    checkpoints/           the newest checkpoints (when enabled)
+    deltas/                incremental exports (when enabled; ``persia_core.embedding.delta``)
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import secrets
 import signal
@@ -26,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -35,10 +48,16 @@ from persia_core.config import RunConfig
 
 FORMAT = "persia-model/1"
 _PR_SET_PDEATHSIG = 1
+EXIT_BAD_INIT = 3  # persia_core.ps.server.EXIT_BAD_INIT (not imported: that pulls in gRPC)
+log = logging.getLogger("persia.launcher")
 
 
 class TrainingFailed(RuntimeError):
     """A training process failed; the message names it and ends with its last log lines."""
+
+
+class InitRefused(TrainingFailed):
+    """A parameter server refused the state it was to start from (partial or corrupt shard file)."""
 
 
 def _die_with_parent() -> None:
@@ -68,27 +87,40 @@ class _Proc:
         except OSError:
             return "(no log)"
 
+    def how(self) -> str:
+        rc = self.popen.returncode
+        if rc is not None and rc < 0:
+            try:
+                return f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"was killed by signal {-rc}"
+        return f"exited with code {rc}"
+
 
 def shard_file_name(shard: int) -> str:
     return f"shards/shard-{shard:05d}.npz"
 
 
 class LocalCluster:
-    """Parameter servers and NN workers as child processes of this one. Use as a context manager.
+    """Parameter servers and NN workers as child processes of this one. Use as a context manager: leaving it
+    stops every child (at once with SIGKILL when an exception is leaving it).
 
     Args:
         config_path: run config YAML every process loads. num_shards, num_workers: N and M.
         work_dir: logs and port files. plan_path / init_dir: shard plan and initial shard files (optional).
+        delta_dir, delta_every_s: incremental export of every server (off when empty / 0).
     """
 
     def __init__(self, config_path: str, num_shards: int, num_workers: int, work_dir: str, plan_path: str = "",
-                 init_dir: str = ""):
+                 init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0):
         self.config_path = config_path
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.work_dir = work_dir
         self.plan_path = plan_path
         self.init_dir = init_dir
+        self.delta_dir = delta_dir
+        self.delta_every_s = delta_every_s
         self.token = secrets.token_hex(16)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
@@ -107,28 +139,46 @@ class LocalCluster:
         log_path = os.path.join(self.work_dir, "logs", f"{name}.log")
         f = open(log_path, "w")
         popen = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=_die_with_parent, start_new_session=True)
         f.close()
         return _Proc(name, popen, log_path)
 
-    def start_servers(self, timeout_s: float = 120.0) -> list[str]:
-        """Start the N servers and wait until each reports its port. Returns their addresses."""
+    def start_servers(self, timeout_s: float = 120.0, inits: list[dict | None] | None = None) -> list[str]:
+        """Start the N servers and wait until each reports its port. Returns their addresses.
+
+        ``inits[s]``: the state shard s starts from, ``{"path", "bytes"?, "crc32c"?}`` (checked by the server);
+        default: ``<init_dir>/shards/shard-SSSSS.npz`` where it exists. Raises ``InitRefused`` when a server
+        refuses its state, ``TrainingFailed`` when one dies or does not start in time."""
         port_files = []
         for s in range(self.num_shards):
             pf = os.path.join(self.work_dir, f"ps-{s}.port")
+            if os.path.exists(pf):
+                os.remove(pf)
             port_files.append(pf)
             args = ["-m", "persia_core.ps.server", "--config", self.config_path, "--shard", str(s),
                     "--num-shards", str(self.num_shards), "--port-file", pf]
             if self.plan_path:
                 args += ["--plan", self.plan_path]
-            if self.init_dir:
-                init = io.join(self.init_dir, shard_file_name(s))
-                if io.exists(init):
-                    args += ["--init", init]
+            init = inits[s] if inits is not None else None
+            if init is None and inits is None and self.init_dir:
+                path = io.join(self.init_dir, shard_file_name(s))
+                init = {"path": path} if io.exists(path) else None
+            if init is not None:
+                args += ["--init", init["path"]]
+                if init.get("bytes") is not None:
+                    args += ["--init-size", str(init["bytes"])]
+                if init.get("crc32c") is not None:
+                    args += ["--init-crc32c", str(init["crc32c"])]
+            if self.delta_dir and self.delta_every_s > 0:
+                args += ["--delta-dir", self.delta_dir, "--delta-every-s", str(self.delta_every_s)]
             self.servers.append(self._spawn(f"ps-{s}", args, self._env()))
         deadline = time.monotonic() + timeout_s
         for proc, pf in zip(self.servers, port_files):
             while not os.path.exists(pf):
+                for p in self.servers:
+                    if p.popen.poll() == EXIT_BAD_INIT:
+                        raise InitRefused(f"{p.name} refused the state it was to start from; last log lines:\n"
+                                          f"{p.tail()}")
                 self._check_alive(self.servers)
                 if time.monotonic() > deadline:
                     raise TrainingFailed(f"{proc.name} did not start serving within {timeout_s:.0f} s; "
@@ -138,64 +188,167 @@ class LocalCluster:
                 self.addresses.append(f"127.0.0.1:{int(f.read())}")
         return self.addresses
 
-    def start_workers(self, data_dir: str, out_dir: str) -> None:
+    def start_workers(self, data_dir: str, out_dir: str, extra_args: list[str] | None = None) -> None:
         port = free_port()
         for r in range(self.num_workers):
             env = self._env(RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=port, PERSIA_PS_ADDRESSES=",".join(self.addresses))
             args = ["-m", "persia_core.train.worker", "--config", self.config_path, "--data", data_dir,
-                    "--out", out_dir]
+                    "--out", out_dir, *(extra_args or [])]
             self.workers.append(self._spawn(f"nn_worker-{r}", args, env))
 
     def _check_alive(self, procs: list[_Proc], allow_clean_exit: bool = False) -> None:
-        for p in procs:
-            rc = p.popen.poll()
-            if rc is not None and (rc != 0 or not allow_clean_exit):
-                raise TrainingFailed(f"{p.name} (pid {p.popen.pid}) exited with code {rc}; last log lines:\n"
-                                     f"{p.tail()}")
+        dead = [p for p in procs if p.popen.poll() is not None and (p.popen.returncode != 0 or not allow_clean_exit)]
+        if dead:
+            first = dead[0]
+            others = "".join(f"; {p.name} (pid {p.popen.pid}) {p.how()}" for p in dead[1:])
+            raise TrainingFailed(f"{first.name} (pid {first.popen.pid}) {first.how()}{others}; last log lines of "
+                                 f"{first.name}:\n{first.tail()}")
+
+    def check(self) -> None:
+        """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""
+        self._check_alive(self.servers)
+        self._check_alive(self.workers, allow_clean_exit=True)
 
     def wait_workers(self, timeout_s: float | None = None) -> None:
         """Block until all workers exit 0. Any failure (a worker or a server dying) raises ``TrainingFailed``
         within about a second."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            self._check_alive(self.servers)
-            self._check_alive(self.workers, allow_clean_exit=True)
+            self.check()
             if all(p.popen.poll() == 0 for p in self.workers):
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TrainingFailed(f"training did not finish within {timeout_s:.0f} s")
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        """Terminate every child (SIGTERM, then SIGKILL after 5 s) and reap it."""
+    def run_watched(self, fn, *args):
+        """Run ``fn(*args)`` on a thread while watching the servers; a server dying fails it within a second."""
+        box: dict = {}
+
+        def target():
+            try:
+                box["out"] = fn(*args)
+            except BaseException as e:  # handed to the caller
+                box["err"] = e
+
+        th = threading.Thread(target=target, daemon=True)
+        th.start()
+        while th.is_alive():
+            self._check_alive(self.servers)
+            th.join(0.2)
+        if "err" in box:
+            raise box["err"]
+        return box.get("out")
+
+    def stop(self, force: bool = False) -> None:
+        """Stop every child and reap it: SIGKILL at once with ``force``, else SIGTERM and SIGKILL after 5 s.
+        Each child's whole process group is signalled (it runs in its own session), so nothing it started
+        survives either; a group is only signalled before its leader is reaped (its id cannot be reused yet)."""
         procs = self.workers + self.servers
+        sig = signal.SIGKILL if force else signal.SIGTERM
         for p in procs:
-            if p.popen.poll() is None:
-                p.popen.terminate()
-        deadline = time.monotonic() + 5
+            if p.popen.returncode is None:
+                _signal_group(p.popen, sig)
+        deadline = time.monotonic() + (0 if force else 5)
         for p in procs:
             try:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.popen.kill()
+                _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
 
     def __enter__(self) -> "LocalCluster":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(force=exc_type is not None)
 
 
-def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", work_dir: str = "") -> dict:
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    """Signal the process group a child leads (not yet reaped, so the id is still its own)."""
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _capacities(config: RunConfig, plan_path: str) -> dict[str, int]:
+    from persia_core.embedding.table import capacity_for_budget
+
+    if plan_path and io.exists(plan_path):
+        plan = json.loads(io.read_text(plan_path))
+        return {n: int(t["capacity_rows_per_shard"]) for n, t in plan["tables"].items()}
+    emb = config.embedding
+    return {t.name: capacity_for_budget(emb.shard_memory_bytes // len(emb.tables), t.optimizer.name, t.dim)
+            for t in emb.tables}
+
+
+def _checkpoint_inits(ckpt_path: str, manifest: dict, n: int, config: RunConfig, plan_path: str,
+                      work_dir: str) -> list[dict]:
+    """The state each of the ``n`` servers starts from: the checkpoint's shard files (checked by the servers as
+    they load them), or, for a checkpoint of another shard count, its rows re-sharded into ``work_dir``."""
+    from persia_core.embedding.plan import reshard
+    from persia_core.embedding.sharded import read_shard_file, write_shard_arrays
+    from persia_core.train.checkpoint import CheckpointError
+
+    shards = sorted((e for e in manifest["files"] if e.get("role") == "shard"), key=lambda e: e["shard"])
+    if len(shards) == n:
+        return [{"path": io.join(ckpt_path, e["path"]), "bytes": e["bytes"], "crc32c": e["crc32c"]} for e in shards]
+    log.info("re-sharding %s from %d to %d shards", ckpt_path, len(shards), n)
+    try:
+        sources = [read_shard_file(io.join(ckpt_path, e["path"]), e["bytes"], e["crc32c"], build_index=False).tables
+                   for e in shards]
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    out, report = reshard(sources, n, _capacities(config, plan_path))
+    inits = []
+    for s, tables in enumerate(out):
+        path = os.path.join(work_dir, "resharded", shard_file_name(s))
+        nbytes, crc = write_shard_arrays(path, tables, fsync=False)
+        inits.append({"path": path, "bytes": nbytes, "crc32c": crc})
+    log.info("re-sharded rows per table: %s (dropped beyond capacity: %s)", report["rows"], report["dropped"])
+    return inits
+
+
+def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
+    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config fields
+    where the config has them (off otherwise); an empty folder means ``<model_dir>/checkpoints``."""
+    from persia_core.train.checkpoint import CheckpointSettings
+
+    if settings is None:
+        tc = config.trainer
+        settings = CheckpointSettings(dir=getattr(tc, "checkpoint_dir", ""),
+                                      every_steps=int(getattr(tc, "checkpoint_every_steps", 0)),
+                                      every_s=float(getattr(tc, "checkpoint_every_s", 0.0)),
+                                      keep=int(getattr(tc, "checkpoint_keep", 2)),
+                                      at_end=bool(getattr(tc, "checkpoint_at_end", False)))
+    if not settings.dir:
+        settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
+    return settings
+
+
+def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", work_dir: str = "",
+          checkpoint=None, resume_from: str = "auto", delta_every_s: float = 0.0, delta_dir: str = "") -> dict:
     """Run hybrid training with ``embedding.num_shards`` parameter servers and ``trainer.num_workers`` NN
     workers on this machine; write the Model artifact to ``model_dir`` (see module docstring).
 
-    Returns the manifest. Raises ``TrainingFailed`` when a process fails, ``FileNotFoundError`` for missing
-    inputs."""
+    Args:
+        init_dir: the ``init_shards`` output (shard plan, initial shard states, warm-start dense weights).
+        checkpoint: ``CheckpointSettings`` (default: from the config, see ``checkpoint_settings``).
+        resume_from: ``"auto"``: continue from the newest complete checkpoint in the checkpoint folder, if any;
+            a checkpoint folder: continue from exactly that one; ``""``: start afresh.
+        delta_every_s, delta_dir: incremental export every T seconds (0: ``trainer.delta_every_s`` where the
+            config has it, else off) to ``delta_dir`` (default ``<model_dir>/deltas``).
+
+    Returns the manifest. Raises ``TrainingFailed`` when a process fails, ``CheckpointError`` when the checkpoint
+    named by ``resume_from`` is refused or belongs to another run, ``FileNotFoundError`` for missing inputs."""
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
+    from persia_core.train import checkpoint as ckpt
 
     schema = read_schema(data_dir)
     io.makedirs(model_dir)
@@ -207,29 +360,70 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
     if plan_path and not io.exists(plan_path):
         plan_path = ""
+    plan = json.loads(io.read_text(plan_path)) if plan_path else {}
     n, m = config.embedding.num_shards, config.trainer.num_workers
+    settings = checkpoint_settings(config, model_dir, checkpoint)
+    info = ckpt.lineage(config, data_dir)
+    lineage_path = os.path.join(work_dir, "lineage.json")
+    with open(lineage_path, "w") as f:
+        json.dump(info, f)
+    delta_every_s = delta_every_s or float(getattr(config.trainer, "delta_every_s", 0.0))
+    delta_dir = delta_dir or (io.join(model_dir, "deltas") if delta_every_s > 0 else "")
     t0 = time.time()
-    with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir) as cluster:
-        addresses = cluster.start_servers()
-        cluster.start_workers(data_dir, model_dir)
-        cluster.wait_workers()
-        client = EmbeddingClient(addresses, config.embedding, token=cluster.token)
+    refused: set[str] = set()
+    reasons: list[str] = []
+    while True:
+        chosen = None
+        if resume_from == "auto":
+            chosen = ckpt.find_latest(settings.dir, skip=refused, refusals=reasons)
+        elif resume_from:
+            chosen = (resume_from, ckpt.verify(resume_from, deep=True, deep_roles=("dense", "worker")))
+        inits = None
+        worker_args = ["--lineage", lineage_path]
+        if settings.periodic or settings.at_end:
+            worker_args += ["--checkpoint-dir", settings.dir, "--checkpoint-every-steps", str(settings.every_steps),
+                            "--checkpoint-every-s", str(settings.every_s), "--checkpoint-keep", str(settings.keep)]
+            if not settings.at_end:
+                worker_args.append("--no-checkpoint-at-end")
+        if chosen is not None:
+            ckpt.check_lineage(chosen[1], info, chosen[0])
+            inits = _checkpoint_inits(chosen[0], chosen[1], n, config, plan_path, work_dir)
+            worker_args += ["--resume", chosen[0]]
+            log.info("resuming from %s (step %d)", chosen[0], chosen[1]["step"])
+        elif plan.get("warm_start", {}).get("dense_file"):
+            worker_args += ["--init-dense", io.join(init_dir, plan["warm_start"]["dense_file"])]
         try:
-            shard_bytes = client.dump([io.join(model_dir, shard_file_name(s)) for s in range(n)])
-            stats = client.stats()
-        finally:
-            client.close()
+            with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir, delta_dir, delta_every_s) as cluster:
+                addresses = cluster.start_servers(inits=inits)
+                cluster.start_workers(data_dir, model_dir, worker_args)
+                cluster.wait_workers()
+                client = EmbeddingClient(addresses, config.embedding, token=cluster.token)
+                try:
+                    dumped = cluster.run_watched(
+                        ckpt.dump_shards, client, [io.join(model_dir, shard_file_name(s)) for s in range(n)])
+                    stats = cluster.run_watched(client.stats)
+                finally:
+                    client.close()
+            break
+        except InitRefused as e:
+            if chosen is None or resume_from != "auto":
+                raise ckpt.CheckpointError(f"{chosen[0] if chosen else init_dir}: {e}") from e
+            log.warning("checkpoint %s refused by a parameter server, trying the previous one: %s", chosen[0], e)
+            reasons.append(str(e))
+            refused.add(chosen[0])
     history = json.loads(io.read_text(io.join(model_dir, "train_metrics.json")))
     history["shards"] = [{"shard": s["shard"], "rows": sum(t["rows"] for t in s["tables"].values()),
-                          "bytes": shard_bytes[i], "evictions": sum(t["evictions"] for t in s["tables"].values()),
+                          "bytes": dumped[i][0], "evictions": sum(t["evictions"] for t in s["tables"].values()),
                           "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values())}
                          for i, s in enumerate(stats)]
     io.write_text(io.join(model_dir, "train_metrics.json"), json.dumps(history))
+    last = ckpt.list_checkpoints(settings.dir)
     manifest = {
         "format": FORMAT,
         "config": config.to_dict(),
         "num_shards": n,
         "shard_files": [shard_file_name(s) for s in range(n)],
+        "shard_crc32c": [c for _, c in dumped],
         "dense_file": "dense.pt",
         "slots": [s.name for s in config.slots],
         "dense": schema["dense"],
@@ -238,6 +432,11 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
         "summary": {"samples_per_s": history["samples_per_s"], "max_staleness": history["max_staleness"],
                     "final_loss": history["loss"][-1] if history["loss"] else None,
                     "wall_seconds": time.time() - t0, "rows": [s["rows"] for s in history["shards"]]},
+        "lineage": info,
+        "resumed_from": chosen[0] if chosen is not None else None,
+        "checkpoints_refused": reasons,
+        "last_checkpoint": last[0][1] if last else None,
+        "warm_start": plan.get("warm_start"),
     }
     for rel in ("dense.pt", *manifest["shard_files"]):
         if not io.exists(io.join(model_dir, rel)):

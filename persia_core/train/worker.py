@@ -3,17 +3,28 @@
 Started by ``persia_core.train.launcher`` (or by a Vertex AI worker pool) with the torch.distributed environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``PERSIA_PS_ADDRESSES`` (comma-separated
 ``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
+
+Checkpoints (``persia_core.train.checkpoint``): every N steps and/or T seconds and at the end, all ranks stop at
+the same step boundary and write one. Resuming (``--resume``) restores the dense model, its Adam state, the RNG
+states, the loss history and the data position (the next step: the schedule is a function of seed, epoch and
+rank, so the same batches follow). A warm start (``--init-dense``) loads only the dense weights.
+
+Each run's parameter-server client takes a fresh id, so the applied-push records a shard restores from a
+checkpoint (which belong to the previous run's clients) can never mark a new push as a duplicate.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import io as _io
+import itertools
 import json
 import logging
 import os
 import sys
 import time
+import uuid
 
 import numpy as np
 import torch
@@ -23,6 +34,7 @@ from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.models import build_model
+from persia_core.train import checkpoint as ckpt
 from persia_core.train.hybrid import HybridTrainPipeline, make_schedule, model_slot_order, table_layouts
 
 log = logging.getLogger("persia.worker")
@@ -49,9 +61,14 @@ def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
 
 
 def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: int, world: int,
-               progress_every: int = 20, on_step=None) -> dict:
+               progress_every: int = 20, on_step=None, checkpointer: "ckpt.Checkpointer | None" = None,
+               resume: tuple[str, dict] | None = None, init_dense: str = "") -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
+
+    ``checkpointer``: writes checkpoints when due and at the end (see ``checkpoint.Checkpointer``).
+    ``resume``: ``(checkpoint path, manifest)`` to continue from (the servers must hold that checkpoint's
+    shards). ``init_dense``: a ``dense.pt`` whose weights start the model (warm start).
     Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
     tc = config.trainer
     schema = read_schema(data_dir)
@@ -66,21 +83,50 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr)
+    history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
+    start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
+    if resume is not None:
+        path, manifest = resume
+        state = ckpt.load_rank_state(path, manifest, rank, world)
+        model_sd, opt_sd = ckpt.load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
+        model.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+        ckpt.set_rng_state(state["rng"])
+        start, samples = int(state["step"]), int(state["samples"])
+        elapsed0, max_stal0 = float(state.get("elapsed_s", 0.0)), int(state.get("max_staleness", 0))
+        history = state.get("history") or history
+        if len(schedule.global_batch) < start:
+            raise ckpt.CheckpointError(f"{path} is at step {start}, beyond this run's {len(schedule.global_batch)}")
+        log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
+    samples0 = samples
+    if resume is None and init_dense:
+        state_dict = torch.load(_io.BytesIO(io.read_bytes(init_dense)), weights_only=True, map_location="cpu")
+        model.load_state_dict(state_dict)
+        log.info("dense weights warm-started from %s", init_dense)
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     else:
         net = model
-    opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr)
     dropout = {s.name: s.id_dropout for s in config.slots}
-    batches = ((t, examples.batch(rows), schedule.global_batch[t]) for t, rows in enumerate(schedule.rows[rank]))
+    batches = ((t, examples.batch(rows), schedule.global_batch[t])
+               for t, rows in itertools.islice(enumerate(schedule.rows[rank]), start, None))
     pipe = HybridTrainPipeline(net, opt, backend, table_layouts(config), batches, tc.embedding_staleness, world,
                                rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer,
                                prefetch_threads=tc.prefetch_threads)
-    history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     total_steps = len(schedule.global_batch)
     t0 = time.perf_counter()
-    samples = 0
     wait = 0.0
+    done = start
+
+    def state(steps_done: int) -> dict:
+        return {"step": steps_done, "samples": samples, "rank": rank, "world": world,
+                "elapsed_s": elapsed0 + time.perf_counter() - t0,
+                "max_staleness": max(max_stal0, pipe.max_staleness), "total_steps": total_steps,
+                "history": history if rank == 0 else None}
+
+    if checkpointer is not None:
+        checkpointer.last_time = time.monotonic()  # the T-second clock starts with training, not start-up
     try:
         while True:
             try:
@@ -88,39 +134,66 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             except StopIteration:
                 break
             wait += r.wait_s
-            loss = torch.tensor([r.loss_sum], dtype=torch.float64)
+            time_flag = 1.0 if checkpointer is not None and checkpointer.time_due() else 0.0
+            loss = torch.tensor([r.loss_sum, time_flag], dtype=torch.float64)
             if world > 1:
+                loss = loss.to(device) if dist.get_backend() == "nccl" else loss
                 dist.all_reduce(loss)
+                loss = loss.cpu()
             gb = schedule.global_batch[r.step]
             samples += gb
+            done = r.step + 1
             history["step"].append(r.step)
             history["samples"].append(samples)
-            history["loss"].append(float(loss.item()) / max(gb, 1))
-            history["elapsed_s"].append(time.perf_counter() - t0)
+            history["loss"].append(float(loss[0].item()) / max(gb, 1))
+            history["elapsed_s"].append(elapsed0 + time.perf_counter() - t0)
             history["staleness"].append(r.staleness)
             if on_step is not None:
                 on_step(r, history["loss"][-1], model)
             if rank == 0 and (r.step % progress_every == 0 or r.step == total_steps - 1):
                 log.info("step %d/%d loss %.4f samples/s %.0f staleness %d", r.step + 1, total_steps,
                          history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)
+            if checkpointer is not None and done < total_steps and checkpointer.due(done, loss[1].item() > 0):
+                checkpointer.save(done, pipe, model, opt, state(done))
         pipe.drain()
+        if (checkpointer is not None and checkpointer.settings.at_end and checkpointer.last_step != done
+                and not (resume is not None and done == start)):
+            checkpointer.save(done, pipe, model, opt, state(done))
     finally:
         pipe.close()
     elapsed = time.perf_counter() - t0
-    max_stal = torch.tensor([pipe.max_staleness])
+    max_stal = torch.tensor([max(max_stal0, pipe.max_staleness)])
     if world > 1:
+        max_stal = max_stal.to(device) if dist.get_backend() == "nccl" else max_stal
         dist.all_reduce(max_stal, op=dist.ReduceOp.MAX)
+        max_stal = max_stal.cpu()
         dist.barrier()
-    history.update({"samples_per_s": samples / max(elapsed, 1e-9), "max_staleness": int(max_stal.item()),
-                    "train_seconds": elapsed, "wait_seconds_rank0": wait, "steps": total_steps,
+    history.update({"samples_per_s": (samples - samples0) / max(elapsed, 1e-9), "max_staleness": int(max_stal.item()),
+                    "train_seconds": elapsed0 + elapsed, "wait_seconds_rank0": wait, "steps": total_steps,
                     "num_workers": world, "embedding_staleness": tc.embedding_staleness, "device": str(device),
-                    "fp16_fallbacks": pipe.fp16_fallbacks})
+                    "fp16_fallbacks": pipe.fp16_fallbacks, "resumed_from_step": start})
     if rank == 0:
-        buf = __import__("io").BytesIO()
+        buf = _io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
         io.write_bytes(io.join(out_dir, "dense.pt"), buf.getvalue())
         io.write_text(io.join(out_dir, "train_metrics.json"), json.dumps(history))
     return history
+
+
+def settings_from(config: RunConfig, args, out_dir: str) -> "ckpt.CheckpointSettings | None":
+    """Checkpoint settings from the command line (``--checkpoint-dir`` and friends), else from the
+    ``trainer.checkpoint_*`` config fields where the config has them. None when checkpoints are off."""
+    if args.checkpoint_dir:
+        def num(v, default):
+            return default if v is None else v
+
+        return ckpt.CheckpointSettings(dir=args.checkpoint_dir, every_steps=num(args.checkpoint_every_steps, 0),
+                                       every_s=num(args.checkpoint_every_s, 0.0), keep=num(args.checkpoint_keep, 2),
+                                       at_end=not args.no_checkpoint_at_end)
+    from persia_core.train.launcher import checkpoint_settings
+
+    settings = checkpoint_settings(config, out_dir)
+    return settings if settings.periodic or settings.at_end else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,24 +201,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="run config YAML")
     p.add_argument("--data", required=True, help="preprocess output folder")
     p.add_argument("--out", required=True, help="model output folder")
+    p.add_argument("--checkpoint-dir", default="", help="write checkpoints under this folder (empty: none)")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None, help="checkpoint every N steps (0: off)")
+    p.add_argument("--checkpoint-every-s", type=float, default=None, help="checkpoint every T seconds (0: off)")
+    p.add_argument("--checkpoint-keep", type=int, default=None, help="complete checkpoints to keep (default 2)")
+    p.add_argument("--no-checkpoint-at-end", action="store_true", help="no checkpoint after the last step")
+    p.add_argument("--resume", default="", help="checkpoint folder to continue from")
+    p.add_argument("--init-dense", default="", help="dense.pt whose weights start the model (warm start)")
+    p.add_argument("--lineage", default="", help="JSON file with the run's lineage (default: computed here)")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s nn_worker[{rank}] %(message)s")
+    from persia_core.logging_utils import setup_logging
+
+    setup_logging("nn_worker", rank)
     config = load_config(args.config)
     torch.set_num_threads(config.trainer.threads_per_worker)
     if world > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         backend = "nccl" if resolve_device(config.trainer.device, local_rank).type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        # long enough for a checkpoint of big shards; a dead peer is handled by the launcher, which kills all
+        timeout = float(os.environ.get("PERSIA_DIST_TIMEOUT_S", "1800"))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     from persia_core.ps.client import EmbeddingClient
 
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
     tc = config.trainer
-    client = EmbeddingClient(addresses, config.embedding, timeout_s=tc.rpc_timeout_s, client_id=f"worker{rank}",
-                             delay_s=tc.network_delay_s, bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s)
+    client = EmbeddingClient(addresses, config.embedding, timeout_s=tc.rpc_timeout_s,
+                             client_id=f"worker{rank}-{uuid.uuid4().hex[:12]}", delay_s=tc.network_delay_s,
+                             bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s)
     try:
-        run_worker(config, args.data, args.out, client, rank, world)
+        resume = None
+        if args.resume:
+            resume = (args.resume, ckpt.verify(args.resume, deep=True, deep_roles=("dense", "worker")))
+        settings = settings_from(config, args, args.out)
+        checkpointer = None
+        if settings is not None:
+            info = json.loads(io.read_text(args.lineage)) if args.lineage else (
+                ckpt.lineage(config, args.data) if rank == 0 else {})
+            checkpointer = ckpt.Checkpointer(settings, rank, world, client, len(addresses), info)
+        run_worker(config, args.data, args.out, client, rank, world, checkpointer=checkpointer, resume=resume,
+                   init_dense=args.init_dense)
     finally:
         client.close()
         if world > 1:

@@ -59,7 +59,9 @@ def history_data(tmp_path_factory) -> str:
 
 def _config(history_length: int, history_slots: bool) -> RunConfig:
     base = load_config("movielens")
-    slots = base.to_dict()["slots"] + (HISTORY_SLOTS if history_slots else [])
+    history_names = {s["name"] for s in HISTORY_SLOTS}
+    slots = [s for s in base.to_dict()["slots"] if s["name"] not in history_names]
+    slots += HISTORY_SLOTS if history_slots else []
     return base.with_overrides({
         "layout.history_length": history_length,
         "split.max_malformed_fraction": 0.5,
@@ -135,7 +137,9 @@ def test_prior_ratings_and_smoothed_like_rate_equal_a_float64_recomputation(hist
 def test_history_length_zero_gives_the_same_schema_and_rows_as_without_history(history_data, history_run, tmp_path):
     result, rows = _run(history_data, str(tmp_path), _config(0, False))
     assert result["dense"] == ["hour", "weekday", "movie_age"]
-    assert result["slots"] == load_config("movielens").slot_names
+    assert result["slots"] == ["user", "movie", "genres", "tags", "year", "user_x_genre"]
+    history_names = {s["name"] for s in HISTORY_SLOTS}
+    assert result["slots"] == [n for n in load_config("movielens").slot_names if n not in history_names]
     for f in result["train_files"] + result["eval_files"]:
         assert pq.read_schema(os.path.join(str(tmp_path), f)).equals(schema.arrow_schema(result["slots"]))
     _, with_history = history_run
@@ -154,8 +158,12 @@ def test_history_fields_exist_only_when_history_length_is_positive():
     assert layout.dense_fields()[3:] == ["user_prior_ratings", "user_prior_like_rate"]
     with pytest.raises(ValueError, match="layout.history_length"):
         LayoutConfig(history_length=-1)
-    with pytest.raises(ValueError, match="not produced by the layout"):
-        load_config("movielens").with_overrides({"slots": [{"name": "h", "source": "history"}]})
+    shipped = load_config("movielens")
+    assert shipped.layout.history_length > 0  # the shipped config has history: a history slot is valid there
+    assert shipped.with_overrides({"slots": [{"name": "h", "source": "history"}]}).slot_names == ["h"]
+    for source in ("history", "liked_history"):
+        with pytest.raises(ValueError, match="not produced by the layout"):
+            shipped.with_overrides({"layout.history_length": 0, "slots": [{"name": "h", "source": source}]})
 
 
 @given(

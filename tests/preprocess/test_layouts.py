@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import math
 import random
 
@@ -128,9 +129,16 @@ def test_movielens_record_has_every_layout_id_field():
     rating = layouts.parse_rating("1,1,4.0,1000000000", ML)
     movie = layouts.parse_movie("1,Toy Story (1995),Adventure|Comedy")
     record = layouts.movielens_record(rating, movie, ["pixar"])
-    assert set(record["fields"]) == set(ML.id_fields())
+    # The bare record has every id field of a layout without history ...
+    assert set(record["fields"]) == set(dataclasses.replace(ML, history_length=0).id_fields())
     assert record["fields"]["userId"] == ["1"] and record["fields"]["tags"] == ["pixar"]
     assert record["label"] == 1.0 and record["ts"] == 1000000000
+    # ... and with its user history, every id field of the shipped layout (history_length > 0).
+    assert ML.history_length > 0
+    with_history = layouts.with_user_history(record, ([], [], 0, 0))
+    assert set(with_history["fields"]) == set(ML.id_fields())
+    assert with_history["fields"]["userId"] == ["1"] and with_history["fields"]["tags"] == ["pixar"]
+    assert with_history["label"] == 1.0 and with_history["ts"] == 1000000000
 
 
 # ----------------------------------------------------------------------------------------------- delimited

@@ -104,8 +104,8 @@ def test_schema_json_and_run_config_yaml_describe_the_output(tiny_movielens_run)
     assert on_disk == result
     assert set(result) >= {"slots", "dense", "dense_mean", "dense_std", "rows", "distinct_ids", "split",
                            "train_files", "eval_files", "config"}
-    assert result["slots"] == ["user", "movie", "genres", "tags", "year", "user_x_genre"]
-    assert result["dense"] == ["hour", "weekday", "movie_age"]
+    assert result["slots"] == ["user", "movie", "genres", "tags", "year", "user_x_genre", "history", "liked_history"]
+    assert result["dense"] == ["hour", "weekday", "movie_age", "user_prior_ratings", "user_prior_like_rate"]
     assert result["split"] == {"by": "time", "cutoff": 1000000800, "eval_fraction": 0.2}
     assert result["train_files"] == ["train/train-00000-of-00002.parquet", "train/train-00001-of-00002.parquet"]
     assert result["eval_files"] == ["eval/eval-00000-of-00001.parquet"]

@@ -1,0 +1,517 @@
+"""Checkpoints of a whole training run: every shard's tables, the dense model and optimizer, every NN worker's
+data position and RNG states, with a manifest that makes a checkpoint whole or ignored.
+
+Layout (local, ``/gcs/`` or ``gs://``)::
+
+    <ckpt_dir>/ckpt-SSSSSSSSSS/        S = steps done (the next step to train)
+        shards/shard-NNNNN.npz         one per parameter-server shard (``persia_core.embedding.sharded``): rows,
+                                       optimizer state, recency list, hash index, applied-push records
+        dense.pt                       {"model": state_dict, "optimizer": Adam state_dict} (torch.save, no pickles
+                                       needed to load: ``torch.load(..., weights_only=True)``)
+        workers/rank-RRRRR.json        data position (next step, samples seen), RNG states, loss history (rank 0)
+        manifest.json                  written last: every file with its size and CRC-32C, the step, lineage
+
+A consistent cut (``Checkpointer.save``, run by every NN worker at the same step boundary): each worker drains
+its in-flight gradient pushes; a barrier; rank 0 has every shard dump concurrently while each rank writes its own
+state; a second collective releases the workers once every file is durable; rank 0 then writes the manifest by an
+atomic rename (``os.replace``; on Cloud Storage the manifest object is uploaded last, and an object appears
+whole). A folder without a manifest, or whose files differ from it in size or CRC-32C, is refused with a message
+naming the file and check, and the previous checkpoint is used (``find_latest``).
+
+Lineage in every manifest: the code version (``git describe`` or the package version), the SHA-256 of the run
+config's YAML, the config itself (so a mismatch can be named), and fingerprints of the input data (``schema.json``
+row counts and SHA-256, every train shard's size and CRC-32C).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io as _io
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from persia_core import io
+from persia_core.config import RunConfig
+from persia_core.embedding.sharded import crc32c, file_crc32c
+
+FORMAT = "persia-checkpoint/1"
+MANIFEST = "manifest.json"
+DENSE_FILE = "dense.pt"
+NAME = re.compile(r"^ckpt-(\d{10})$")
+log = logging.getLogger("persia.checkpoint")
+
+RESUME_MAY_DIFFER = ("layout", "split", "embedding.num_shards", "embedding.shard_memory_bytes", "trainer.epochs",
+                     "trainer.embedding_staleness", "trainer.rpc_timeout_s", "trainer.threads_per_worker",
+                     "trainer.prefetch_threads", "trainer.device", "trainer.network_delay_s",
+                     "trainer.network_bandwidth_bytes_per_s", "trainer.checkpoint")
+"""Config keys (prefixes) that may change between a checkpoint and the run resuming from it: the data is
+fingerprinted separately, shards are re-routed, more epochs continue the same schedule, and the rest are
+execution settings that leave the arithmetic (at K = 0) unchanged."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is partial, corrupt, or does not belong to this run; the message names the file and check."""
+
+
+@dataclass
+class CheckpointSettings:
+    """When and where a training run writes checkpoints (proposed ``trainer.checkpoint_*`` config fields).
+
+    ``dir`` empty: ``<model_dir>/checkpoints``. A checkpoint is written every ``every_steps`` steps and/or every
+    ``every_s`` seconds (0 = off), and at the end when ``at_end``; the newest ``keep`` complete ones are kept."""
+
+    dir: str = ""
+    every_steps: int = 0
+    every_s: float = 0.0
+    keep: int = 2
+    at_end: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            raise ValueError("checkpoint every_steps must be >= 0")
+        if self.every_s < 0:
+            raise ValueError("checkpoint every_s must be >= 0")
+        if self.keep < 1:
+            raise ValueError("checkpoint keep must be >= 1")
+
+    @property
+    def periodic(self) -> bool:
+        return self.every_steps > 0 or self.every_s > 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "CheckpointSettings":
+        return cls(**json.loads(text)) if text else cls()
+
+
+# ---- names, manifests, verification -------------------------------------------------------------------------
+def checkpoint_path(ckpt_dir: str, step: int) -> str:
+    return io.join(ckpt_dir, f"ckpt-{int(step):010d}")
+
+
+def rank_file(rank: int) -> str:
+    return f"workers/rank-{rank:05d}.json"
+
+
+def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint folder under ``ckpt_dir`` (complete or not), newest first."""
+    if not ckpt_dir or not io.exists(ckpt_dir):
+        return []
+    out = []
+    for name in io.listdir(ckpt_dir):
+        m = NAME.match(name)
+        if m:
+            out.append((int(m.group(1)), io.join(ckpt_dir, name)))
+    return sorted(out, reverse=True)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the checkpoint at ``path``. Raises ``CheckpointError`` when it is missing (a partial
+    checkpoint) or unreadable."""
+    mpath = io.join(path, MANIFEST)
+    if not io.exists(mpath):
+        raise CheckpointError(f"{path}: no {MANIFEST} (a partial checkpoint: it was being written when the run "
+                              f"stopped)")
+    try:
+        manifest = json.loads(io.read_text(mpath))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest: {e}") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
+    return manifest
+
+
+def _size(path: str) -> int | None:
+    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+        from google.api_core.exceptions import NotFound
+
+        bucket, key = io.split_gcs(io.to_uri(path)) if hasattr(io, "split_gcs") else io._split_gcs(path)
+        blob = io._client().bucket(bucket).blob(key)
+        try:
+            blob.reload()
+        except NotFound:
+            return None
+        return int(blob.size)
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def verify(path: str, deep: bool = True, deep_roles: tuple[str, ...] | None = None) -> dict:
+    """Check a checkpoint against its manifest; returns the manifest.
+
+    Every file listed must exist with the listed size; with ``deep``, also with the listed CRC-32C (only for
+    files whose role is in ``deep_roles`` when given: e.g. the launcher leaves the shard files to the servers,
+    which check them as they load). Raises ``CheckpointError`` naming the file and the failed check."""
+    manifest = read_manifest(path)
+    for entry in manifest.get("files", []):
+        fpath = io.join(path, entry["path"])
+        size = _size(fpath)
+        if size is None:
+            raise CheckpointError(f"{fpath}: listed in the manifest but missing")
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{fpath}: {size} bytes, the manifest says {entry['bytes']} (partial or "
+                                  f"overwritten file)")
+        if deep and (deep_roles is None or entry.get("role") in deep_roles):
+            _, crc = file_crc32c(fpath)
+            if crc != entry["crc32c"]:
+                raise CheckpointError(f"{fpath}: CRC-32C {crc:08x} does not match the manifest's "
+                                      f"{entry['crc32c']:08x} (corrupt file)")
+    return manifest
+
+
+def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_roles=("dense", "worker"),
+                refusals: list[str] | None = None) -> tuple[str, dict] | None:
+    """The newest checkpoint under ``ckpt_dir`` that passes ``verify`` (shard files: size only; their CRC-32C
+    is checked by the servers as they load them), skipping paths in ``skip``. A refused checkpoint is logged
+    (and its reason appended to ``refusals``) and the previous one is tried. None when there is none."""
+    for step, path in list_checkpoints(ckpt_dir):
+        if path in skip:
+            continue
+        try:
+            return path, verify(path, deep=True, deep_roles=deep_roles)
+        except CheckpointError as e:
+            log.warning("checkpoint refused, trying the previous one: %s", e)
+            if refusals is not None:
+                refusals.append(str(e))
+    return None
+
+
+def read_file_checked(ckpt: str, manifest: dict, rel: str) -> bytes:
+    """A checkpoint file's bytes, checked against the manifest's size and CRC-32C."""
+    entries = {e["path"]: e for e in manifest.get("files", [])}
+    if rel not in entries:
+        raise CheckpointError(f"{io.join(ckpt, rel)}: not listed in the manifest")
+    data = io.read_bytes(io.join(ckpt, rel))
+    e = entries[rel]
+    if len(data) != e["bytes"] or crc32c(data) != e["crc32c"]:
+        raise CheckpointError(f"{io.join(ckpt, rel)}: size or CRC-32C differ from the manifest (corrupt file)")
+    return data
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+def write_durable(path: str, data: bytes) -> tuple[int, int]:
+    """Write a whole file, durable before it is visible (local: temporary name, fsync, rename, fsync of the
+    folder; Cloud Storage: one upload). Returns ``(bytes, CRC-32C)``."""
+    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+        io.write_bytes(path, data)
+        return len(data), crc32c(data)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data), crc32c(data)
+
+
+def remove_manifest(path: str) -> None:
+    """Make a checkpoint folder incomplete (before its files are overwritten)."""
+    mpath = io.join(path, MANIFEST)
+    if io.exists(mpath):
+        if io.is_gcs(mpath) or (hasattr(io, "is_remote") and io.is_remote(mpath)):
+            io.remove(mpath)
+        else:
+            os.remove(mpath)
+
+
+def write_manifest(path: str, step: int, files: list[dict], lineage: dict, extra: dict | None = None) -> dict:
+    """Write the manifest last, atomically: from then on the checkpoint at ``path`` is complete."""
+    manifest = {"format": FORMAT, "step": int(step), "created_unix": time.time(), "files": files,
+                "lineage": lineage, **(extra or {})}
+    write_durable(io.join(path, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
+    return manifest
+
+
+def _rmtree(path: str) -> None:
+    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+        for rel in io.walk_files(path):
+            io.remove(io.join(path, rel))
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def prune(ckpt_dir: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest
+    complete one (leftovers of interrupted writes). Returns the deleted paths."""
+    complete, removed = [], []
+    for step, path in list_checkpoints(ckpt_dir):
+        has = io.exists(io.join(path, MANIFEST))
+        if has and len(complete) < keep:
+            complete.append(step)
+            continue
+        if has or (complete and step < complete[0]):
+            remove_manifest(path)
+            _rmtree(path)
+            removed.append(path)
+    return removed
+
+
+# ---- lineage ------------------------------------------------------------------------------------------------
+def code_version() -> str:
+    """``git describe --always --dirty --tags`` of the source tree, else the installed package version."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.exists(os.path.join(root, ".git")):
+        try:
+            out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--tags"],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return "git:" + out.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:
+        from importlib.metadata import version
+
+        return "persia-kfp " + version("persia-kfp")
+    except Exception:  # not installed
+        return "unknown"
+
+
+def config_sha256(config: RunConfig) -> str:
+    return hashlib.sha256(config.to_yaml().encode("utf-8")).hexdigest()
+
+
+def _remote_fingerprint(path: str) -> dict | None:
+    try:
+        uri = io.to_uri(path) if hasattr(io, "to_uri") else path
+        if not io.is_gcs(uri):
+            return None
+        bucket, key = io.split_gcs(uri) if hasattr(io, "split_gcs") else io._split_gcs(uri)
+        blob = io._client().bucket(bucket).blob(key)
+        blob.reload()
+        return {"bytes": int(blob.size), "crc32c": int.from_bytes(base64.b64decode(blob.crc32c), "big")}
+    except Exception:  # no credentials or no metadata: fall back to reading the file
+        return None
+
+
+def data_fingerprint(data_dir: str) -> dict:
+    """Fingerprints of the preprocessed input: ``schema.json`` (its SHA-256 and row counts) and every train shard's
+    size and CRC-32C (on Cloud Storage from the object's metadata, without reading it)."""
+    from persia_core.data import schema as S
+
+    raw = io.read_bytes(io.join(data_dir, S.SCHEMA_FILE))
+    schema = json.loads(raw)
+    files = {}
+    for rel in schema.get("train_files", []):
+        path = io.join(data_dir, rel)
+        fp = _remote_fingerprint(path) if (io.is_gcs(path) or path.startswith("/gcs/")) else None
+        if fp is None:
+            size, crc = file_crc32c(path)
+            fp = {"bytes": size, "crc32c": crc}
+        files[rel] = fp
+    return {"schema_sha256": hashlib.sha256(raw).hexdigest(), "rows": schema.get("rows", {}), "train_files": files}
+
+
+def lineage(config: RunConfig, data_dir: str) -> dict:
+    """Code version, run config hash and input data fingerprints (see module docstring)."""
+    return {"code_version": code_version(), "config_sha256": config_sha256(config), "config": config.to_dict(),
+            "data": data_fingerprint(data_dir)}
+
+
+def _flatten(d, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(d, list) and d and all(isinstance(x, dict) and "name" in x for x in d):
+        out[f"{prefix}[names]"] = [x["name"] for x in d]
+        for x in d:
+            out.update(_flatten(x, f"{prefix}[{x['name']}]"))
+    else:
+        out[prefix] = d
+    return out
+
+
+def config_differences(old: dict, new: dict, may_differ=(), only=None) -> list[str]:
+    """Human-readable differences between two configs (``RunConfig.to_dict()``), as ``key: old -> new``.
+
+    Keys starting with one of ``may_differ`` are ignored; with ``only``, just keys starting with one of those
+    are compared. Lists of named items (tables, slots) are compared item by item, by name."""
+    a, b = _flatten(old), _flatten(new)
+
+    def keep(k: str) -> bool:
+        def under(prefixes):
+            return any(k == p or k.startswith(p + ".") or k.startswith(p + "[") for p in prefixes)
+
+        return (only is None or under(only)) and not under(may_differ)
+
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if keep(k) and a.get(k, "<absent>") != b.get(k, "<absent>"):
+            out.append(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}")
+    return out
+
+
+def check_lineage(manifest: dict, current: dict, where: str) -> None:
+    """Refuse to resume from a checkpoint of another run: the config (but ``RESUME_MAY_DIFFER``) and the input
+    data must be the same. Raises ``CheckpointError`` naming the differences."""
+    old = manifest.get("lineage", {})
+    problems = config_differences(old.get("config", {}), current["config"], RESUME_MAY_DIFFER)
+    od, nd = old.get("data", {}), current["data"]
+    if od.get("train_files") != nd.get("train_files") or od.get("rows") != nd.get("rows"):
+        changed = sorted(k for k in set(od.get("train_files", {})) | set(nd.get("train_files", {}))
+                         if od.get("train_files", {}).get(k) != nd.get("train_files", {}).get(k))
+        problems.append(f"input data differs (train files changed: {changed or 'row counts'})")
+    if problems:
+        raise CheckpointError(f"{where} was written by another run; refusing to resume from it: "
+                              + "; ".join(problems[:10]) + ("" if len(problems) <= 10 else " ..."))
+
+
+# ---- the dense model, RNG states ------------------------------------------------------------------------------
+def dense_bytes(model: torch.nn.Module, optimizer) -> bytes:
+    buf = _io.BytesIO()
+    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def load_dense(data: bytes) -> tuple[dict, dict]:
+    """``(model state_dict, optimizer state_dict)`` from ``dense.pt`` bytes (no pickles executed)."""
+    d = torch.load(_io.BytesIO(data), weights_only=True, map_location="cpu")
+    return d["model"], d["optimizer"]
+
+
+def rng_state() -> dict:
+    """Python, NumPy and torch global RNG states, JSON-able."""
+    py = random.getstate()
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+
+
+# ---- the consistent cut, from the NN workers ----------------------------------------------------------------
+def dump_shards(backend, paths: list[str], timeout_s: float = 1800.0) -> list[tuple[int, int]]:
+    """Have every shard write its state to ``paths[shard]``, concurrently. Returns ``(bytes, CRC-32C)`` per shard.
+    ``backend``: an ``EmbeddingClient`` (Dump RPCs) or an in-process ``LocalEmbedding``."""
+    if hasattr(backend, "call") and hasattr(backend, "pool"):
+        futs = [backend.pool.submit(backend.call, "Dump", s, {"path": p}, None, timeout_s)
+                for s, p in enumerate(paths)]
+        out = []
+        for f in futs:
+            meta = f.result()[0]
+            out.append((int(meta["bytes"]), int(meta["crc32c"])))
+        return out
+    from persia_core.embedding.sharded import write_shard_file
+
+    return [write_shard_file(p, tables) for p, tables in zip(paths, backend.shards)]
+
+
+class Checkpointer:
+    """Writes checkpoints from inside the NN workers' loop (``persia_core.train.worker.run_worker``).
+
+    Every rank calls ``due`` after each step with the same arguments (the time rule is decided by rank 0 and
+    shared through the step's loss all-reduce), and ``save`` when it says so; see the module docstring for the
+    protocol. ``lineage`` goes into every manifest."""
+
+    def __init__(self, settings: CheckpointSettings, rank: int, world: int, backend, num_shards: int,
+                 lineage_info: dict, extra: dict | None = None):
+        self.settings = settings
+        self.rank = rank
+        self.world = world
+        self.backend = backend
+        self.num_shards = num_shards
+        self.lineage = lineage_info
+        self.extra = extra or {}
+        self.last_time = time.monotonic()
+        self.last_step: int | None = None
+        self.written: list[str] = []
+
+    def time_due(self) -> bool:
+        """Rank 0's clock says a checkpoint is due (``every_s``)."""
+        s = self.settings
+        return self.rank == 0 and s.every_s > 0 and time.monotonic() - self.last_time >= s.every_s
+
+    def due(self, steps_done: int, time_flag: bool) -> bool:
+        s = self.settings
+        return (s.every_steps > 0 and steps_done % s.every_steps == 0) or time_flag
+
+    def save(self, steps_done: int, pipe, model, optimizer, state: dict) -> str | None:
+        """Write the checkpoint of the state after ``steps_done`` steps (every rank calls this at the same
+        boundary). ``state``: this rank's data position and history (JSON-able). Returns the path on rank 0."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        path = checkpoint_path(self.settings.dir, steps_done)
+        if pipe is not None:
+            pipe.drain()
+        if self.rank == 0:
+            remove_manifest(path)
+        if self.world > 1:
+            dist.barrier()
+        futs = None
+        if self.rank == 0:
+            from concurrent.futures import ThreadPoolExecutor
+
+            ex = ThreadPoolExecutor(max_workers=1)
+            futs = ex.submit(dump_shards, self.backend,
+                             [io.join(path, shard_rel(s)) for s in range(self.num_shards)])
+            ex.shutdown(wait=False)
+        files = []
+        rel = rank_file(self.rank)
+        n, c = write_durable(io.join(path, rel), json.dumps({**state, "rng": rng_state()}).encode("utf-8"))
+        files.append({"path": rel, "bytes": n, "crc32c": c, "role": "worker", "rank": self.rank})
+        if self.rank == 0:
+            n, c = write_durable(io.join(path, DENSE_FILE), dense_bytes(model, optimizer))
+            files.append({"path": DENSE_FILE, "bytes": n, "crc32c": c, "role": "dense"})
+            for s, (n, c) in enumerate(futs.result()):
+                files.append({"path": shard_rel(s), "bytes": n, "crc32c": c, "role": "shard", "shard": s})
+        if self.world > 1:
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, files)
+            files = [f for part in gathered for f in part]
+        self.last_time = time.monotonic()
+        self.last_step = steps_done
+        if self.rank != 0:
+            return None
+        files.sort(key=lambda e: e["path"])
+        write_manifest(path, steps_done, files, self.lineage,
+                       {"num_shards": self.num_shards, "num_workers": self.world,
+                        "seconds_to_write": time.perf_counter() - t0, **self.extra})
+        self.written.append(path)
+        removed = prune(self.settings.dir, self.settings.keep)
+        log.info("checkpoint %s written in %.2f s (%d files, %.1f MB)%s", path, time.perf_counter() - t0,
+                 len(files), sum(f["bytes"] for f in files) / 1e6,
+                 f"; removed {len(removed)} older" if removed else "")
+        return path
+
+
+def shard_rel(shard: int) -> str:
+    return f"shards/shard-{shard:05d}.npz"
+
+
+def load_rank_state(ckpt: str, manifest: dict, rank: int, world: int) -> dict:
+    """Rank ``rank``'s saved state (checked). Raises ``CheckpointError`` when the checkpoint was written by a
+    different number of NN workers (the data position is per worker)."""
+    if int(manifest.get("num_workers", world)) != world:
+        raise CheckpointError(f"{ckpt} was written by {manifest.get('num_workers')} NN workers, this run has "
+                              f"{world}: the data position is per worker, so resume with the same "
+                              f"trainer.num_workers")
+    return json.loads(read_file_checked(ckpt, manifest, rank_file(rank)))

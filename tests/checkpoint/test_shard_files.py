@@ -1,0 +1,195 @@
+"""Shard files: exact round trip of rows, optimizer state and recency; integrity checks; re-sharding; deltas."""
+
+import os
+
+import numpy as np
+import pytest
+
+from persia_core.config import OptimizerConfig
+from persia_core.embedding import sharded as S
+from persia_core.embedding.delta import load_with_deltas
+from persia_core.embedding.plan import reshard
+from persia_core.embedding.table import EmbeddingTable
+from persia_core.hashing import shard_of
+from persia_core.ps.server import ParameterServerShard
+
+from support import tiny_config
+
+OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
+
+
+def _trained_table(opt: str, capacity: int = 3000, steps: int = 12, seed: int = 0) -> EmbeddingTable:
+    t = EmbeddingTable(4, OptimizerConfig(name=opt, lr=0.05), capacity, 0.1, 0)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        ids = np.unique(rng.integers(0, 5000, 600).astype(np.uint64))
+        t.lookup(ids)
+        t.apply_gradients(ids, rng.normal(size=(len(ids), 4)).astype(np.float32))
+    return t
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_shard_file_round_trip_keeps_rows_optimizer_state_and_recency_and_training_continues_identically(tmp_path, opt):
+    t = _trained_table(opt)
+    assert t.stats()["evictions"] > 0  # the recency list has been exercised
+    path = str(tmp_path / "shard.npz")
+    nbytes, crc = S.write_shard_file(path, {"default": t}, server={"note": 1})
+    assert (nbytes, crc) == S.file_crc32c(path)
+    with np.load(path) as z:  # a standard npz, no pickles
+        assert "default.keys" in z.files and "__meta__" in z.files
+    u = EmbeddingTable(4, OptimizerConfig(name=opt, lr=0.05), 3000, 0.1, 0)
+    assert S.load_shard_file(path, {"default": u}, nbytes, crc) == {"note": 1}
+    _assert_same(t.state_dict(), u.state_dict())
+    rng = np.random.default_rng(7)
+    for _ in range(3):  # the same lookups (with evictions) and updates give the same tables
+        ids = np.unique(rng.integers(0, 7000, 700).astype(np.uint64))
+        np.testing.assert_array_equal(t.lookup(ids), u.lookup(ids))
+        g = rng.normal(size=(len(ids), 4)).astype(np.float32)
+        t.apply_gradients(ids, g)
+        u.apply_gradients(ids, g)
+    _assert_same(t.state_dict(), u.state_dict())
+
+
+def test_array_data_is_64_byte_aligned_in_the_file(tmp_path):
+    path = str(tmp_path / "s.npz")
+    S.write_shard_file(path, {"default": _trained_table("adam")})
+    with open(path, "rb", buffering=0) as f:
+        members = S._members(f, os.path.getsize(path), path)
+    assert members and all(m.data % 64 == 0 for m in members)
+
+
+def test_corrupt_or_partial_shard_file_is_refused_naming_the_check(tmp_path):
+    path = str(tmp_path / "s.npz")
+    nbytes, crc = S.write_shard_file(path, {"default": _trained_table("rowwise_adagrad")})
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    bad = str(tmp_path / "bad.npz")
+    open(bad, "wb").write(data)
+    fresh = {"default": EmbeddingTable(4, OptimizerConfig(), 3000)}
+    with pytest.raises(S.ShardFileError, match="CRC-32C .* does not match"):
+        S.load_shard_file(bad, fresh, nbytes, crc)
+    with pytest.raises(S.ShardFileError, match="zip CRC-32 mismatch"):  # no manifest: the zip's own CRCs
+        S.load_shard_file(bad, fresh)
+    open(bad, "wb").write(data[: nbytes // 2])
+    with pytest.raises(S.ShardFileError, match="manifest says"):
+        S.load_shard_file(bad, fresh, nbytes, crc)
+    with pytest.raises(S.ShardFileError, match="not a complete shard file"):
+        S.load_shard_file(bad, fresh)
+    assert fresh["default"].size == 0  # nothing half-loaded
+
+
+def test_shard_file_of_another_dim_or_optimizer_is_refused_naming_the_table(tmp_path):
+    path = str(tmp_path / "s.npz")
+    S.write_shard_file(path, {"default": _trained_table("adam")})
+    with pytest.raises(S.ShardFileError, match="table 'default'.*optimizer"):
+        S.load_shard_file(path, {"default": EmbeddingTable(4, OptimizerConfig(name="sgd"), 3000)})
+    with pytest.raises(S.ShardFileError, match="table 'default'.*dim"):
+        S.load_shard_file(path, {"default": EmbeddingTable(8, OptimizerConfig(name="adam"), 3000)})
+
+
+def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state(tmp_path):
+    cfg = tiny_config()
+    emb = cfg.embedding
+    old = [S.make_tables(emb.tables, emb.shard_memory_bytes) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        ids = np.unique(rng.integers(0, 3000, 800).astype(np.uint64))
+        own = shard_of(ids, 2)
+        for s in range(2):
+            part = ids[own == s]
+            old[s]["default"].lookup(part)
+            old[s]["default"].apply_gradients(part, rng.normal(size=(len(part), 4)).astype(np.float32))
+    paths = [str(tmp_path / f"old{s}.npz") for s in range(2)]
+    for p, tables in zip(paths, old):
+        S.write_shard_file(p, tables)
+    new, report = reshard([S.read_shard_file(p).tables for p in paths], 3)
+    new_paths = [str(tmp_path / f"new{s}.npz") for s in range(3)]
+    for p, tables in zip(new_paths, new):
+        S.write_shard_arrays(p, tables)
+    before = {}
+    for tables in old:
+        sd = tables["default"].state_dict()
+        before.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+    assert report["rows"]["default"] == len(before) and report["dropped"]["default"] == 0
+    after = {}
+    for s, p in enumerate(new_paths):
+        tables = S.make_tables(emb.tables, emb.shard_memory_bytes)
+        S.load_shard_file(p, tables)
+        sd = tables["default"].state_dict()
+        assert (shard_of(sd["keys"], 3) == s).all()  # routed by the new plan
+        after.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+    assert after.keys() == before.keys()
+    for k, (w, a) in before.items():
+        np.testing.assert_array_equal(after[k][0], w)
+        assert after[k][1] == a
+
+
+def test_reshard_beyond_capacity_keeps_the_most_recent_rows(tmp_path):
+    t = _trained_table("rowwise_adagrad")
+    recent = t.state_dict()["keys"]
+    new, report = reshard([{"default": S.TableArrays(t.state_dict(), {"layout": "lru", "dim": 4})}], 1,
+                            {"default": 1000})
+    assert report["dropped"]["default"] == len(recent) - 1000
+    np.testing.assert_array_equal(np.sort(new[0]["default"].arrays["keys"]), np.sort(recent[:1000]))
+
+
+def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path):
+    cfg = tiny_config()
+    shard = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
+    deltas = str(tmp_path / "deltas")
+    shard.start_deltas(deltas, every_s=0)
+    rng = np.random.default_rng(0)
+    seq = [0]
+
+    def train_a_bit(n_ids: int, hi: int) -> None:
+        ids = np.unique(rng.integers(0, hi, n_ids).astype(np.uint64))
+        shard.lookup("default", ids)  # creates rows
+        seq[0] += 1
+        shard.push({"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0}, ids,
+                   rng.normal(size=(len(ids), 4)).astype(np.float32), None)
+
+    def by_key(sd: dict) -> dict:
+        o = np.argsort(sd["keys"])
+        return {k: sd[k][o] for k in ("keys", "weights", "acc")}
+
+    for _ in range(3):
+        train_a_bit(400, 1000)
+    full = str(tmp_path / "full.npz")
+    shard.dump(full)  # records delta_seq 0: every delta after it applies
+    for _ in range(2):
+        train_a_bit(300, 1000)
+    assert shard.export_delta().endswith("delta-00000001.npz")
+    later = str(tmp_path / "later.npz")
+    shard.dump(later)  # records delta_seq 1
+    for _ in range(4):  # past capacity: rows are evicted, so the delta also carries the live keys
+        train_a_bit(500, 4000)
+    assert shard.tables["default"].stats()["evictions"] > 0
+    assert shard.export_delta().endswith("delta-00000002.npz")
+    current = by_key(shard.tables["default"].state_dict())
+    for base in (full, later):
+        got = by_key(load_with_deltas(base, deltas, 0)["default"])
+        for k in current:
+            np.testing.assert_array_equal(got[k], current[k], err_msg=f"{base} {k}")
+
+
+def test_delta_export_runs_every_t_seconds_on_its_own(tmp_path):
+    import time
+
+    from persia_core.embedding.delta import list_deltas
+
+    shard = ParameterServerShard(tiny_config(), 0, 1)
+    shard.start_deltas(str(tmp_path / "d"), every_s=0.05)
+    try:
+        shard.lookup("default", np.arange(10, dtype=np.uint64))
+        deadline = time.monotonic() + 10
+        while not list_deltas(str(tmp_path / "d"), 0) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert list_deltas(str(tmp_path / "d"), 0)
+    finally:
+        shard.exporter.stop()

@@ -1,0 +1,204 @@
+"""Multi-process training: a killed parameter server fails fast; a retry resumes exactly; warm start carries on.
+
+One uninterrupted reference run (module fixture) serves the resume comparison and is the previous model of the
+warm start; one run has a parameter server SIGKILLed after its second checkpoint."""
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from persia_core.data.reader import ParquetExamples, shard_files
+from persia_core.embedding.plan import WarmStartError, init_shards
+from persia_core.embedding.sharded import load_shard_file, make_tables
+from persia_core.evaluate.run import LoadedModel
+from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
+from persia_core.train.hybrid import make_schedule, pool, prepare_ids
+from persia_core.train.launcher import TrainingFailed, train
+
+from support import tiny_config, write_dataset
+
+EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
+SETTINGS = CheckpointSettings(every_steps=20, keep=3)
+
+
+def _config(**over):
+    return tiny_config(num_workers=2, embedding_staleness=0, epochs=EPOCHS, shuffle=True, **over)
+
+
+def _children(marker: str) -> list[int]:
+    """Pids of live processes whose command line contains ``marker`` (our work folder)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    data = write_dataset(str(root / "data"), rows=192)
+    ref = str(root / "reference")
+    train(_config(), data, ref, work_dir=str(root / "reference-work"), checkpoint=SETTINGS)
+    # the run that dies: slowed down by an injected network delay, which does not change the arithmetic
+    killed = str(root / "killed")
+    work = str(root / "killed-work")
+    box = {}
+
+    def kill_after_second_checkpoint():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = [p for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
+                    if os.path.exists(os.path.join(p, "manifest.json"))]
+            if len(done) >= 2:
+                box["pids"] = _children(work)
+                (pid,) = _children(os.path.join(work, "ps-1.port"))  # the server of shard 1
+                box["killed_at"] = time.monotonic()
+                os.kill(pid, 9)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_after_second_checkpoint)
+    killer.start()
+    try:
+        train(_config(network_delay_s=0.004), data, killed, work_dir=work, checkpoint=SETTINGS)
+        box["error"] = None
+    except TrainingFailed as e:
+        box["error"] = e
+    box["raised_at"] = time.monotonic()
+    killer.join()
+    box["left"] = _children(work)
+    return {"root": root, "data": data, "reference": ref, "killed": killed, "killed_run": box}
+
+
+def test_killed_parameter_server_fails_the_step_within_60s_naming_it_and_leaves_no_process(runs):
+    box = runs["killed_run"]
+    assert box["error"] is not None, "training finished before the parameter server was killed"
+    msg = str(box["error"])
+    assert "ps-1" in msg and "SIGKILL" in msg and "last log lines" in msg
+    assert box["raised_at"] - box["killed_at"] < 60
+    assert len(box["pids"]) == 4  # 2 servers + 2 NN workers were running
+    assert box["left"] == [], f"processes left running: {box['left']}"
+
+
+def _rows(model_dir: str, cfg) -> dict:
+    out = {}
+    manifest = json.load(open(os.path.join(model_dir, "manifest.json")))
+    for rel in manifest["shard_files"]:
+        tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes)
+        load_shard_file(os.path.join(model_dir, rel), tables)
+        sd = tables["default"].state_dict()
+        out.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+    return out
+
+
+def test_resume_after_the_kill_skips_a_corrupt_checkpoint_and_ends_as_the_uninterrupted_run(runs):
+    killed, ref = runs["killed"], runs["reference"]
+    done = [p for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
+            if os.path.exists(os.path.join(p, "manifest.json"))]
+    newest, previous = done[0], done[1]
+    shard = os.path.join(newest, "shards", "shard-00000.npz")  # same size, one bit flipped
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    manifest = train(_config(), runs["data"], killed, work_dir=str(runs["root"] / "resume-work"), checkpoint=SETTINGS)
+    assert manifest["resumed_from"] == previous
+    assert any("CRC-32C" in r for r in manifest["checkpoints_refused"])
+    a = json.load(open(os.path.join(ref, "train_metrics.json")))
+    b = json.load(open(os.path.join(killed, "train_metrics.json")))
+    assert b["resumed_from_step"] == int(previous.rsplit("-", 1)[1]) > 0
+    assert a["step"] == b["step"] == list(range(6 * EPOCHS))  # the same samples, step by step
+    assert a["samples"] == b["samples"]
+    np.testing.assert_allclose(b["loss"], a["loss"], atol=1e-6, rtol=0)
+    da = torch.load(os.path.join(ref, "dense.pt"), weights_only=True)
+    db = torch.load(os.path.join(killed, "dense.pt"), weights_only=True)
+    for k in da:
+        np.testing.assert_allclose(db[k].numpy(), da[k].numpy(), atol=1e-6, rtol=0)
+    cfg = _config()
+    ra, rb = _rows(ref, cfg), _rows(killed, cfg)
+    assert ra.keys() == rb.keys()
+    for k, (w, acc) in ra.items():
+        np.testing.assert_allclose(rb[k][0], w, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(rb[k][1], acc, atol=1e-6, rtol=0)
+
+
+def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_changed_config(runs):
+    root, data, previous = runs["root"], runs["data"], runs["reference"]
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
+    cfg = cfg.with_overrides({"embedding.num_shards": 3})  # re-sharded 2 -> 3 on the way
+    from persia_core.config import RunConfig
+
+    def changed(edit) -> RunConfig:
+        d = cfg.to_dict()
+        edit(d)
+        return RunConfig.from_dict(d)
+
+    for edit, expected in ((lambda d: d["embedding"]["tables"][0].update(dim=8), r"dim: 4 -> 8"),
+                           (lambda d: d["embedding"]["tables"][0]["optimizer"].update(name="adam"),
+                            r"optimizer.name: 'rowwise_adagrad' -> 'adam'"),
+                           (lambda d: d.update(slots=d["slots"][:2]), r"slots: \['a', 'b', 'tags'\] -> \['a', 'b'\]")):
+        with pytest.raises(WarmStartError, match=expected):
+            init_shards(changed(edit), data, str(root / "refused"), warm_start_from=previous)
+    shards = str(root / "warm-shards")
+    plan = init_shards(cfg, data, shards, warm_start_from=previous)
+    assert plan["warm_start"]["previous_num_shards"] == 2 and plan["warm_start"]["dropped_rows"] == {"default": 0}
+    model = str(root / "warm-model")
+    train(cfg, data, model, init_dir=shards, work_dir=str(root / "warm-work"))
+    first_loss = json.load(open(os.path.join(model, "train_metrics.json")))["loss"][0]
+    # the previous final model's loss on the new run's first batch
+    prev = LoadedModel(previous)
+    examples = ParquetExamples(shard_files(data, "train"), prev.slots)
+    rows = make_schedule([len(examples)], cfg.trainer.batch_size, 1, cfg.trainer.seed, True).rows[0][0]
+    batch = examples.batch(rows)
+    with torch.no_grad():
+        prep = prepare_ids(batch.ids, prev.layouts)
+        emb = torch.cat([pool(torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq)),
+                              prep["default"], 3, batch.size)], dim=1)
+        logits = prev.dense(emb, torch.from_numpy(batch.dense))
+        expected = float(F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels)))
+    assert abs(first_loss - expected) < 1e-6, (first_loss, expected)
+    assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
+
+
+def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_too(runs):
+    root = runs["root"]
+    model, work = str(root / "worker-killed"), str(root / "worker-killed-work")
+    box = {}
+
+    def kill_worker_once_training():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if list_checkpoints(os.path.join(model, "checkpoints")):
+                (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
+                          and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+                box["killed_at"] = time.monotonic()
+                os.kill(pid, 9)
+                return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_worker_once_training)
+    killer.start()
+    with pytest.raises(TrainingFailed, match=r"nn_worker-1 \(pid \d+\) was killed by SIGKILL") as err:
+        train(_config(network_delay_s=0.004), runs["data"], model, work_dir=work, checkpoint=SETTINGS)
+    raised_at = time.monotonic()
+    killer.join()
+    assert "last log lines" in str(err.value)
+    assert raised_at - box["killed_at"] < 60
+    assert _children(work) == []

@@ -1,0 +1,222 @@
+"""persia_core.cluster: roles and peers from Vertex AI's CLUSTER_SPEC, and a whole CustomJob on 127.0.0.1."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from persia_core import cluster
+
+# The shape Vertex AI sets in every replica of a CustomJob (job spec abridged; it is a JSON string there).
+VERTEX_CLUSTER_SPEC = {
+    "cluster": {
+        "workerpool0": ["cmle-training-workerpool0-8c1e3f0a7b-0:2222"],
+        "workerpool1": ["cmle-training-workerpool1-8c1e3f0a7b-0:2222",
+                        "cmle-training-workerpool1-8c1e3f0a7b-1:2222",
+                        "cmle-training-workerpool1-8c1e3f0a7b-2:2222"],
+        "workerpool2": ["cmle-training-workerpool2-8c1e3f0a7b-0:2222",
+                        "cmle-training-workerpool2-8c1e3f0a7b-1:2222"],
+    },
+    "environment": "cloud",
+    "task": {"type": "workerpool1", "index": 2, "trial": ""},
+    "job": json.dumps({"worker_pool_specs": [{"machine_spec": {"machine_type": "a2-highgpu-1g"},
+                                              "replica_count": 1}]}),
+}
+
+
+def _spec(task_type: str, index: int, **changes) -> str:
+    d = json.loads(json.dumps(VERTEX_CLUSTER_SPEC))
+    d["task"] = {"type": task_type, "index": index, "trial": ""}
+    d.update(changes)
+    return json.dumps(d)
+
+
+def test_vertex_cluster_spec_parses_pools_and_this_replicas_task():
+    spec = cluster.parse_cluster_spec(json.dumps(VERTEX_CLUSTER_SPEC))
+    assert spec.pool == 1 and spec.index == 2 and spec.role == cluster.NN_WORKER
+    assert sorted(spec.pools) == [0, 1, 2] and len(spec.pools[1]) == 3
+    assert spec.environment == "cloud"
+
+
+def test_vertex_cluster_spec_ranks_world_size_and_rendezvous_of_nn_workers():
+    primary = cluster.placement(cluster.parse_cluster_spec(_spec("workerpool0", 0)))
+    assert (primary.role, primary.rank, primary.world_size) == (cluster.PRIMARY, 0, 4)
+    assert (primary.master_addr, primary.master_port) == ("cmle-training-workerpool0-8c1e3f0a7b-0", 2222)
+    ranks = [cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", i))).rank for i in range(3)]
+    assert ranks == [1, 2, 3]
+    env = cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", 2))).env()
+    assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                   "MASTER_ADDR": "cmle-training-workerpool0-8c1e3f0a7b-0", "MASTER_PORT": "2222",
+                   "PERSIA_PS_ADDRESSES": "cmle-training-workerpool2-8c1e3f0a7b-0:2222,"
+                                          "cmle-training-workerpool2-8c1e3f0a7b-1:2222"}
+
+
+def test_vertex_cluster_spec_parameter_server_shards_and_addresses_with_several_shards_per_replica():
+    spec = cluster.parse_cluster_spec(_spec("workerpool2", 1))
+    one = cluster.placement(spec)
+    assert one.role == cluster.PARAMETER_SERVER and one.shards == [1] and one.ports == [2222]
+    three = cluster.placement(spec, shards_per_server=3)
+    assert three.shards == [3, 4, 5] and three.ports == [2222, 2223, 2224]
+    assert three.ps_addresses == [f"cmle-training-workerpool2-8c1e3f0a7b-{r}:{2222 + j}"
+                                  for r in range(2) for j in range(3)]
+
+
+def test_vertex_cluster_spec_without_pool_1_is_a_single_nn_worker():
+    d = json.loads(_spec("workerpool0", 0))
+    del d["cluster"]["workerpool1"]
+    place = cluster.placement(cluster.parse_cluster_spec(d))
+    assert place.world_size == 1 and place.rank == 0
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(task={"type": "workerpool3", "index": 0}) or d["cluster"].update(workerpool3=["h:1"]),
+     "pool 3"),
+    (lambda d: d["cluster"].update(workerpool0=["a:1", "b:1"]), "exactly 1 replica"),
+    (lambda d: d.update(task={"type": "workerpool1", "index": 7}), "not in the cluster"),
+    (lambda d: d["cluster"].update(workerpool2=["no-port"]), "host:port"),
+    (lambda d: d["cluster"].update(chief=["h:1"]), "unknown pool"),
+    (lambda d: d.pop("task"), "task"),
+    (lambda d: d.update(task={"type": "workerpool1", "index": "0"}), "task.index"),
+])
+def test_vertex_cluster_spec_errors_name_the_field(mutate, message):
+    d = json.loads(json.dumps(VERTEX_CLUSTER_SPEC))
+    mutate(d)
+    with pytest.raises(ValueError, match=message):
+        cluster.parse_cluster_spec(json.dumps(d))
+    with pytest.raises(ValueError, match="not JSON"):
+        cluster.parse_cluster_spec("{nope")
+
+
+def test_vertex_cluster_spec_without_parameter_servers_is_refused():
+    d = json.loads(_spec("workerpool0", 0))
+    del d["cluster"]["workerpool2"]
+    with pytest.raises(ValueError, match="workerpool2"):
+        cluster.placement(cluster.parse_cluster_spec(d))
+
+
+def test_vertex_replica_token_comes_from_env_or_secret_manager(monkeypatch):
+    assert cluster.resolve_token({"PERSIA_PS_TOKEN": "abc"}) == "abc"
+    with pytest.raises(ValueError, match="PERSIA_PS_TOKEN_SECRET"):
+        cluster.resolve_token({})
+    from google.cloud import secretmanager
+
+    seen = {}
+
+    class Payload:
+        data = b"s3cret\n"
+
+    class Resp:
+        payload = Payload()
+
+    def access(self, request=None, **kw):
+        seen.update(request)
+        return Resp()
+
+    from google.auth.credentials import AnonymousCredentials
+
+    monkeypatch.setattr(secretmanager.SecretManagerServiceClient, "access_secret_version", access)
+    monkeypatch.setattr("google.auth.default", lambda *a, **k: (AnonymousCredentials(), "p"))
+    name = "projects/p/secrets/persia-ps-token/versions/latest"
+    assert cluster.resolve_token({"PERSIA_PS_TOKEN_SECRET": name}) == "s3cret"
+    assert seen == {"name": name}
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _free_port_run(k):
+    """A port p such that p .. p+k-1 were free a moment ago."""
+    for _ in range(100):
+        (p,) = _free_ports(1)
+        socks = []
+        try:
+            for q in range(p, p + k):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nn_replicas, ps_replicas", [
+    (2, 2),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
+    (1, 1),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
+])
+def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas):
+    """Replicas started as Vertex AI starts them, with CLUSTER_SPEC pointing at 127.0.0.1: the primary writes
+    a whole Model and the parameter servers exit on its done marker."""
+    from persia_core.embedding.plan import init_shards
+    from persia_core.evaluate.run import evaluate
+    from support import tiny_config
+
+    cfg = tiny_config(num_workers=2, embedding_staleness=2)
+    init = str(tmp_path / "shards")
+    init_shards(cfg, tiny_data, init)
+    out, control = str(tmp_path / "model"), str(tmp_path / "control")
+    ports = _free_ports(nn_replicas)
+    k = 2 // ps_replicas
+    ps_ports = [_free_port_run(k) for _ in range(ps_replicas)]  # a server replica uses ports p .. p+k-1
+    cluster_map = {"workerpool0": [f"127.0.0.1:{ports[0]}"],
+                   "workerpool2": [f"127.0.0.1:{p}" for p in ps_ports]}
+    if nn_replicas > 1:
+        cluster_map["workerpool1"] = [f"127.0.0.1:{p}" for p in ports[1:nn_replicas]]
+    base = {"cluster": cluster_map, "environment": "cloud"}
+    env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "persia_core.cluster", "--config", os.path.join(init, "run_config.yaml"),
+           "--data", tiny_data, "--init", init, "--out", out, "--control", control, "--host", "127.0.0.1",
+           "--poll-s", "0.2", "--ps-wait-s", "120", "--shards-per-server", str(2 // ps_replicas),
+           "--ranks-per-replica", str(2 // nn_replicas)]
+    replicas = [("workerpool2", i) for i in range(ps_replicas)] + [("workerpool1", i) for i in
+                                                                   range(nn_replicas - 1)] + [("workerpool0", 0)]
+    procs = {}
+    try:
+        for pool, index in replicas:
+            spec = dict(base, task={"type": pool, "index": index, "trial": ""})
+            log = open(tmp_path / f"{pool}-{index}.log", "w")
+            procs[(pool, index)] = subprocess.Popen(cmd, env=dict(env, CLUSTER_SPEC=json.dumps(spec)),
+                                                    stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 200
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = {k: p.poll() for k, p in procs.items()}
+        logs = {k: open(tmp_path / f"{k[0]}-{k[1]}.log").read()[-2000:] for k in procs}
+        assert all(c == 0 for c in codes.values()), (codes, logs)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
+    assert all(r > 0 for r in manifest["summary"]["rows"])
+    assert os.path.exists(os.path.join(control, cluster.DONE_MARKER))
+    result = evaluate(out, tiny_data)
+    assert 0.0 < result["metrics"]["auc"] < 1.0
+
+
+def test_vertex_replica_entry_point_passes_worker_flags_after_the_separator(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cluster, "run_replica", lambda args, spec: seen.update(args=args, spec=spec) or 0)
+    monkeypatch.setenv("CLUSTER_SPEC", _spec("workerpool1", 0))
+    assert cluster.main(["--config", "c.yaml", "--data", "d", "--out", "m", "--", "--init-dense", "x.pt"]) == 0
+    assert seen["args"].worker_args == ["--init-dense", "x.pt"] and seen["args"].host == "0.0.0.0"
+    monkeypatch.delenv("CLUSTER_SPEC")
+    with pytest.raises(SystemExit):
+        cluster.main(["--config", "c.yaml", "--data", "d", "--out", "m"])

@@ -1,0 +1,286 @@
+"""pipelines.submit offline: the exact Vertex AI requests for a run, a schedule and a Model Registry upload, built
+with anonymous credentials and the gapic clients replaced at their boundary; bad input fails before sending."""
+
+import json
+
+import pytest
+import yaml
+from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, WorkerOptions
+
+from pipelines import submit
+from pipelines.persia_pipeline import compile_pipeline
+from pipelines.vertex import VertexSettings
+
+PROJECT, REGION, ROOT = "test-project", "us-central1", "gs://persia-test/pipeline-root"
+IMAGE = "us-central1-docker.pkg.dev/test-project/persia/persia-kfp:abc123"
+SA = "pipelines@test-project.iam.gserviceaccount.com"
+TARGET = ["--project", PROJECT, "--region", REGION]
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpl") / "persia_pipeline_vertex.yaml"
+    return compile_pipeline(str(path), "vertex", VertexSettings(image=IMAGE))
+
+
+@pytest.fixture
+def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
+    """Anonymous credentials; Pipeline/Schedule/Model service clients record requests instead of sending;
+    Cloud Storage (the pipeline root's bucket) is the emulator."""
+    from google.cloud.aiplatform_v1.services.model_service import client as model_client
+    from google.cloud.aiplatform_v1.services.pipeline_service import client as pipeline_client
+    from google.cloud.aiplatform_v1.services.schedule_service import client as schedule_client
+    from google.cloud.aiplatform_v1.types import model as model_types, model_service
+    from google.cloud.aiplatform_v1.types import pipeline_job as pj_types, schedule as schedule_types
+
+    sent = []
+    parent = f"projects/{PROJECT}/locations/{REGION}"
+    schedules = {}
+
+    def record(method, **kw):
+        sent.append((method, kw))
+
+    def create_pipeline_job(self, request=None, *, parent=None, pipeline_job=None, pipeline_job_id=None, **kw):
+        record("create_pipeline_job", parent=parent, pipeline_job=pipeline_job, pipeline_job_id=pipeline_job_id)
+        job = pj_types.PipelineJob(pipeline_job)
+        job.name = f"{parent}/pipelineJobs/{pipeline_job_id}"
+        return job
+
+    def create_schedule(self, request=None, *, parent=None, schedule=None, **kw):
+        record("create_schedule", parent=parent, schedule=schedule)
+        s = schedule_types.Schedule(schedule)
+        s.name = f"{parent}/schedules/42"
+        s.state = schedule_types.Schedule.State.ACTIVE
+        schedules[s.name] = s
+        return s
+
+    def get_schedule(self, request=None, *, name=None, **kw):
+        name = name or request.name
+        return schedules.get(name) or schedule_types.Schedule(
+            name=name, display_name="nightly", cron="TZ=UTC 0 3 * * *",
+            state=schedule_types.Schedule.State.ACTIVE,
+            create_pipeline_job_request={"parent": parent, "pipeline_job": {"display_name": "x"}})
+
+    def list_schedules(self, request=None, **kw):
+        record("list_schedules", request=request)
+        return [get_schedule(self, name=f"{parent}/schedules/42")]
+
+    def pause_schedule(self, request=None, *, name=None, **kw):
+        record("pause_schedule", name=name or request.name)
+
+    def resume_schedule(self, request=None, *, name=None, **kw):
+        record("resume_schedule", name=name or request.name)
+
+    class _Done:
+        def __init__(self, result=None):
+            self._result = result
+            self.operation = type("Op", (), {"name": f"{parent}/operations/1"})()
+
+        def result(self, timeout=None):
+            return self._result
+
+    def delete_schedule(self, request=None, *, name=None, **kw):
+        record("delete_schedule", name=name or request.name)
+        return _Done()
+
+    def upload_model(self, request=None, **kw):
+        record("upload_model", request=request)
+        return _Done(model_service.UploadModelResponse(model=f"{parent}/models/7", model_version_id="3"))
+
+    def get_model(self, request=None, *, name=None, **kw):
+        return model_types.Model(name=f"{parent}/models/7", version_id="3", display_name="persia-ctr")
+
+    for cls, methods in ((pipeline_client.PipelineServiceClient, [create_pipeline_job]),
+                         (schedule_client.ScheduleServiceClient, [create_schedule, get_schedule, list_schedules,
+                                                                  pause_schedule, resume_schedule,
+                                                                  delete_schedule]),
+                         (model_client.ModelServiceClient, [upload_model, get_model])):
+        for m in methods:
+            monkeypatch.setattr(cls, m.__name__, m)
+    return sent
+
+
+def _runtime(job):
+    return {k: v for k, v in job.runtime_config.parameter_values.items()}
+
+
+def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(template, gapic, capsys):
+    rc = submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--service-account", SA,
+                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/", "--param", "config=criteo",
+                      "--param", "num_parameter_servers=4", "--param", "epochs=1", "--no-cache",
+                      "--label", "team=ranking", "--display-name", "persia-manual"])
+    assert rc == 0
+    (method, req), = gapic
+    assert method == "create_pipeline_job" and req["parent"] == f"projects/{PROJECT}/locations/{REGION}"
+    job = req["pipeline_job"]
+    assert job.display_name == "persia-manual" and job.service_account == SA
+    assert job.runtime_config.gcs_output_directory == ROOT
+    params = _runtime(job)
+    assert params["data"] == "gs://persia-test/criteo/dt={date-1d}/" and params["config"] == "criteo"
+    assert params["num_parameter_servers"] == 4 and params["epochs"] == 1
+    assert dict(job.labels)["team"] == "ranking"
+    tasks = job.pipeline_spec["root"]["dag"]["tasks"]
+    assert all(not t.get("cachingOptions", {}).get("enableCache", False) for t in tasks.values())
+    assert capsys.readouterr().out.strip().startswith(f"projects/{PROJECT}/locations/{REGION}/pipelineJobs/")
+    from persia_core import io
+
+    assert io.exists("gs://persia-test")  # submit made the pipeline root's bucket (in the emulator)
+
+
+@pytest.mark.parametrize("param, message", [
+    ("nope=1", "unknown pipeline parameter"),
+    ("num_parameter_servers=two", "'num_parameter_servers': expected an integer"),
+    ("epochs=1.5", "'epochs': expected an integer"),
+    ("data", "NAME=VALUE"),
+])
+def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template, gapic, param, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--param", param])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert gapic == []
+
+
+def test_submit_python_api_checks_types_of_given_values(template, gapic):
+    target = submit.Target(PROJECT, REGION, ROOT)
+    with pytest.raises(ValueError, match="'max_rows': expected an integer"):
+        submit.submit(template, target, {"max_rows": "10"})
+    with pytest.raises(ValueError, match="'data': expected a string"):
+        submit.submit(template, target, {"data": 3})
+    with pytest.raises(ValueError, match="pipeline-root"):
+        submit.Target(PROJECT, REGION, "/local/root")
+    with pytest.raises(ValueError, match="project"):
+        submit.Target("Bad_Project", REGION)
+    assert gapic == []
+
+
+def test_submit_refuses_a_template_compiled_for_the_local_target(tmp_path, gapic, monkeypatch):
+    monkeypatch.delenv("PERSIA_BASE_IMAGE", raising=False)
+    local = compile_pipeline(str(tmp_path / "local.yaml"))
+    with pytest.raises(ValueError, match="local target"):
+        submit.submit(local, submit.Target(PROJECT, REGION, ROOT))
+    with pytest.raises(FileNotFoundError, match="make compile"):
+        submit.submit(str(tmp_path / "missing.yaml"), submit.Target(PROJECT, REGION, ROOT))
+    assert gapic == []
+
+
+def test_schedule_create_sends_cron_time_zone_concurrency_and_the_run_request(template, gapic, capsys):
+    rc = submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
+                      "--name", "persia-nightly", "--cron", "0 3 * * *", "--time-zone", "Europe/Berlin",
+                      "--max-concurrent-runs", "1", "--max-runs", "30", "--service-account", SA,
+                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/"])
+    assert rc == 0
+    (method, req), = gapic
+    assert method == "create_schedule" and req["parent"] == f"projects/{PROJECT}/locations/{REGION}"
+    s = req["schedule"]
+    assert s.display_name == "persia-nightly" and s.cron == "TZ=Europe/Berlin 0 3 * * *"
+    assert s.max_concurrent_run_count == 1 and s.max_run_count == 30
+    run = s.create_pipeline_job_request
+    assert run.parent == f"projects/{PROJECT}/locations/{REGION}"
+    assert run.pipeline_job.service_account == SA
+    assert _runtime(run.pipeline_job)["data"] == "gs://persia-test/criteo/dt={date-1d}/"
+    assert run.pipeline_job.runtime_config.gcs_output_directory == ROOT
+    assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/schedules/42"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--cron", "0 3 * *"], "5 fields"),
+    (["--cron", "0 3 * * *", "--time-zone", "Mars/Olympus"], "IANA time zone"),
+    (["--cron", "TZ=UTC 0 3 * * *"], "--time-zone"),
+    (["--cron", "0 3 * * *", "--max-concurrent-runs", "0"], "max-concurrent-runs"),
+    (["--cron", "0 3 * * *", "--start-time", "tomorrow"], "RFC 3339"),
+])
+def test_schedule_create_rejects_bad_settings_before_sending(template, gapic, extra, message, capsys):
+    with pytest.raises(SystemExit):
+        submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
+                     "--name", "n", *extra])
+    assert message in capsys.readouterr().err and gapic == []
+
+
+def test_schedule_list_pause_resume_delete_address_the_schedule(gapic, capsys):
+    name = f"projects/{PROJECT}/locations/{REGION}/schedules/42"
+    assert submit.main(["schedule", "list", *TARGET, "--filter", 'display_name="nightly"']) == 0
+    assert gapic[0][0] == "list_schedules" and gapic[0][1]["request"]["filter"] == 'display_name="nightly"'
+    assert name in capsys.readouterr().out
+    for action in ("pause", "resume", "delete"):
+        assert submit.main(["schedule", action, *TARGET, "42"]) == 0
+    assert [(m, kw.get("name")) for m, kw in gapic[1:]] == [("pause_schedule", name), ("resume_schedule", name),
+                                                           ("delete_schedule", name)]
+
+
+def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(gapic, capsys):
+    rc = submit.main(["register-model", *TARGET, "--artifact-uri", "/gcs/persia-test/blessed/current",
+                      "--display-name", "persia-ctr", "--serving-image", IMAGE,
+                      "--parent-model", f"projects/{PROJECT}/locations/{REGION}/models/7", "--alias", "blessed",
+                      "--label", "run=nightly", "--description", "nightly blessed model"])
+    assert rc == 0
+    (method, req), = gapic
+    r = req["request"]
+    assert method == "upload_model" and r.parent == f"projects/{PROJECT}/locations/{REGION}"
+    assert r.parent_model == f"projects/{PROJECT}/locations/{REGION}/models/7"
+    m = r.model
+    assert m.display_name == "persia-ctr" and m.artifact_uri == "gs://persia-test/blessed/current"
+    assert m.container_spec.image_uri == IMAGE
+    assert set(m.version_aliases) == {"default", "blessed"}
+    assert dict(m.labels) == {"framework": "persia-kfp", "run": "nightly"}
+    assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/models/7@3"
+    with pytest.raises(ValueError, match="gs://"):
+        submit.register_model("/local/model", "x", submit.Target(PROJECT, REGION), IMAGE)
+
+
+def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
+    submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--dataflow",
+                 "--dataflow-image", IMAGE, "--dataflow-max-workers", "25", "--dataflow-machine-type",
+                 "n2-highmem-8"])
+    (method, req), = gapic
+    args = json.loads(_runtime(req["pipeline_job"])["beam_args"])
+    opts = PipelineOptions(args)
+    gcp = opts.view_as(GoogleCloudOptions)
+    assert opts.view_as(StandardOptions).runner == "DataflowRunner"
+    assert (gcp.project, gcp.region, gcp.temp_location) == (PROJECT, REGION, ROOT + "/tmp")
+    w = opts.view_as(WorkerOptions)
+    assert (w.machine_type, w.max_num_workers, w.sdk_container_image) == ("n2-highmem-8", 25, IMAGE)
+
+
+def test_dataflow_beam_args_build_the_runner_options_and_check_them():
+    args = submit.dataflow_beam_args(PROJECT, "europe-west1", "gs://b/tmp", "n2-standard-8", 40, IMAGE,
+                                     service_account="df@test-project.iam.gserviceaccount.com",
+                                     subnetwork="regions/europe-west1/subnetworks/default")
+    opts = PipelineOptions(args)
+    gcp, w = opts.view_as(GoogleCloudOptions), opts.view_as(WorkerOptions)
+    assert opts.view_as(StandardOptions).runner == "DataflowRunner"
+    assert (gcp.project, gcp.region, gcp.temp_location, gcp.staging_location) == (
+        PROJECT, "europe-west1", "gs://b/tmp", "gs://b/tmp")
+    assert gcp.service_account_email == "df@test-project.iam.gserviceaccount.com"
+    assert (w.machine_type, w.max_num_workers, w.sdk_container_image) == ("n2-standard-8", 40, IMAGE)
+    assert w.subnetwork == "regions/europe-west1/subnetworks/default"
+    with pytest.raises(ValueError, match="temp-location"):
+        submit.dataflow_beam_args(PROJECT, REGION, "/tmp", sdk_container_image=IMAGE)
+    with pytest.raises(ValueError, match="sdk-container-image"):
+        submit.dataflow_beam_args(PROJECT, REGION, "gs://b/tmp")
+
+
+def test_upload_template_posts_the_yaml_to_the_kfp_registry(template, monkeypatch):
+    from kfp.registry import ApiAuth, registry_client
+
+    calls = []
+
+    class Resp:
+        status_code = 200
+        text = "persia-hybrid-training/sha256:abc"
+
+        def raise_for_status(self):
+            pass
+
+    def post(**kw):
+        kw["content"] = kw["files"]["content"].read()  # the open YAML file
+        calls.append(kw)
+        return Resp()
+
+    monkeypatch.setattr(registry_client.requests, "post", post)
+    host = "https://us-central1-kfp.pkg.dev/test-project/persia"
+    name, version = submit.upload_template(host, template, ["v1", "latest"], "nightly build", auth=ApiAuth("t"))
+    assert (name, version) == ("persia-hybrid-training", "sha256:abc")
+    (call,) = calls
+    assert call["url"] == host and call["headers"] == {"description": "nightly build"}
+    assert yaml.safe_load(call["content"])["pipelineInfo"]["name"] == "persia-hybrid-training"
+    assert call["data"] == {"tags": "v1,latest"} and call["auth"]._token == "t"
