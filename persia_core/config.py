@@ -228,12 +228,25 @@ class TableConfig:
     init_scale: float = 0.01
     """Rows start uniform in [-init_scale, init_scale], drawn from a generator seeded by the feature ID
     (the same ID gets the same initial row on any shard, process or run)."""
+    admit_probability: float = 1.0
+    """Feature admission: an unseen ID gets a row with this probability per sighting (PERSIA's
+    ``admit_probability``); until then it reads the default (zero) row."""
+    admit_after_sightings: int = 0
+    """Feature admission: an unseen ID gets a row only from its N-th sighting on (0 = at once; at most 255)."""
+    expire_after_steps: int = 0
+    """Expiry: rows a shard has not looked up for this many lookup batches are removed (0 = never)."""
 
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise _fail(f"embedding.tables[{self.name}].dim", "must be >= 1")
         if self.init_scale < 0:
             raise _fail(f"embedding.tables[{self.name}].init_scale", "must be >= 0")
+        if not 0.0 < self.admit_probability <= 1.0:
+            raise _fail(f"embedding.tables[{self.name}].admit_probability", "must be in (0, 1]")
+        if not 0 <= self.admit_after_sightings <= 255:
+            raise _fail(f"embedding.tables[{self.name}].admit_after_sightings", "must be in [0, 255]")
+        if self.expire_after_steps < 0:
+            raise _fail(f"embedding.tables[{self.name}].expire_after_steps", "must be >= 0")
 
 
 @dataclass

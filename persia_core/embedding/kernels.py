@@ -127,7 +127,7 @@ def rebuild_index(index, keys, shift, size):
 
 @njit(nogil=True, cache=True)
 def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, capacity, step, last_used,
-           seed, scale, out):
+           seed, scale, out, admit_prob, admit_after, sketch, refused):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
@@ -136,6 +136,12 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
     (``last_used != step``) and gets ``last_used = step``.
     ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
     whose optimizer state the caller resets.
+
+    Feature admission (PERSIA's ``admit_probability``; sightings as in count-based admission): an unseen ID
+    gets a row only if ``admit_after == 0`` or it has now been seen ``admit_after`` times (counted in ``sketch``,
+    uint8 counters indexed by a hash of the ID: a one-row count-min sketch, so it may admit early on a collision,
+    never late), and with probability ``admit_prob`` (a hash of ID and step, so reproducible). A refused ID reads
+    the zero row and is counted in ``refused[0]``.
 
     Three passes, so that the cache misses of independent IDs overlap: probe all, then update recency and
     create rows in order, then gather the rows.
@@ -165,6 +171,19 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
         if not create:
             counters[3] += 1
             continue
+        if admit_after > 0:
+            h = _home(key ^ np.uint64(0x5851F42D4C957F2D), 64 - _log2(sketch.shape[0]))
+            c = sketch[h]
+            if c < 255:
+                sketch[h] = c + 1
+            if c + 1 < admit_after:
+                refused[0] += 1
+                continue
+        if admit_prob < 1.0:
+            u = np.float64(_splitmix(key ^ (np.uint64(step) * np.uint64(0xD6E8FEB86659FD93))) >> np.uint64(11))
+            if u * (1.0 / 9007199254740992.0) >= admit_prob:
+                refused[0] += 1
+                continue
         size = counters[0]
         if size < capacity:
             r = np.int32(size)
@@ -192,6 +211,56 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
         else:
             out[t, :] = 0.0
     return created[:nc]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _log2(n):
+    b = 0
+    while (1 << b) < n:
+        b += 1
+    return b
+
+
+@njit(nogil=True, cache=True)
+def expire(older_than, index, keys, prev, nxt, head_tail, counters, last_used):
+    """Remove every row whose ``last_used`` step is below ``older_than``; returns how many.
+
+    The recency list is ordered by last use, so the expired rows are exactly a run at its tail: walk from the
+    tail, unlink and delete each, and move the table's last row into each freed slot so rows stay contiguous.
+    Callers must move the per-row optimizer state the same way (``moves``: pairs (from, to), returned)."""
+    shift = shift_of(index)
+    removed = 0
+    moves = np.empty((counters[0], 2), dtype=np.int64)
+    nm = 0
+    while head_tail[1] != -1 and last_used[head_tail[1]] < older_than:
+        r = head_tail[1]
+        _delete(index, keys, shift, keys[r])
+        _unlink(prev, nxt, head_tail, r)
+        last = np.int32(counters[0] - 1)
+        if r != last:
+            # move row `last` into slot r: index entry, links, key, recency
+            _delete(index, keys, shift, keys[last])
+            keys[r] = keys[last]
+            last_used[r] = last_used[last]
+            p = prev[last]
+            n = nxt[last]
+            prev[r] = p
+            nxt[r] = n
+            if p != -1:
+                nxt[p] = r
+            else:
+                head_tail[0] = r
+            if n != -1:
+                prev[n] = r
+            else:
+                head_tail[1] = r
+            _insert(index, keys, shift, keys[r], r)
+            moves[nm, 0] = last
+            moves[nm, 1] = r
+            nm += 1
+        counters[0] -= 1
+        removed += 1
+    return removed, moves[:nm]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -370,3 +439,10 @@ def route(ids, num_shards):
         order[fill[s]] = t
         fill[s] += 1
     return order, bounds
+
+
+@njit(nogil=True, cache=True)
+def apply_moves(moves, arr):
+    """Copy ``arr[from]`` to ``arr[to]`` for each (from, to) row of ``moves: int64[M, 2]``, in order."""
+    for i in range(moves.shape[0]):
+        arr[moves[i, 1]] = arr[moves[i, 0]]

@@ -584,7 +584,8 @@ def make_tables(tables: list[TableConfig], shard_memory_bytes: int, seed: int = 
             cap = int(capacities[t.name])
         else:
             cap = capacity_for_budget(shard_memory_bytes // len(tables), t.optimizer.name, t.dim)
-        out[t.name] = EmbeddingTable(t.dim, t.optimizer, cap, t.init_scale, seed)
+        out[t.name] = EmbeddingTable(t.dim, t.optimizer, cap, t.init_scale, seed, t.admit_probability,
+                                     t.admit_after_sightings, t.expire_after_steps)
     return out
 
 

@@ -81,12 +81,19 @@ class EmbeddingTable:
         capacity: the most rows held; beyond it the least recently looked-up rows are evicted.
         init_scale: initial rows are uniform in [-init_scale, init_scale], seeded by the feature ID and ``seed``.
         seed: seed of the per-ID initializer.
+        admit_probability: an unseen ID gets a row with this probability per sighting (PERSIA's
+            ``admit_probability``); refused IDs read the zero row.
+        admit_after_sightings: an unseen ID gets a row only from its N-th sighting on (0 = at once), counted in a
+            fixed 1 MiB sketch of uint8 counters (an ID may be admitted early on a hash collision, never late).
+        expire_after_steps: rows not looked up for this many lookup batches are removed (0 = never), so a table
+            warm-started every day does not only grow.
 
     Thread safety: every public method takes the table's lock.
     """
 
     def __init__(self, dim: int, optimizer: OptimizerConfig, capacity: int, init_scale: float = 0.01,
-                 seed: int = 0):
+                 seed: int = 0, admit_probability: float = 1.0, admit_after_sightings: int = 0,
+                 expire_after_steps: int = 0):
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if capacity < 1:
@@ -98,6 +105,16 @@ class EmbeddingTable:
         self.seed = int(seed)
         self.step = 0
         self.dropped_gradients = 0
+        if not 0.0 < admit_probability <= 1.0:
+            raise ValueError(f"admit_probability must be in (0, 1], got {admit_probability}")
+        if admit_after_sightings < 0 or admit_after_sightings > 255 or expire_after_steps < 0:
+            raise ValueError("admit_after_sightings must be in [0, 255] and expire_after_steps >= 0")
+        self.admit_probability = float(admit_probability)
+        self.admit_after = int(admit_after_sightings)
+        self.expire_after_steps = int(expire_after_steps)
+        self.sketch = np.zeros(1 << 20 if self.admit_after > 0 else 1, dtype=np.uint8)
+        self.refused = np.zeros(1, dtype=np.int64)
+        self.expired = 0
         self.lock = threading.Lock()
         self._alloc(min(self.capacity, _INITIAL_ROWS))
         self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
@@ -152,11 +169,33 @@ class EmbeddingTable:
         with self.lock:
             self._grow(self.size + len(ids))
             self.step += 1
+            if self.expire_after_steps:
+                self._expire(self.step - self.expire_after_steps)
             created = K.lookup(ids, True, self.index, self.keys, self.weights, self.prev, self.nxt,
                                self.head_tail, self.counters, self.capacity, self.step, self.last_used,
-                               self.seed, self.init_scale, out)
+                               self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
+                               self.sketch, self.refused)
             self._reset_state(created)
         return out
+
+    def _expire(self, older_than: int) -> int:
+        """Remove rows last looked up before step ``older_than`` (caller holds the lock). Returns how many."""
+        tail = int(self.head_tail[1])
+        if older_than <= 0 or tail == -1 or self.last_used[tail] >= older_than:
+            return 0
+        removed, moves = K.expire(older_than, self.index, self.keys, self.prev, self.nxt, self.head_tail,
+                                  self.counters, self.last_used)
+        if len(moves):  # a row can move twice: apply in order
+            K.apply_moves(moves, self.weights)
+            for arr in self.state.values():
+                K.apply_moves(moves, arr)
+        self.expired += int(removed)
+        return int(removed)
+
+    def expire(self, older_than_steps: int) -> int:
+        """Remove rows not looked up in the last ``older_than_steps`` lookup batches. Returns how many."""
+        with self.lock:
+            return self._expire(self.step - older_than_steps)
 
     def lookup_readonly(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids: uint64[N]`` as ``float32[N, D]``; an unseen ID gets the zero row and is not inserted.
@@ -214,7 +253,8 @@ class EmbeddingTable:
             return {
                 "rows": int(self.counters[0]), "capacity": self.capacity, "evictions": int(self.counters[1]),
                 "inserts": int(self.counters[2]), "readonly_misses": int(self.counters[3]),
-                "dropped_gradients": self.dropped_gradients, "bytes_allocated": int(allocated),
+                "dropped_gradients": self.dropped_gradients, "bytes_allocated": int(allocated + self.sketch.nbytes),
+                "not_admitted": int(self.refused[0]), "expired": self.expired,
                 "bytes_per_row": bytes_per_row(self.optimizer.name, self.dim, self.capacity),
             }
 

@@ -163,3 +163,51 @@ def test_batch_with_more_distinct_ids_than_capacity_is_refused():
     t.lookup(np.arange(1024, dtype=np.uint64))
     with pytest.raises(ValueError, match="more distinct IDs"):
         t.lookup(np.arange(2000, 4100, dtype=np.uint64))
+
+
+def test_admission_after_n_sightings_gives_a_row_only_from_the_nth():
+    t = EmbeddingTable(D, OptimizerConfig(), capacity=4096, init_scale=0.5, admit_after_sightings=3)
+    ids = _ids(10, 11)
+    assert np.all(t.lookup(ids) == 0.0) and t.size == 0  # 1st sighting: refused, zero row
+    assert np.all(t.lookup(ids[:1]) == 0.0) and t.size == 0  # 2nd
+    row = t.lookup(ids[:1])  # 3rd sighting of ID 10: admitted
+    assert t.size == 1 and np.any(row != 0.0)
+    assert t.contains(ids).tolist() == [True, False]
+    assert t.stats()["not_admitted"] == 3
+    # a gradient for a refused ID has no row: dropped and counted, never applied
+    assert t.apply_gradients(_ids(11), np.ones((1, D), np.float32)) == 1
+
+
+def test_admission_probability_admits_about_that_share_reproducibly():
+    def run():
+        t = EmbeddingTable(D, OptimizerConfig(), capacity=1 << 16, admit_probability=0.25)
+        t.lookup(np.arange(20000, dtype=np.uint64))
+        return t.contains(np.arange(20000, dtype=np.uint64))
+
+    a, b = run(), run()
+    assert np.array_equal(a, b)
+    assert 0.23 < a.mean() < 0.27
+
+
+def test_expiry_removes_rows_untouched_for_t_steps_and_keeps_the_rest_intact():
+    t = EmbeddingTable(D, OptimizerConfig(name="adam"), capacity=4096, init_scale=0.5, expire_after_steps=3)
+    old = np.arange(0, 100, dtype=np.uint64)
+    hot = np.arange(1000, 1050, dtype=np.uint64)
+    t.lookup(old)
+    t.apply_gradients(hot[:0], np.zeros((0, D), np.float32))
+    t.lookup(hot)
+    t.apply_gradients(hot, np.ones((50, D), np.float32))
+    before = {k: v.copy() for k, v in zip(["w"], [t.lookup_readonly(hot)])}
+    m_before = t.state["m"][np.flatnonzero(np.isin(t.keys[: t.size], hot))]
+    for _ in range(4):
+        t.lookup(hot)  # old rows untouched for 4 lookup batches
+    assert t.size == 50 and t.stats()["expired"] == 100
+    assert not t.contains(old).any() and t.contains(hot).all()
+    np.testing.assert_array_equal(t.lookup_readonly(hot), before["w"])
+    m_after = t.state["m"][np.flatnonzero(np.isin(t.keys[: t.size], hot))]
+    assert sorted(map(bytes, m_after)) == sorted(map(bytes, m_before))
+    # the index still finds every row after the compaction moved rows around
+    sd = t.state_dict()
+    u = EmbeddingTable(D, OptimizerConfig(name="adam"), capacity=4096)
+    u.load_state_dict(sd)
+    np.testing.assert_array_equal(u.lookup_readonly(hot), before["w"])
