@@ -259,7 +259,8 @@ class EmbeddingConfig:
     shard_memory_bytes: int = 1 << 30
     """Memory budget per shard in bytes (rows, optimizer state, keys, hash index, bookkeeping)."""
     storage: str = "fp32"
-    """Storage precision of the weights: fp32 (optimizer state is always fp32)."""
+    """Storage precision of the weights: ``fp32``, ``fp16`` or ``bf16`` (optimizer state is always fp32; each
+    update computes in fp32 and rounds to nearest-even)."""
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -271,8 +272,8 @@ class EmbeddingConfig:
             raise _fail("embedding.num_shards", "must be >= 1")
         if self.shard_memory_bytes < 1 << 16:
             raise _fail("embedding.shard_memory_bytes", "must be at least 65536 bytes")
-        if self.storage != "fp32":
-            raise _fail("embedding.storage", "only 'fp32' is supported")
+        if self.storage not in ("fp32", "fp16", "bf16"):
+            raise _fail("embedding.storage", f"must be fp32, fp16 or bf16, got {self.storage!r}")
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:

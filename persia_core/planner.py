@@ -35,7 +35,7 @@ import numpy as np
 from persia_core.config import OPTIMIZERS
 from persia_core.embedding import table as T
 
-WEIGHT_BYTES = {"fp32": 4, "fp16": 2}
+WEIGHT_BYTES = {k: v for k, v in T.STORAGE_BYTES.items()}
 MAX_ROWS_PER_SHARD = int(np.iinfo(np.int32).max)
 """Rows one shard process can hold: the table's row numbers (index slots, LRU links) are int32."""
 INDEX_SLOT_BYTES = 4
@@ -66,13 +66,11 @@ class RowBytes:
 
 
 def row_bytes_without_index(optimizer: str, dim: int, weights: str = "fp32") -> int:
-    """Bytes per row excluding the hash index, at weight precision ``weights`` (``fp32`` | ``fp16``).
-
-    The table's accounting (``table.row_bytes_without_index``) with its fp32 weights (4 D) replaced by
-    ``WEIGHT_BYTES[weights] * D``."""
+    """Bytes per row excluding the hash index, at weight precision ``weights`` (``fp32`` | ``fp16`` | ``bf16``):
+    the table's own accounting (``table.row_bytes_without_index``)."""
     if weights not in WEIGHT_BYTES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_BYTES)}, got {weights!r}")
-    return T.row_bytes_without_index(optimizer, dim) - 4 * dim + WEIGHT_BYTES[weights] * dim
+    return T.row_bytes_without_index(optimizer, dim, weights)
 
 
 def _state_bytes(optimizer: str, dim: int) -> int:

@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     bpr16 = bytes_per_row("rowwise_adagrad", 16, cap)
     bpr64 = bytes_per_row("rowwise_adagrad", 64, cap)
     raw16, raw64 = 16 * 4 + 4, 64 * 4 + 4
+    bpr16_fp16 = bytes_per_row("rowwise_adagrad", 16, cap, "fp16")
     print(f"bytes/row: dim16 {bpr16:.1f} (raw {raw16}, x{bpr16 / raw16:.2f}); dim64 {bpr64:.1f} "
-          f"(raw {raw64}, x{bpr64 / raw64:.3f}); excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}")
+          f"(raw {raw64}, x{bpr64 / raw64:.3f}); dim16 with fp16 storage {bpr16_fp16:.1f}; "
+          f"excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}")
     del table
 
     # ---- plain PyTorch static table ------------------------------------------------------------------
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "lookups_per_s_per_core": lookups, "updates_per_s_per_core": updates,
         "grpc_ids_per_s": grpc_ids, "bytes_per_row": bpr16, "raw_bytes_per_row": raw16,
-        "bytes_per_row_dim64": bpr64, "raw_bytes_per_row_dim64": raw64,
+        "bytes_per_row_dim64": bpr64, "raw_bytes_per_row_dim64": raw64, "bytes_per_row_fp16": bpr16_fp16,
         "torch_static_lookups_per_s_per_core": torch_lookups, "torch_static_updates_per_s_per_core": torch_updates,
         "unique_ids_per_batch": float(np.mean(uniq_counts)), "batch_raw_ids": args.batch, "live_ids": len(live),
     }

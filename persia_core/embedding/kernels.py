@@ -127,7 +127,7 @@ def rebuild_index(index, keys, shift, size):
 
 @njit(nogil=True, cache=True)
 def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, capacity, step, last_used,
-           seed, scale, out, admit_prob, admit_after, sketch, refused):
+           seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
@@ -135,7 +135,9 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
     nothing is inserted. A found row moves to the head of the recency list on its first touch in this batch
     (``last_used != step``) and gets ``last_used = step``.
     ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
-    whose optimizer state the caller resets.
+    whose optimizer state the caller resets; ``rows: int32[N]`` receives each ID's row (-1: none).
+    ``fill=False`` (16-bit storage): neither initialize created rows nor copy rows into ``out``; the caller
+    does both from ``rows`` (``weights`` is then unused).
 
     Feature admission (PERSIA's ``admit_probability``; sightings as in count-based admission): an unseen ID
     gets a row only if ``admit_after == 0`` or it has now been seen ``admit_after`` times (counted in ``sketch``,
@@ -148,7 +150,6 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
     """
     shift = shift_of(index)
     n = ids.shape[0]
-    rows = np.empty(n, dtype=np.int32)
     for t in range(n):
         rows[t] = find(index, keys, shift, ids[t])
     # recency first, so that rows of this batch are not at the tail when new rows evict
@@ -197,20 +198,31 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
             counters[1] += 1
         keys[r] = key
         _insert(index, keys, shift, key, r)
-        init_row(key, seed, scale, weights[r])
+        if fill:
+            init_row(key, seed, scale, weights[r])
         _push_front(prev, nxt, head_tail, r)
         counters[2] += 1
         created[nc] = r
         nc += 1
         last_used[r] = step
         rows[t] = r
-    for t in range(n):
-        r = rows[t]
-        if r >= 0:
-            out[t, :] = weights[r]
-        else:
-            out[t, :] = 0.0
+    if fill:
+        for t in range(n):
+            r = rows[t]
+            if r >= 0:
+                out[t, :] = weights[r]
+            else:
+                out[t, :] = 0.0
     return created[:nc]
+
+
+@njit(nogil=True, cache=True)
+def init_rows(keys, seed, scale, dim):
+    """Initial rows of ``keys: uint64[n]`` (``init_row`` each) as ``float32[n, dim]``."""
+    out = np.empty((keys.shape[0], dim), dtype=np.float32)
+    for i in range(keys.shape[0]):
+        init_row(keys[i], seed, scale, out[i])
+    return out
 
 
 @njit(nogil=True, cache=True, inline="always")

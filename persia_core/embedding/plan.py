@@ -63,8 +63,8 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
     for t in emb.tables:
         ids = sum(int(distinct.get(s.name, 0)) for s in config.slots if s.table == t.name)
         per_shard = int(math.ceil(ids / n * SKEW_MARGIN)) if ids else 0
-        cap = capacity_for_budget(budget_per_table, t.optimizer.name, t.dim)
-        bpr = bytes_per_row(t.optimizer.name, t.dim, cap)
+        cap = capacity_for_budget(budget_per_table, t.optimizer.name, t.dim, emb.storage)
+        bpr = bytes_per_row(t.optimizer.name, t.dim, cap, emb.storage)
         est = int(per_shard * bpr)
         total_est += est
         tables[t.name] = {"dim": t.dim, "optimizer": t.optimizer.name, "bytes_per_row": bpr,
@@ -255,7 +255,7 @@ def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_fr
         files = []
         for s in range(plan["num_shards"]):
             tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes, config.trainer.seed,
-                                 capacities=caps)
+                                 capacities=caps, storage=config.embedding.storage)
             rel = shard_file_name(s)
             io.write_bytes(io.join(output_dir, rel), shard_file_bytes(tables))
             files.append(rel)

@@ -575,17 +575,17 @@ def load_shard_file(path: str, tables: dict[str, EmbeddingTable], expect_size: i
 
 # ---- in-process backend -------------------------------------------------------------------------------------
 def make_tables(tables: list[TableConfig], shard_memory_bytes: int, seed: int = 0,
-                capacities: dict[str, int] | None = None) -> dict[str, EmbeddingTable]:
-    """One ``EmbeddingTable`` per table config for one shard. The shard's memory budget is split between
-    tables in proportion to their bytes per row unless ``capacities`` (rows per table) is given."""
+                capacities: dict[str, int] | None = None, storage: str = "fp32") -> dict[str, EmbeddingTable]:
+    """One ``EmbeddingTable`` per table config for one shard, weights stored at ``storage`` precision. The
+    shard's memory budget is split evenly between tables unless ``capacities`` (rows per table) is given."""
     out = {}
     for t in tables:
         if capacities and t.name in capacities:
             cap = int(capacities[t.name])
         else:
-            cap = capacity_for_budget(shard_memory_bytes // len(tables), t.optimizer.name, t.dim)
+            cap = capacity_for_budget(shard_memory_bytes // len(tables), t.optimizer.name, t.dim, storage)
         out[t.name] = EmbeddingTable(t.dim, t.optimizer, cap, t.init_scale, seed, t.admit_probability,
-                                     t.admit_after_sightings, t.expire_after_steps)
+                                     t.admit_after_sightings, t.expire_after_steps, storage)
     return out
 
 
@@ -603,7 +603,8 @@ class LocalEmbedding:
     def __init__(self, config: EmbeddingConfig, num_shards: int | None = None, seed: int = 0):
         self.config = config
         self.num_shards = num_shards or config.num_shards
-        self.shards = [make_tables(config.tables, config.shard_memory_bytes, seed) for _ in range(self.num_shards)]
+        self.shards = [make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
+                       for _ in range(self.num_shards)]
         self.dims = {t.name: t.dim for t in config.tables}
 
     def load(self, paths: list[str]) -> None:

@@ -7,7 +7,12 @@ embedding table name; the table never imports gRPC). All per-ID work runs in com
 Memory per row (``bytes_per_row``), everything included::
 
     key uint64 (8) + LRU prev/next int32 (8) + last-used step int32 (4) + hash index int32 slots (4 / load)
-    + weights (4 * D) + optimizer state (rowwise_adagrad 4, adagrad 4 * D, adam 8 * D + 4, sgd 0)
+    + weights (4 * D; 2 * D with fp16 or bf16 storage) + optimizer state (fp32: rowwise_adagrad 4,
+    adagrad 4 * D, adam 8 * D + 4, sgd 0)
+
+Storage precision: ``fp32`` (default), or ``fp16`` / ``bf16`` (IEEE half, bfloat16), held as 16-bit patterns;
+every optimizer step computes in fp32 and rounds the result to nearest-even for storage; optimizer state
+stays fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from persia_core.config import OptimizerConfig
 from persia_core.embedding import kernels as K
 
 MAX_LOAD = 0.75
+_NO_WEIGHTS = np.zeros((1, 1), dtype=np.float32)  # the lookup kernel's weights argument when it does not fill
 _INITIAL_ROWS = 1024
 
 
@@ -36,11 +42,39 @@ def state_shapes(optimizer: str, dim: int) -> dict[str, tuple[tuple[int, ...], t
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
-def row_bytes_without_index(optimizer: str, dim: int) -> int:
-    """Bytes per row excluding the hash index: key, LRU links, last-used step, weights, optimizer state."""
+STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def encode(rows: np.ndarray, storage: str) -> np.ndarray:
+    """``float32[n, D]`` -> stored form: float32 (fp32), or uint16 bit patterns (fp16: IEEE half; bf16: the top
+    16 bits of float32), both rounded to nearest-even."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if storage == "fp32":
+        return rows
+    if storage == "fp16":
+        return rows.astype(np.float16).view(np.uint16)
+    bits = rows.view(np.uint32)
+    rounding = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def decode(stored: np.ndarray, storage: str) -> np.ndarray:
+    """Stored rows -> ``float32[n, D]`` (exact: every fp16/bf16 value is a float32)."""
+    if storage == "fp32":
+        return stored
+    if storage == "fp16":
+        return stored.view(np.float16).astype(np.float32)
+    return (stored.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def row_bytes_without_index(optimizer: str, dim: int, storage: str = "fp32") -> int:
+    """Bytes per row excluding the hash index: key, LRU links, last-used step, weights at ``storage``
+    precision, optimizer state (fp32)."""
+    if storage not in STORAGE_BYTES:
+        raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
     state = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
                 for shape, dt in state_shapes(optimizer, dim).values())
-    return 8 + 8 + 4 + 4 * dim + state
+    return 8 + 8 + 4 + STORAGE_BYTES[storage] * dim + state
 
 
 def _index_slots(rows: int) -> int:
@@ -50,12 +84,12 @@ def _index_slots(rows: int) -> int:
     return n
 
 
-def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int) -> int:
+def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: str = "fp32") -> int:
     """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes).
 
     Raises ``ValueError`` if not even 1024 rows fit.
     """
-    per_row = row_bytes_without_index(optimizer, dim)
+    per_row = row_bytes_without_index(optimizer, dim, storage)
     best = 0
     slots = 1024
     while slots * 4 < budget_bytes:
@@ -67,9 +101,9 @@ def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int) -> int:
     return int(best)
 
 
-def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24) -> float:
+def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: str = "fp32") -> float:
     """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
-    return row_bytes_without_index(optimizer, dim) + 4 * _index_slots(capacity) / capacity
+    return row_bytes_without_index(optimizer, dim, storage) + 4 * _index_slots(capacity) / capacity
 
 
 class EmbeddingTable:
@@ -87,17 +121,22 @@ class EmbeddingTable:
             fixed 1 MiB sketch of uint8 counters (an ID may be admitted early on a hash collision, never late).
         expire_after_steps: rows not looked up for this many lookup batches are removed (0 = never), so a table
             warm-started every day does not only grow.
+        storage: weight precision, ``fp32``, ``fp16`` or ``bf16`` (see the module docstring).
 
     Thread safety: every public method takes the table's lock.
     """
 
     def __init__(self, dim: int, optimizer: OptimizerConfig, capacity: int, init_scale: float = 0.01,
                  seed: int = 0, admit_probability: float = 1.0, admit_after_sightings: int = 0,
-                 expire_after_steps: int = 0):
+                 expire_after_steps: int = 0, storage: str = "fp32"):
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if storage not in STORAGE_BYTES:
+            raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
+        self.storage = storage
+        self.wdtype = np.float32 if storage == "fp32" else np.uint16
         self.dim = dim
         self.optimizer = optimizer
         self.capacity = int(capacity)
@@ -123,7 +162,7 @@ class EmbeddingTable:
     # ---- storage -------------------------------------------------------------------------------------
     def _alloc(self, rows: int) -> None:
         self.keys = np.zeros(rows, dtype=np.uint64)
-        self.weights = np.zeros((rows, self.dim), dtype=np.float32)
+        self.weights = np.zeros((rows, self.dim), dtype=self.wdtype)
         self.prev = np.full(rows, -1, dtype=np.int32)
         self.nxt = np.full(rows, -1, dtype=np.int32)
         self.last_used = np.zeros(rows, dtype=np.int32)
@@ -171,11 +210,18 @@ class EmbeddingTable:
             self.step += 1
             if self.expire_after_steps:
                 self._expire(self.step - self.expire_after_steps)
-            created = K.lookup(ids, True, self.index, self.keys, self.weights, self.prev, self.nxt,
-                               self.head_tail, self.counters, self.capacity, self.step, self.last_used,
+            fill = self.storage == "fp32"
+            rows = np.empty(len(ids), dtype=np.int32)
+            created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.prev,
+                               self.nxt, self.head_tail, self.counters, self.capacity, self.step, self.last_used,
                                self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
-                               self.sketch, self.refused)
+                               self.sketch, self.refused, fill, rows)
             self._reset_state(created)
+            if not fill:
+                if len(created):
+                    init = K.init_rows(self.keys[created], self.seed, self.init_scale, self.dim)
+                    self.weights[created] = encode(init, self.storage)
+                self._gather(rows, out)
         return out
 
     def _expire(self, older_than: int) -> int:
@@ -204,9 +250,14 @@ class EmbeddingTable:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         with self.lock:
             rows = K.find_rows(ids, self.index, self.keys)
-            out = self.weights[np.maximum(rows, 0)]
-            out[rows < 0] = 0.0
+            out = np.empty((len(ids), self.dim), dtype=np.float32)
+            self._gather(rows, out)
         return out
+
+    def _gather(self, rows: np.ndarray, out: np.ndarray) -> None:
+        """``out[t] = row rows[t]`` as float32, zeros where ``rows[t] < 0`` (vectorized)."""
+        out[:] = decode(self.weights[np.maximum(rows, 0)], self.storage)
+        out[rows < 0] = 0.0
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """``bool[N]``: whether each ID has a row."""
@@ -234,16 +285,30 @@ class EmbeddingTable:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
-            if o.name == "sgd":
-                K.apply_sgd(rows, summed, self.weights, o.lr, o.weight_decay)
-            elif o.name == "rowwise_adagrad":
-                K.apply_rowwise_adagrad(rows, summed, self.weights, self.state["acc"], o.lr, o.eps, o.weight_decay)
-            elif o.name == "adagrad":
-                K.apply_adagrad(rows, summed, self.weights, self.state["acc"], o.lr, o.eps, o.weight_decay)
-            else:
-                K.apply_adam(rows, summed, self.weights, self.state["m"], self.state["v"], self.state["steps"],
-                             o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+            if self.storage == "fp32":
+                self._step(rows, summed, self.weights, self.state)
+            else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
+                have = rows >= 0
+                r = rows[have]
+                w = decode(self.weights[r], self.storage).copy()
+                st = {k: v[r] for k, v in self.state.items()}
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st)
+                self.weights[r] = encode(w, self.storage)
+                for k, v in st.items():
+                    self.state[k][r] = v
         return dropped
+
+    def _step(self, rows, grads, weights, state) -> None:
+        o = self.optimizer
+        if o.name == "sgd":
+            K.apply_sgd(rows, grads, weights, o.lr, o.weight_decay)
+        elif o.name == "rowwise_adagrad":
+            K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], o.lr, o.eps, o.weight_decay)
+        elif o.name == "adagrad":
+            K.apply_adagrad(rows, grads, weights, state["acc"], o.lr, o.eps, o.weight_decay)
+        else:
+            K.apply_adam(rows, grads, weights, state["m"], state["v"], state["steps"], o.lr, o.beta1, o.beta2,
+                         o.eps, o.weight_decay)
 
     def stats(self) -> dict:
         """Rows, capacity, evictions, inserts, read-only misses, dropped gradients, bytes allocated."""
@@ -255,7 +320,8 @@ class EmbeddingTable:
                 "inserts": int(self.counters[2]), "readonly_misses": int(self.counters[3]),
                 "dropped_gradients": self.dropped_gradients, "bytes_allocated": int(allocated + self.sketch.nbytes),
                 "not_admitted": int(self.refused[0]), "expired": self.expired,
-                "bytes_per_row": bytes_per_row(self.optimizer.name, self.dim, self.capacity),
+                "bytes_per_row": bytes_per_row(self.optimizer.name, self.dim, self.capacity, self.storage),
+                "storage": self.storage,
             }
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -280,6 +346,9 @@ class EmbeddingTable:
             raise ValueError(f"state has {n} rows, more than this table's capacity {self.capacity}")
         if sd["weights"].shape != (n, self.dim):
             raise ValueError(f"state weights have shape {sd['weights'].shape}, expected ({n}, {self.dim})")
+        if sd["weights"].dtype != self.wdtype:
+            raise ValueError(f"state weights are {sd['weights'].dtype}, this table stores {self.storage} "
+                             f"({np.dtype(self.wdtype).name})")
         expected = set(state_shapes(self.optimizer.name, self.dim))
         present = set(sd) - {"keys", "weights", "last_used"}
         if present != expected:

@@ -105,7 +105,7 @@ class ParameterServerShard:
         self.shard = shard
         self.num_shards = num_shards
         self.tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes,
-                                  seed=config.trainer.seed, capacities=capacities)
+                                  seed=config.trainer.seed, capacities=capacities, storage=config.embedding.storage)
         self.cond = threading.Condition()
         self.applied: dict[str, _Applied] = {}
         self.pending: dict[tuple[str, int], dict[str, tuple[np.ndarray, np.ndarray]]] = {}

@@ -211,3 +211,39 @@ def test_expiry_removes_rows_untouched_for_t_steps_and_keeps_the_rest_intact():
     u = EmbeddingTable(D, OptimizerConfig(name="adam"), capacity=4096)
     u.load_state_dict(sd)
     np.testing.assert_array_equal(u.lookup_readonly(hot), before["w"])
+
+
+@pytest.mark.parametrize("storage", ["fp16", "bf16"])
+def test_16_bit_storage_rounds_each_fp32_update_and_halves_the_weight_bytes(storage):
+    from persia_core.embedding.table import decode, encode, row_bytes_without_index
+
+    cfg = OptimizerConfig(name="rowwise_adagrad", lr=0.1)
+    t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5, storage=storage)
+    ref = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)
+    ids = _ids(0, 7, 2**64 - 1)
+    w0 = t.lookup(ids)
+    np.testing.assert_array_equal(w0, decode(encode(ref.lookup(ids), storage), storage))  # rounded init
+    g = np.random.default_rng(0).normal(size=(3, D)).astype(np.float32)
+    t.apply_gradients(ids, g)
+    # reference: the fp32 step applied to the stored (rounded) weights, then rounded again
+    r2 = EmbeddingTable(D, cfg, capacity=4096)
+    sd = ref.state_dict()
+    sd["weights"] = decode(encode(sd["weights"], storage), storage)
+    r2.load_state_dict(sd)
+    r2.apply_gradients(ids, g)
+    expect = decode(encode(r2.lookup_readonly(ids), storage), storage)
+    np.testing.assert_array_equal(t.lookup_readonly(ids), expect)
+    assert t.weights.dtype == np.uint16 and t.state["acc"].dtype == np.float32
+    assert row_bytes_without_index("rowwise_adagrad", 16, storage) == row_bytes_without_index("rowwise_adagrad", 16) - 32
+    u = EmbeddingTable(D, cfg, capacity=4096, storage=storage)
+    u.load_state_dict(t.state_dict())
+    np.testing.assert_array_equal(u.lookup_readonly(ids), t.lookup_readonly(ids))
+
+
+def test_bf16_encoding_rounds_to_nearest_even():
+    from persia_core.embedding.table import decode, encode
+
+    x = np.array([[1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 65504.0, 1e-40]], np.float32)
+    got = decode(encode(x, "bf16"), "bf16")
+    assert got[0, :4].tolist() == [1.0, 1.0, 1.0 + 4 * 2**-8, -2.5]  # ties to even
+    assert abs(got[0, 4] - 65504.0) / 65504.0 < 2**-8

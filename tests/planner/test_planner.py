@@ -32,7 +32,7 @@ def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
 def test_planner_follows_the_table_accounting_not_a_constant(monkeypatch):
     base = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
     real = table.row_bytes_without_index
-    monkeypatch.setattr(table, "row_bytes_without_index", lambda opt, dim: real(opt, dim) + 64)
+    monkeypatch.setattr(table, "row_bytes_without_index", lambda opt, dim, storage="fp32": real(opt, dim, storage) + 64)
     bigger = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
     assert bigger.row_bytes.without_index == base.row_bytes.without_index + 64
     assert bigger.parameter_servers > base.parameter_servers
@@ -88,7 +88,7 @@ def test_planner_network_bytes_per_step_count_ids_rows_and_the_dense_all_reduce(
     assert p.gpus == 2 and p.net_allreduce_bytes_per_step == 2 * (2 - 1) / 2 * 4 * 1000
 
 
-@pytest.mark.parametrize("bad", [["--params", "1e14", "--usable", "1.5"], ["--params", "1e14", "--weights", "bf16"],
+@pytest.mark.parametrize("bad", [["--params", "1e14", "--usable", "1.5"], ["--params", "1e14", "--weights", "fp8"],
                                  ["--dim", "32"], ["--params", "x"], ["--slot", "novalue"]])
 def test_planner_cli_rejects_bad_input_with_a_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
