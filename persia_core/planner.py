@@ -294,8 +294,8 @@ def format_table(p: Plan) -> str:
     rows.append(("note", "a table grows by doubling its arrays; keep shards preallocated or below half their "
                          "capacity while growing, or the copy's transient peak (1.5x) exceeds this budget"))
     if i.weights != "fp32":
-        rows.append(("note", f"{i.weights} weights are a plan: the table stores fp32 today "
-                             f"(embedding.storage)"))
+        rows.append(("note", f"run with embedding.storage: {i.weights} in the run config (weights stored "
+                             f"{i.weights}, optimizer state fp32)"))
     width = max(len(k) for k, _ in rows)
     out = [f"{'quantity':<{width}}  value", f"{'-' * width}  {'-' * 5}"]
     out += [f"{k:<{width}}  {v}" for k, v in rows]
