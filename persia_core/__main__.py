@@ -31,16 +31,10 @@ EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
-    """``["trainer.epochs=1"]`` -> ``{"trainer.epochs": 1}`` (values parsed as YAML). ``ValueError`` without ``=``."""
-    import yaml
+    """``["trainer.epochs=1"]`` -> ``{"trainer.epochs": 1}``; see ``config.parse_overrides``."""
+    from persia_core.config import parse_overrides
 
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+    return parse_overrides(items)
 
 
 def _config(name_or_path: str | None, fallbacks: list[str], overrides: list[str]):

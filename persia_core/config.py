@@ -493,3 +493,17 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> R
     except ValueError as e:
         raise ValueError(f"run config {path}: {e}") from e
     return cfg.with_overrides(overrides) if overrides else cfg
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["split.max_rows=1000", "layout.max_tags=8"]`` -> ``{"split.max_rows": 1000, ...}`` (values as YAML).
+
+    Raises ``ValueError`` for an item without ``=``.
+    """
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out

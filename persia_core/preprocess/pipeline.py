@@ -48,7 +48,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from apache_beam.pvalue import AsDict, AsSingleton, TaggedOutput
 
 from persia_core import io
-from persia_core.config import RunConfig, load_config
+from persia_core.config import RunConfig, load_config, parse_overrides
 from persia_core.data import schema
 from persia_core.preprocess import layouts
 
@@ -652,18 +652,6 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     return result
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["split.max_rows=1000", "layout.max_tags=8"]`` -> ``{"split.max_rows": 1000, ...}`` (values as YAML).
-
-    Raises ``ValueError`` for an item without ``=``.
-    """
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
