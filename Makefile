@@ -4,8 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DATA   ?= data/movielens
 CONFIG ?= movielens
-PS     ?= 2
-WORKERS ?= 2
+PS     ?= 0
+WORKERS ?= 0
 STALENESS ?= -1
 EPOCHS ?= 0
 MAX_ROWS ?= 0
@@ -16,12 +16,13 @@ IMAGE ?= persia-kfp:local
 CUDA ?=
 TORCH_CUDA_INDEX ?= https://download.pytorch.org/whl/cu128
 TF_VENV ?= .venv-tfrecord
+TORCHREC_VENV ?= .venv-torchrec
 TF_PY   := $(TF_VENV)/bin/python
 TFRECORD ?=
 OUT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test clean image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check
+.PHONY: help venv run compile test clean image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -35,7 +36,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv from requirements.txt and install the project in it
 
-run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens)
+run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS, MAX_ROWS override the config)
 	$(PY) -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml
 	$(PY) -m pipelines.run_local --data "$(DATA)" --config "$(CONFIG)" --pipeline-root $(PIPELINE_ROOT) \
 		--parameter-servers $(PS) --nn-workers $(WORKERS) --staleness $(STALENESS) --epochs $(EPOCHS) \
@@ -46,6 +47,18 @@ compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persi
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+$(TORCHREC_VENV)/.installed: requirements-torchrec.txt
+	test -x $(TORCHREC_VENV)/bin/python || $(PYTHON) -m venv $(TORCHREC_VENV)
+	$(TORCHREC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TORCHREC_VENV)/bin/python -m pip install -q --no-deps -r requirements-torchrec.txt
+	touch $@
+
+venv-torchrec: $(TORCHREC_VENV)/.installed ## TorchRec 1.8 (CPU) environment for make bench's contestant (d)
+
+bench: venv ## hybrid K=4 vs K=0 vs plain PyTorch vs TorchRec: one JSON line per dataset (BENCH_SAMPLES, BENCH_SEEDS)
+	-$(MAKE) venv-torchrec || echo "no TorchRec environment: contestant (d) will be null"
+	$(PY) -m persia_core.bench.hybrid
 
 bench-ps: venv ## parameter-server benchmark: lookups/updates per core, gRPC end to end, bytes/row (last line: JSON)
 	$(PY) -m persia_core.bench.ps

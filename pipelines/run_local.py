@@ -19,17 +19,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="data/movielens", help="raw data: folder, file or glob")
     p.add_argument("--config", default="movielens", help="run config: shipped name or YAML path")
     p.add_argument("--pipeline-root", default="local_outputs", help="where kfp.local writes artifacts")
-    p.add_argument("--parameter-servers", type=int, default=2, help="embedding parameter servers (0 = config's)")
-    p.add_argument("--nn-workers", type=int, default=2, help="NN workers / DDP ranks (0 = config's)")
+    p.add_argument("--parameter-servers", type=int, default=0, help="embedding parameter servers (0 = config's)")
+    p.add_argument("--nn-workers", type=int, default=0, help="NN workers / DDP ranks (0 = config's)")
     p.add_argument("--staleness", type=int, default=-1, help="embedding staleness K (-1 = config's)")
     p.add_argument("--epochs", type=int, default=0, help="epochs (0 = config's)")
     p.add_argument("--max-rows", type=int, default=0, help="read only this many examples (0 = all)")
-    p.add_argument("--blessed-dir", default="local_outputs/blessed",
-                   help="the latest blessed model's location, written by the gate")
+    p.add_argument("--blessed-dir", default="",
+                   help="the latest blessed model's location, written by the gate (default: "
+                        "<pipeline root>/blessed/<config name>, so models of different configs never compete)")
     p.add_argument("--warm-start-from", default="",
                    help="start from a previous model, checkpoint or blessed-model location (empty = cold start)")
     p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
     args = p.parse_args(argv)
+    for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = the config's value)")
+    if args.staleness < -1:
+        p.error("--staleness must be >= 0, or -1 for the config's value")
+    try:  # bad configs fail here, with the offending key, before any pipeline task starts
+        from persia_core.config import load_config
+
+        load_config(args.config)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"run_local: {e}", file=sys.stderr)
+        return 2
 
     from kfp import local
 
@@ -44,13 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     if config.endswith((".yaml", ".yml")) and "://" not in config:
         config = os.path.abspath(config)
     root = os.path.abspath(args.pipeline_root)
+    config_name = os.path.splitext(os.path.basename(args.config))[0]
+    blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=True)
     t0 = time.time()
-    result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
-                             num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
-                             epochs=args.epochs, max_rows=args.max_rows,
-                             blessed_dir=absolute(args.blessed_dir), warm_start_from=absolute(args.warm_start_from),
-                             min_auc=args.min_auc)
+    try:
+        result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
+                                 num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
+                                 epochs=args.epochs, max_rows=args.max_rows, blessed_dir=blessed_dir,
+                                 warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc)
+    except RuntimeError as e:
+        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {e}\n"
+              f"run_local: the failing task's own error is in its log above (outputs under {root})", file=sys.stderr)
+        return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
     reports = sorted(
@@ -62,11 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         html = os.path.join(run_dir, "report.html")
         shutil.copyfile(reports[-1], html)
         print(f"report: {html}")
-    marker = os.path.join(absolute(args.blessed_dir), "BLESSED.json")
+        decision = os.path.join(run_dir, "gate", "decision")
+        if os.path.exists(decision):
+            with open(decision) as f:
+                print("gate:", "; ".join(line.replace("**", "").strip("#- \n") for line in f if line.strip()))
+    marker = os.path.join(blessed_dir, "BLESSED.json")
     if os.path.exists(marker) and os.path.getmtime(marker) >= t0:
-        print(f"gate: blessed; latest blessed model: {latest_blessed_model(absolute(args.blessed_dir))}")
+        print(f"blessed model: {latest_blessed_model(blessed_dir)}")
     else:
-        print(f"gate: not blessed (the latest blessed model under {args.blessed_dir} stays)")
+        print(f"not blessed: the latest blessed model under {blessed_dir} stays")
 
     def fmt(v):
         return "undefined" if v is None else f"{v:.4f}"

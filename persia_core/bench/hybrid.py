@@ -307,11 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="seeds; AUC is the mean over them, samples/s from the first (env BENCH_SEEDS)")
     p.add_argument("--datasets", default="movielens,criteo", help="comma-separated: movielens, criteo")
     p.add_argument("--layouts", default=os.environ.get("BENCH_LAYOUTS", "1x1,1x2,2x1"),
-                   help="NN-worker layouts MxT tried for the hybrid engine (M workers x T torch threads)")
+                   help="NN-worker layouts MxT tried for (a) and (b): M workers x T torch threads (env BENCH_LAYOUTS)")
     p.add_argument("--baseline-threads", default=os.environ.get("BENCH_BASELINE_THREADS", "1,2"),
-                   help="torch thread counts tried for (c) and (d) on the first seed; each keeps its fastest")
-    p.add_argument("--delay", type=float, default=0.002, help="injected seconds per parameter-server call (0: skip)")
-    p.add_argument("--bandwidth", type=float, default=0.0, help="injected bandwidth cap, bytes/s (0: none)")
+                   help="torch threads tried for (c) and (d) on the first seed, fastest kept "
+                        "(env BENCH_BASELINE_THREADS)")
+    p.add_argument("--delay", type=float, default=float(os.environ.get("BENCH_DELAY_S") or 0.002),
+                   help="injected seconds per parameter-server call (env BENCH_DELAY_S; 0 and no bandwidth: skip)")
+    p.add_argument("--bandwidth", type=float, default=float(os.environ.get("BENCH_BANDWIDTH") or 0.0),
+                   help="injected bandwidth cap of parameter-server calls, bytes/s (env BENCH_BANDWIDTH; 0: none)")
     p.add_argument("--batch-size", type=int, default=4096, help="global batch on the Criteo-shaped set")
     p.add_argument("--eval-rows", type=int, default=1_000_000, help="eval rows of the Criteo-shaped set")
     p.add_argument("--vocab", type=int, default=100_000, help="IDs per slot of the Criteo-shaped set")
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         baseline_threads = [int(v) for v in args.baseline_threads.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--baseline-threads: expected comma-separated integers, got {args.baseline_threads!r}") from None
+        raise ValueError(f"--baseline-threads: expected comma-separated integers, got {args.baseline_threads!r}") \
+            from None
     if not baseline_threads or min(baseline_threads) < 1:
         raise ValueError("--baseline-threads: give at least one thread count >= 1")
     work = args.work or tempfile.mkdtemp(prefix="bench-hybrid-")

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,9 @@ class LocalCluster:
         env = dict(os.environ)
         env["PERSIA_PS_TOKEN"] = self.token
         env.setdefault("OMP_NUM_THREADS", "1")
+        # idle OpenMP threads sleep instead of spinning, so an NN worker's intra-op threads do not starve the
+        # parameter servers and preparation threads sharing the cores
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONUNBUFFERED"] = "1"
         env.update({k: str(v) for k, v in extra.items()})
         return env
@@ -352,6 +356,7 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
 
     schema = read_schema(data_dir)
     io.makedirs(model_dir)
+    own_work_dir = not work_dir
     work_dir = work_dir or tempfile.mkdtemp(prefix="persia-train-")
     os.makedirs(work_dir, exist_ok=True)
     cfg_path = os.path.join(work_dir, "run_config.yaml")
@@ -441,5 +446,11 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     for rel in ("dense.pt", *manifest["shard_files"]):
         if not io.exists(io.join(model_dir, rel)):
             raise TrainingFailed(f"training finished but {io.join(model_dir, rel)} is missing")
+    logs = os.path.join(work_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), "rb") as f:
+            io.write_bytes(io.join(model_dir, "logs", name), f.read())
     io.write_text(io.join(model_dir, "manifest.json"), json.dumps(manifest, indent=1))
+    if own_work_dir:  # kept when training fails, for its logs
+        shutil.rmtree(work_dir, ignore_errors=True)
     return manifest

@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("nn_worker", rank)
     config = load_config(args.config)
     torch.set_num_threads(config.trainer.threads_per_worker)
+    torch.set_flush_denormal(True)  # denormal floats are flushed to zero (as in the benchmark's baselines)
     if world > 1:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         backend = "nccl" if resolve_device(config.trainer.device, local_rank).type == "cuda" else "gloo"

@@ -31,7 +31,8 @@ def test_criteo_synth_writes_one_hashed_id_per_slot_and_a_learnable_label(tmp_pa
 
 def test_bench_reports_every_contestant_and_null_torchrec_without_its_environment(tmp_path, capsys):
     rc = hybrid.main(["--datasets", "criteo", "--samples", "3000", "--eval-rows", "2000", "--vocab", "400",
-                      "--seeds", "1", "--layouts", "1x1", "--baseline-threads", "1", "--batch-size", "500", "--delay", "0.001",
+                      "--seeds", "1", "--layouts", "1x1", "--baseline-threads", "1", "--batch-size", "500",
+                      "--delay", "0.001",
                       "--work", str(tmp_path / "w"), "--torchrec-python", str(tmp_path / "no-venv" / "python"),
                       "--out", str(tmp_path / "bench.jsonl")])
     assert rc == 0
