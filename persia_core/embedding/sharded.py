@@ -641,10 +641,10 @@ class LocalEmbedding:
         return out
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int = 0,
-             sync_workers: int = 0) -> Future:
+             sync_workers: int = 0, step_fraction: float = 1.0) -> Future:
         for s, pos in enumerate(self._route(ids)):
             if len(pos):
-                self.shards[s][table].apply_gradients(ids[pos], grads[pos])
+                self.shards[s][table].apply_gradients(ids[pos], grads[pos], step_fraction)
         return _done()
 
     def flush(self) -> None:

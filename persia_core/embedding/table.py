@@ -264,8 +264,13 @@ class EmbeddingTable:
         with self.lock:
             return K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), self.index, self.keys) >= 0
 
-    def apply_gradients(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def apply_gradients(self, ids: np.ndarray, grads: np.ndarray, step_fraction: float = 1.0) -> int:
         """Apply one optimizer step to the rows of ``ids: uint64[N]`` with ``grads: float32[N, D]``.
+
+        ``step_fraction``: the share of a training step this push carries (1/M for each of M asynchronous
+        workers' pushes). The scale-invariant optimizers (Adagrad, row-wise Adagrad, Adam) normalize a
+        gradient's size away, so they scale their step size by it, and M pushes of a step move a row about as far
+        as one synchronous update; SGD needs no scaling (the gradient itself is 1/M of the step's).
 
         Gradients of an ID repeated in ``ids`` are summed first and applied in one update. A gradient for an ID
         that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
@@ -285,29 +290,30 @@ class EmbeddingTable:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
+            lr = o.lr if o.name == "sgd" else o.lr * float(step_fraction)
             if self.storage == "fp32":
-                self._step(rows, summed, self.weights, self.state)
+                self._step(rows, summed, self.weights, self.state, lr)
             else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
                 have = rows >= 0
                 r = rows[have]
                 w = decode(self.weights[r], self.storage).copy()
                 st = {k: v[r] for k, v in self.state.items()}
-                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st)
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, lr)
                 self.weights[r] = encode(w, self.storage)
                 for k, v in st.items():
                     self.state[k][r] = v
         return dropped
 
-    def _step(self, rows, grads, weights, state) -> None:
+    def _step(self, rows, grads, weights, state, lr: float) -> None:
         o = self.optimizer
         if o.name == "sgd":
-            K.apply_sgd(rows, grads, weights, o.lr, o.weight_decay)
+            K.apply_sgd(rows, grads, weights, lr, o.weight_decay)
         elif o.name == "rowwise_adagrad":
-            K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], o.lr, o.eps, o.weight_decay)
+            K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)
         elif o.name == "adagrad":
-            K.apply_adagrad(rows, grads, weights, state["acc"], o.lr, o.eps, o.weight_decay)
+            K.apply_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)
         else:
-            K.apply_adam(rows, grads, weights, state["m"], state["v"], state["steps"], o.lr, o.beta1, o.beta2,
+            K.apply_adam(rows, grads, weights, state["m"], state["v"], state["steps"], lr, o.beta1, o.beta2,
                          o.eps, o.weight_decay)
 
     def stats(self) -> dict:

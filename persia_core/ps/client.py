@@ -112,16 +112,17 @@ class EmbeddingClient:
         return self._gather("LookupReadonly", table, ids)
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int = 0,
-             sync_workers: int = 0) -> Future:
+             sync_workers: int = 0, step_fraction: float = 1.0) -> Future:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
         when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
         out: Future = Future()
         # routing and sending happen off the caller's thread, on one dispatcher thread, in call order
-        self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers)
+        self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction)
         return out
 
-    def _dispatch_push(self, out: Future, table: str, ids, grads, step: int, sync_workers: int) -> None:
+    def _dispatch_push(self, out: Future, table: str, ids, grads, step: int, sync_workers: int,
+                       step_fraction: float = 1.0) -> None:
         try:
             ids = np.ascontiguousarray(ids, dtype=np.uint64)
             grads = np.ascontiguousarray(grads, dtype=np.float32)
@@ -131,7 +132,7 @@ class EmbeddingClient:
             for s, pos in enumerate(parts):
                 if len(pos) or sync:  # in sync mode every shard hears from every worker every step
                     meta = {"table": table, "client": self.client_id, "seq": next(self._seq[s]), "step": step,
-                            "sync_workers": sync_workers}
+                            "sync_workers": sync_workers, "step_fraction": step_fraction}
                     futs.append(self.pool.submit(self.call, "Push", s, meta,
                                                  {"ids": ids[pos], "grads": grads[pos]}))
         except BaseException as e:

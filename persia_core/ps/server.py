@@ -159,7 +159,7 @@ class ParameterServerShard:
                 if rec.seen(seq):
                     self.duplicates += 1
                     return {"applied": False, "duplicate": True, "dropped": 0}
-                dropped = table.apply_gradients(ids, grads)
+                dropped = table.apply_gradients(ids, grads, float(meta.get("step_fraction", 1.0)))
                 rec.add(seq)
                 self.pushes += 1
                 if self.tracker is not None:

@@ -247,3 +247,17 @@ def test_bf16_encoding_rounds_to_nearest_even():
     got = decode(encode(x, "bf16"), "bf16")
     assert got[0, :4].tolist() == [1.0, 1.0, 1.0 + 4 * 2**-8, -2.5]  # ties to even
     assert abs(got[0, 4] - 65504.0) / 65504.0 < 2**-8
+
+
+def test_a_partial_async_push_scales_the_step_of_scale_invariant_optimizers_but_not_sgd():
+    ids = _ids(1, 2)
+    g = np.random.default_rng(4).normal(size=(2, D)).astype(np.float32)
+    for name in ("rowwise_adagrad", "adam", "sgd"):
+        half = EmbeddingTable(D, OptimizerConfig(name=name, lr=0.1), capacity=1024, init_scale=0.5)
+        ref = EmbeddingTable(D, OptimizerConfig(name=name, lr=0.1 if name == "sgd" else 0.05), capacity=1024,
+                             init_scale=0.5)
+        half.lookup(ids)
+        ref.lookup(ids)
+        half.apply_gradients(ids, g, step_fraction=0.5)
+        ref.apply_gradients(ids, g)
+        np.testing.assert_array_equal(half.lookup_readonly(ids), ref.lookup_readonly(ids))

@@ -206,7 +206,7 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path):
             self.lookups.append(time.monotonic())
             return super().lookup(table, ids)
 
-        def push(self, table, ids, grads, step=0, sync_workers=0):
+        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0):
             fut: Future = Future()
 
             def later():
