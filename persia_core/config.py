@@ -439,7 +439,12 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             where = f"{path}." if path else ""
             raise ValueError(f"config key '{where}{unknown[0]}': unknown key (known: {sorted(names)})")
         kwargs = {k: _build(hints[k], v, f"{path}.{k}" if path else k) for k, v in value.items()}
-        return tp(**kwargs)
+        try:
+            return tp(**kwargs)
+        except ValueError as e:
+            if path and f"'{path}" not in str(e):  # a nested section's own check: say where it sits
+                raise ValueError(f"{e} (in '{path}')") from None
+            raise
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):

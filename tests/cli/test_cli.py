@@ -169,3 +169,11 @@ def test_cli_preprocess_runs_beam_on_raw_files_and_applies_overrides(tmp_path, c
     assert summary["rows"]["train"] + summary["rows"]["eval"] == 5
     assert load_config(os.path.join(out, "run_config.yaml")).split.num_train_shards == 1
     assert main(["preprocess", "--data", str(tmp_path / "missing"), "--output", out]) == 2
+
+
+def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "persia_core", "configs", "movielens.yaml")).read()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("name: rowwise_adagrad", "name: rowwise_adagrd"))
+    with pytest.raises(ValueError, match=r"optimizer.name.*rowwise_adagrd.*embedding.tables\[default\].optimizer"):
+        load_config(str(bad))
