@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import logging
 import os
@@ -11,7 +10,6 @@ import pytest
 
 from persia_core.logging_utils import log_format, progress, setup_logging, write_tensorboard
 
-HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 @pytest.fixture
@@ -60,7 +58,6 @@ HISTORY = {"samples": [16, 32, 48], "loss": [0.7, 0.6, 0.55], "elapsed_s": [0.1,
            "staleness": [0, 1, 1], "samples_per_s": 120.0, "max_staleness": 1}
 
 
-@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed")
 def test_training_metrics_written_as_tensorboard_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
