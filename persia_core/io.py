@@ -157,12 +157,7 @@ def exists(path: str) -> bool:
     uri = _remote(path)
     if uri is None:
         return os.path.exists(path)
-    bucket, key = split_gcs(uri)
-    if not key.strip("/"):
-        return _client().bucket(bucket).exists()
-    if not key.endswith("/") and _client().bucket(bucket).blob(key).exists():
-        return True
-    return _has_prefix(bucket, _folder_prefix(key))
+    return isfile(path) or isdir(path)
 
 
 def isdir(path: str) -> bool:

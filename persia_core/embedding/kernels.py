@@ -149,6 +149,7 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
     create rows in order, then gather the rows.
     """
     shift = shift_of(index)
+    sketch_shift = 64 - _log2(sketch.shape[0])
     n = ids.shape[0]
     for t in range(n):
         rows[t] = find(index, keys, shift, ids[t])
@@ -173,7 +174,7 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
             counters[3] += 1
             continue
         if admit_after > 0:
-            h = _home(key ^ np.uint64(0x5851F42D4C957F2D), 64 - _log2(sketch.shape[0]))
+            h = _home(key ^ np.uint64(0x5851F42D4C957F2D), sketch_shift)
             c = sketch[h]
             if c < 255:
                 sketch[h] = c + 1

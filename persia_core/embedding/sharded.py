@@ -51,7 +51,6 @@ from persia_core.config import EmbeddingConfig, TableConfig
 from persia_core.embedding import kernels as K
 from persia_core.embedding import table as table_mod
 from persia_core.embedding.table import EmbeddingTable, capacity_for_budget
-from persia_core.hashing import shard_of
 
 SHARD_FORMAT = "persia-shard/2"
 META = "__meta__"
@@ -589,6 +588,13 @@ def make_tables(tables: list[TableConfig], shard_memory_bytes: int, seed: int = 
     return out
 
 
+def positions_by_shard(ids: np.ndarray, num_shards: int) -> list[np.ndarray]:
+    """Positions in ``ids: uint64[N]`` owned by each shard (``hashing.shard_of``), as ``num_shards`` int64
+    arrays, each in increasing order (compiled counting sort, ``kernels.route``)."""
+    order, bounds = K.route(np.ascontiguousarray(ids, dtype=np.uint64), num_shards)
+    return [order[bounds[s] : bounds[s + 1]] for s in range(num_shards)]
+
+
 def _done(value=None) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -614,9 +620,8 @@ class LocalEmbedding:
         for p, tables in zip(paths, self.shards):
             load_shard_file(p, tables)
 
-    def _route(self, ids: np.ndarray):
-        owner = shard_of(ids, self.num_shards)
-        return [np.flatnonzero(owner == s) for s in range(self.num_shards)]
+    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
+        return positions_by_shard(ids, self.num_shards)
 
     def _gather(self, table: str, ids: np.ndarray, readonly: bool) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from persia_core.config import EmbeddingConfig
-from persia_core.embedding.kernels import route
+from persia_core.embedding.sharded import positions_by_shard
 from persia_core.ps import wire
 from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
@@ -89,9 +89,8 @@ class EmbeddingClient:
 
     # ---- routed batch calls ---------------------------------------------------------------------------
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions of ``ids`` owned by each shard (compiled counting sort; see ``hashing.shard_of``)."""
-        order, bounds = route(ids, self.num_shards)
-        return [order[bounds[s] : bounds[s + 1]] for s in range(self.num_shards)]
+        """Positions of ``ids`` owned by each shard (``sharded.positions_by_shard``)."""
+        return positions_by_shard(ids, self.num_shards)
 
     def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)

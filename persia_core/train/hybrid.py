@@ -109,14 +109,20 @@ def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedI
     return out
 
 
-def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
-    """Sum-pool the rows of each bag: ``rows: float32[U, D]`` -> ``float32[B, S_t, D]``.
+def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, num_slots: int,
+              batch_size: int) -> torch.Tensor:
+    """Sum-pool the rows of each bag: ``rows: float32[U, D]``, ``inverse: int64[N]`` (row of each ID),
+    ``offsets: int64[S_t*B + 1]`` -> ``float32[B, S_t, D]``, on the tensors' device.
 
     An empty bag pools to exact zeros and sends zero gradient; the gradient reaching ``rows`` is summed per
     unique ID (``embedding_bag``'s backward)."""
-    out = F.embedding_bag(torch.from_numpy(prep.inverse), rows, torch.from_numpy(prep.offsets),
-                          mode="sum", include_last_offset=True)
+    out = F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)
     return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
+
+
+def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
+    """``pool_bags`` over a host-side ``PreparedIds``."""
+    return pool_bags(rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size)
 
 
 def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
@@ -315,8 +321,7 @@ class HybridTrainPipeline:
             rows, inverse, offsets = item.tensors[t.name]
             leaf = (rows.float() if rows.dtype != torch.float32 else rows).requires_grad_(True)
             leaves[t.name] = leaf
-            out = F.embedding_bag(inverse, leaf, offsets, mode="sum", include_last_offset=True)
-            pooled.append(out.view(len(t.slots), b, leaf.shape[1]).transpose(0, 1))
+            pooled.append(pool_bags(leaf, inverse, offsets, len(t.slots), b))
         emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
         logits = self.model(emb, item.dense)
         loss_sum = F.binary_cross_entropy_with_logits(logits, item.labels, reduction="sum")

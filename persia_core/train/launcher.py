@@ -319,17 +319,15 @@ def _checkpoint_inits(ckpt_path: str, manifest: dict, n: int, config: RunConfig,
 
 
 def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
-    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config fields
-    where the config has them (off otherwise); an empty folder means ``<model_dir>/checkpoints``."""
+    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
+    fields; an empty folder means ``<model_dir>/checkpoints``."""
     from persia_core.train.checkpoint import CheckpointSettings
 
     if settings is None:
         tc = config.trainer
-        settings = CheckpointSettings(dir=getattr(tc, "checkpoint_dir", ""),
-                                      every_steps=int(getattr(tc, "checkpoint_every_steps", 0)),
-                                      every_s=float(getattr(tc, "checkpoint_every_s", 0.0)),
-                                      keep=int(getattr(tc, "checkpoint_keep", 2)),
-                                      at_end=bool(getattr(tc, "checkpoint_at_end", False)))
+        settings = CheckpointSettings(dir=tc.checkpoint_dir, every_steps=tc.checkpoint_every_steps,
+                                      every_s=tc.checkpoint_every_s, keep=tc.checkpoint_keep,
+                                      at_end=tc.checkpoint_at_end)
     if not settings.dir:
         settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
     return settings
@@ -372,7 +370,7 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     lineage_path = os.path.join(work_dir, "lineage.json")
     with open(lineage_path, "w") as f:
         json.dump(info, f)
-    delta_every_s = delta_every_s or float(getattr(config.trainer, "delta_every_s", 0.0))
+    delta_every_s = delta_every_s or config.trainer.delta_every_s
     delta_dir = delta_dir or (io.join(model_dir, "deltas") if delta_every_s > 0 else "")
     t0 = time.time()
     refused: set[str] = set()
