@@ -320,8 +320,10 @@ class TrainerConfig:
     """Shuffle each worker's rows every epoch (seeded by seed, epoch, rank); false: file order."""
     threads_per_worker: int = 1
     """torch intra-op threads per NN worker."""
-    prefetch_threads: int = 2
-    """Batches an NN worker prepares concurrently (dedup, lookups, host-to-device staging)."""
+    prefetch_threads: int = 1
+    """Batches an NN worker prepares concurrently (dedup, lookups, host-to-device staging), and so at most how
+    many batches its lookups run ahead of training (never more than ``embedding_staleness``). One hides the
+    parameter servers on a CPU; a GPU, whose steps are shorter than a batch's preparation, needs more."""
     rpc_timeout_s: float = 30.0
     """Deadline of every parameter-server call (seconds)."""
     network_delay_s: float = 0.0
@@ -329,6 +331,10 @@ class TrainerConfig:
     a data-centre network on one machine; 0 = off."""
     network_bandwidth_bytes_per_s: float = 0.0
     """Injected bandwidth cap of parameter-server calls (bytes/s); 0 = off."""
+    shared_memory: bool = True
+    """NN workers pass the arrays of their calls to parameter servers on the same host (loopback address)
+    through shared memory instead of gRPC messages (``persia_core.ps.shm``); off whenever a network cost is
+    injected. False: always in messages."""
     device: str = "auto"
     """Where the dense network runs: ``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
     checkpoint_every_steps: int = 0

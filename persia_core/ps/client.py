@@ -17,10 +17,14 @@ import numpy as np
 
 from persia_core.config import EmbeddingConfig
 from persia_core.embedding.sharded import positions_by_shard
+from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+SHM_METHODS = {"Lookup", "LookupReadonly", "Push", "Contains"}
+SHM_MIN_BYTES = 16384
+"""Calls whose arrays are smaller go in the message even when shared memory is on."""
 
 
 class ParameterServerError(RuntimeError):
@@ -37,11 +41,16 @@ class EmbeddingClient:
         timeout_s: deadline of every call (seconds). retries: attempts after a retryable failure.
         delay_s, bandwidth_bytes_per_s: optional injected network cost per call (0 = off): a fixed round-trip
             delay and a bandwidth cap, to measure the regime of servers across a data-centre network.
+        shared_memory: pass the arrays of Lookup/Push calls through shared memory (``persia_core.ps.shm``)
+            instead of the message: ``None`` (auto) = for servers on a loopback address when ``/dev/shm`` is
+            writable and no network cost is injected; a server that cannot map the segment makes the client fall
+            back to messages for that shard.
     """
 
     def __init__(self, addresses: list[str], config: EmbeddingConfig, token: str | None = None,
                  timeout_s: float = 30.0, retries: int = 3, delay_s: float = 0.0,
-                 bandwidth_bytes_per_s: float = 0.0, client_id: str | None = None):
+                 bandwidth_bytes_per_s: float = 0.0, client_id: str | None = None,
+                 shared_memory: bool | None = None):
         self.addresses = list(addresses)
         self.num_shards = len(addresses)
         self.dims = {t.name: t.dim for t in config.tables}
@@ -58,31 +67,64 @@ class EmbeddingClient:
             name: [ch.unary_unary(f"/{SERVICE}/{name}") for ch in self.channels]
             for name in ("Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Load", "Stats", "Health")
         }
+        if shared_memory is None:
+            shared_memory = not (delay_s or bandwidth_bytes_per_s) and shm_mod.available()
+            self.use_shm = [shared_memory and shm_mod.is_local(a) for a in self.addresses]
+        else:
+            self.use_shm = [bool(shared_memory) and shm_mod.available()] * self.num_shards
+        self.segments = [shm_mod.SegmentPool() for _ in self.addresses]
         self.pool = ThreadPoolExecutor(max_workers=max(4, 3 * self.num_shards), thread_name_prefix="ps-client")
         self.dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
 
     # ---- one call ------------------------------------------------------------------------------------
     def call(self, method: str, shard: int, meta: dict | None = None, arrays: dict | None = None,
-             timeout_s: float | None = None) -> tuple[dict, dict]:
-        """One blocking call with deadline and retries (safe: pushes carry sequence numbers).
+             timeout_s: float | None = None, reply_bytes: int = 0, consume=None):
+        """One blocking call with deadline and retries (safe: pushes carry sequence numbers). Returns
+        ``(meta, arrays)`` of the answer, or ``consume(meta, arrays)`` when given (called before a shared-memory
+        reply's segment is reused, so it may read the arrays in place). ``reply_bytes``: expected bytes of the
+        answer's arrays (room reserved in the segment).
 
         Raises ``ParameterServerError`` naming the shard, its address and the gRPC status."""
-        req = wire.encode(meta, arrays)
-        if self.delay_s or self.bandwidth:
-            time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
-        last = None
-        for attempt in range(self.retries + 1):
-            try:
-                resp = self.calls[method][shard](req, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-                out = wire.decode(resp)
-                if self.bandwidth:
-                    time.sleep(len(resp) / self.bandwidth)
-                return out
-            except grpc.RpcError as e:
-                last = e
-                if e.code() not in RETRYABLE or attempt == self.retries:
-                    break
-                time.sleep(min(0.05 * 2**attempt, 1.0))
+        seg = None
+        if arrays and self.use_shm[shard] and method in SHM_METHODS:
+            nbytes = sum(np.asarray(a).nbytes + shm_mod.ALIGN for a in arrays.values())
+            if nbytes >= SHM_MIN_BYTES:
+                seg = self.segments[shard].acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
+        try:
+            if seg is not None:
+                entries, off = seg.put(arrays)
+                req = wire.encode({**(meta or {}), "shm": {"name": seg.name, "size": seg.size, "arrays": entries,
+                                                           "out": [off, seg.size - off]}})
+            else:
+                req = wire.encode(meta, arrays)
+            if self.delay_s or self.bandwidth:
+                time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
+            last = None
+            for attempt in range(self.retries + 1):
+                try:
+                    resp = self.calls[method][shard](req, timeout=timeout_s or self.timeout_s,
+                                                     metadata=self.metadata)
+                    out_meta, out_arrays = wire.decode(resp)
+                    if self.bandwidth:
+                        time.sleep(len(resp) / self.bandwidth)
+                    if "shm_out" in out_meta:
+                        out_arrays = shm_mod.views(seg.buf, out_meta.pop("shm_out"))
+                        if consume is None:
+                            out_arrays = {k: v.copy() for k, v in out_arrays.items()}
+                    return consume(out_meta, out_arrays) if consume is not None else (out_meta, out_arrays)
+                except grpc.RpcError as e:
+                    last = e
+                    if seg is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        break  # the server cannot map the segment: messages from now on
+                    if e.code() not in RETRYABLE or attempt == self.retries:
+                        break
+                    time.sleep(min(0.05 * 2**attempt, 1.0))
+        finally:
+            if seg is not None:
+                self.segments[shard].release(seg)
+        if seg is not None and last is not None and last.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            self.use_shm[shard] = False
+            return self.call(method, shard, meta, arrays, timeout_s, reply_bytes, consume)
         raise ParameterServerError(
             f"{method} to shard {shard} at {self.addresses[shard]} failed: {last.code().name}: {last.details()}"
         )
@@ -96,10 +138,18 @@ class EmbeddingClient:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((len(ids), self.dims[table]), dtype=np.float32)
         parts = self._route(ids)
-        futs = {s: self.pool.submit(self.call, method, s, {"table": table}, {"ids": ids[pos]})
-                for s, pos in enumerate(parts) if len(pos)}
-        for s, f in futs.items():
-            out[parts[s]] = f.result()[1]["rows"]
+        row_bytes = self.dims[table] * 4
+
+        def fill(pos):
+            def consume(meta, arrays):
+                out[pos] = arrays["rows"]
+            return consume
+
+        futs = [self.pool.submit(self.call, method, s, {"table": table}, {"ids": ids[pos]}, None,
+                                 len(pos) * row_bytes, fill(pos))
+                for s, pos in enumerate(parts) if len(pos)]
+        for f in futs:
+            f.result()
         return out
 
     def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -186,3 +236,5 @@ class EmbeddingClient:
         self.pool.shutdown(wait=True)
         for ch in self.channels:
             ch.close()
+        for pool in self.segments:
+            pool.close()

@@ -24,6 +24,9 @@ recorded, and every T seconds their rows are written as a delta file (``persia_c
 Exit codes of ``main``: 0 stopped by SIGTERM/SIGINT; 3 the ``--init`` state was refused (missing, partial or
 corrupt: the log's last line says which check failed); other non-zero: a crash.
 
+Same-host transport: a client on this host may pass the arrays of a call in a shared-memory segment instead of
+the message (``persia_core.ps.shm``); the call, token check and answers are the same.
+
 Security: binds 127.0.0.1 unless ``--host`` says otherwise; when ``PERSIA_PS_TOKEN`` is set every call must
 carry it in the ``x-persia-token`` metadata, else it is refused with UNAUTHENTICATED.
 """
@@ -46,6 +49,7 @@ import numpy as np
 
 from persia_core.config import RunConfig, load_config
 from persia_core.embedding.sharded import ShardFileError, load_shard_file, make_tables, write_shard_file
+from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 
 SERVICE = "persia.ParameterServer"
@@ -235,6 +239,7 @@ class _Servicer:
     def __init__(self, shard: ParameterServerShard, token: str | None):
         self.shard = shard
         self.token = token
+        self.segments = shm_mod.SegmentCache()
 
     def _check(self, context) -> None:
         if self.token is None:
@@ -248,8 +253,19 @@ class _Servicer:
             self._check(context)
             try:
                 meta, arrays = wire.decode(request)
+                shm = meta.pop("shm", None)
+                buf = None
+                if shm is not None:  # the arrays are in the client's shared-memory segment (persia_core.ps.shm)
+                    buf = self.segments.get(shm.get("name"), shm.get("size", 0))
+                    arrays = shm_mod.views(buf, shm.get("arrays", []))
                 out_meta, out_arrays = fn(meta, arrays, context)
+                if buf is not None and out_arrays:
+                    entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
+                    if entries is not None:
+                        return wire.encode({**out_meta, "shm_out": entries})
                 return wire.encode(out_meta, out_arrays)
+            except shm_mod.ShmUnavailable as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
             except (ValueError, KeyError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
             except TimeoutError as e:
@@ -349,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         shard.start_deltas(args.delta_dir, args.delta_every_s)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
     token = os.environ.get(TOKEN_ENV) or None
+    # the loaded tables live until the end: keep their objects out of the garbage collector's scans
+    import gc
+
+    gc.collect()
+    gc.freeze()
     server, port = serve(shard, args.host, args.port, token)
     if args.port_file:
         tmp = args.port_file + ".tmp"

@@ -79,6 +79,8 @@ class PreparedIds:
     uniq: np.ndarray
     inverse: np.ndarray
     offsets: np.ndarray
+    one_per_bag: bool = False
+    """Every bag holds exactly one ID (Criteo's categorical slots): pooling is then a plain row gather."""
 
 
 def drop_ids(ids: IdBatch, rates: dict[str, float], rng: np.random.Generator) -> IdBatch:
@@ -105,24 +107,31 @@ def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedI
     for t in layouts:
         sub = ids.select_slots(t.slots) if len(layouts) > 1 or ids.keys != t.slots else ids
         uniq, inverse = dedup(sub.values)
-        out[t.name] = PreparedIds(uniq, inverse, sub.offsets)
+        bags = len(sub.offsets) - 1
+        one = len(sub.values) == bags and bool((sub.offsets[1:] > sub.offsets[:-1]).all())
+        out[t.name] = PreparedIds(uniq, inverse, sub.offsets, one)
     return out
 
 
 def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, num_slots: int,
-              batch_size: int) -> torch.Tensor:
+              batch_size: int, one_per_bag: bool = False) -> torch.Tensor:
     """Sum-pool the rows of each bag: ``rows: float32[U, D]``, ``inverse: int64[N]`` (row of each ID),
     ``offsets: int64[S_t*B + 1]`` -> ``float32[B, S_t, D]``, on the tensors' device.
 
     An empty bag pools to exact zeros and sends zero gradient; the gradient reaching ``rows`` is summed per
-    unique ID (``embedding_bag``'s backward)."""
+    unique ID (``embedding_bag``'s backward). ``one_per_bag``: the caller knows every bag holds exactly one ID
+    (N = S_t*B), so the sum is a gather (``index_select``, whose backward sums per unique ID too; ~3x faster)."""
+    if one_per_bag:
+        out = rows.index_select(0, inverse)
+        return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
     out = F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)
     return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
 
 
 def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
     """``pool_bags`` over a host-side ``PreparedIds``."""
-    return pool_bags(rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size)
+    return pool_bags(rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size,
+                     prep.one_per_bag)
 
 
 def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
@@ -208,7 +217,13 @@ class HybridTrainPipeline:
         self.inflight: list = []
         self.error: BaseException | None = None
         self.max_staleness = 0
-        self.queue: queue.Queue = queue.Queue(maxsize=self.K + 2)
+        # seconds of the main thread per phase of progress() (wait: for the prepared batch)
+        self.phase_s = {"wait": 0.0, "forward": 0.0, "backward": 0.0, "push": 0.0, "optimizer": 0.0}
+        self.queue: queue.Queue = queue.Queue()
+        # batches handed to the preparation pool and not yet trained on: at most one per preparation thread
+        # (and at most K, or 1 when K = 0), so lookups run no further ahead than overlap needs: the bound K is
+        # what may be observed, not what every batch gets
+        self.ahead = threading.Semaphore(max(1, min(max(self.K, 1), prefetch_threads)))
         self._stop = threading.Event()
         self._batches = batches
         self.pool = ThreadPoolExecutor(max_workers=max(1, prefetch_threads), thread_name_prefix=f"prepare-{rank}")
@@ -225,6 +240,9 @@ class HybridTrainPipeline:
                 if self.applied_upto is None:
                     with self.cond:
                         self.applied_upto = step - 1
+                while not self.ahead.acquire(timeout=0.5):
+                    if self._stop.is_set():
+                        return
                 self._put(self.pool.submit(self._prepare, step, batch, gbs))
             self._put(None)
         except BaseException as e:  # surfaced in progress()
@@ -311,7 +329,9 @@ class HybridTrainPipeline:
                 raise self.error
             raise StopIteration
         item = item.result()
-        wait_s = time.perf_counter() - t0
+        self.ahead.release()
+        t1 = time.perf_counter()
+        wait_s = t1 - t0
         self.max_staleness = max(self.max_staleness, item.staleness)
         b = item.batch.size
         if item.event is not None:
@@ -321,13 +341,15 @@ class HybridTrainPipeline:
             rows, inverse, offsets = item.tensors[t.name]
             leaf = (rows.float() if rows.dtype != torch.float32 else rows).requires_grad_(True)
             leaves[t.name] = leaf
-            pooled.append(pool_bags(leaf, inverse, offsets, len(t.slots), b))
+            pooled.append(pool_bags(leaf, inverse, offsets, len(t.slots), b, item.prepared[t.name].one_per_bag))
         emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
         logits = self.model(emb, item.dense)
         loss_sum = F.binary_cross_entropy_with_logits(logits, item.labels, reduction="sum")
         scaled = loss_sum * (self.M / max(item.global_batch, 1))
         self.optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
         scaled.backward()
+        t3 = time.perf_counter()
         futs = []
         for t in self.layouts:
             g = leaves[t.name].grad
@@ -340,7 +362,15 @@ class HybridTrainPipeline:
                                           sync_workers=self.M if self.K == 0 else 0,
                                           step_fraction=1.0 if self.K == 0 else 1.0 / self.M))
         self._track(item.step, futs)
+        t4 = time.perf_counter()
         self.optimizer.step()
+        t5 = time.perf_counter()
+        ph = self.phase_s
+        ph["wait"] += wait_s
+        ph["forward"] += t2 - t1
+        ph["backward"] += t3 - t2
+        ph["push"] += t4 - t3
+        ph["optimizer"] += t5 - t4
         return StepResult(item.step, b, float(loss_sum.detach()), item.staleness, wait_s)
 
     def _track(self, step: int, futs: list) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import io as _io
 import itertools
 import json
@@ -83,7 +84,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr)
+    opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
     history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     if resume is not None:
@@ -115,8 +116,13 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
                                rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer,
                                prefetch_threads=tc.prefetch_threads)
     total_steps = len(schedule.global_batch)
+    # everything built so far lives until the end: keep it out of the garbage collector's scans
+    gc.collect()
+    gc.freeze()
     t0 = time.perf_counter()
+    cpu0, main_cpu0 = time.process_time(), time.thread_time()
     wait = 0.0
+    loss_sync_s = 0.0
     done = start
 
     def state(steps_done: int) -> dict:
@@ -127,6 +133,34 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
 
     if checkpointer is not None:
         checkpointer.last_time = time.monotonic()  # the T-second clock starts with training, not start-up
+    # The global loss of a step is an all-reduce over ranks. It is done every step only when something needs
+    # it at once (an ``on_step`` callback, or time-based checkpoints, whose clocks the ranks must agree on);
+    # otherwise the local losses of up to ``progress_every`` steps go in one all-reduce.
+    every_step = world == 1 or on_step is not None or (checkpointer is not None and checkpointer.settings.every_s > 0)
+    pending: list = []  # (StepResult, local loss sum) not yet reduced
+
+    timed = world > 1 and checkpointer is not None and checkpointer.settings.every_s > 0
+
+    def flush(time_flag: float = 0.0) -> bool:
+        """Reduce the pending local losses (and, for time-based checkpoints, whether any rank's clock is due)."""
+        nonlocal loss_sync_s
+        if not pending:
+            return False
+        local = torch.tensor([p[1] for p in pending] + [time_flag], dtype=torch.float64)
+        if world > 1:
+            ta = time.perf_counter()
+            local = local.to(device) if dist.get_backend() == "nccl" else local
+            dist.all_reduce(local)
+            local = local.cpu()
+            loss_sync_s += time.perf_counter() - ta
+        values = local.tolist()
+        for (res, _), total in zip(pending, values[:-1]):
+            history["loss"].append(total / max(schedule.global_batch[res.step], 1))
+            if on_step is not None:
+                on_step(res, history["loss"][-1], model)
+        pending.clear()
+        return values[-1] > 0
+
     try:
         while True:
             try:
@@ -134,27 +168,27 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             except StopIteration:
                 break
             wait += r.wait_s
-            time_flag = 1.0 if checkpointer is not None and checkpointer.time_due() else 0.0
-            loss = torch.tensor([r.loss_sum, time_flag], dtype=torch.float64)
-            if world > 1:
-                loss = loss.to(device) if dist.get_backend() == "nccl" else loss
-                dist.all_reduce(loss)
-                loss = loss.cpu()
+            pending.append((r, r.loss_sum))
+            time_due = False
+            if every_step:
+                time_flag = 1.0 if checkpointer is not None and checkpointer.time_due() else 0.0
+                time_due = flush(time_flag) if timed else (flush() or time_flag > 0)
             gb = schedule.global_batch[r.step]
             samples += gb
             done = r.step + 1
             history["step"].append(r.step)
             history["samples"].append(samples)
-            history["loss"].append(float(loss[0].item()) / max(gb, 1))
             history["elapsed_s"].append(elapsed0 + time.perf_counter() - t0)
             history["staleness"].append(r.staleness)
-            if on_step is not None:
-                on_step(r, history["loss"][-1], model)
-            if rank == 0 and (r.step % progress_every == 0 or r.step == total_steps - 1):
-                log.info("step %d/%d loss %.4f samples/s %.0f staleness %d", r.step + 1, total_steps,
-                         history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)
-            if checkpointer is not None and done < total_steps and checkpointer.due(done, loss[1].item() > 0):
+            if r.step % progress_every == 0 or r.step == total_steps - 1:
+                flush()
+                if rank == 0:
+                    log.info("step %d/%d loss %.4f samples/s %.0f staleness %d", r.step + 1, total_steps,
+                             history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)
+            if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
+                flush()
                 checkpointer.save(done, pipe, model, opt, state(done))
+        flush()
         pipe.drain()
         if (checkpointer is not None and checkpointer.settings.at_end and checkpointer.last_step != done
                 and not (resume is not None and done == start)):
@@ -162,6 +196,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     finally:
         pipe.close()
     elapsed = time.perf_counter() - t0
+    cpu_s, main_cpu_s = time.process_time() - cpu0, time.thread_time() - main_cpu0
     max_stal = torch.tensor([max(max_stal0, pipe.max_staleness)])
     if world > 1:
         max_stal = max_stal.to(device) if dist.get_backend() == "nccl" else max_stal
@@ -171,7 +206,10 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     history.update({"samples_per_s": (samples - samples0) / max(elapsed, 1e-9), "max_staleness": int(max_stal.item()),
                     "train_seconds": elapsed0 + elapsed, "wait_seconds_rank0": wait, "steps": total_steps,
                     "num_workers": world, "embedding_staleness": tc.embedding_staleness, "device": str(device),
-                    "fp16_fallbacks": pipe.fp16_fallbacks, "resumed_from_step": start})
+                    "fp16_fallbacks": pipe.fp16_fallbacks, "resumed_from_step": start,
+                    "phase_seconds": {**{k: round(v, 3) for k, v in pipe.phase_s.items()},
+                                      "loss_all_reduce": round(loss_sync_s, 3),
+                                      "cpu_process": round(cpu_s, 3), "cpu_main_thread": round(main_cpu_s, 3)}})
     if rank == 0:
         buf = _io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
@@ -229,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     tc = config.trainer
     client = EmbeddingClient(addresses, config.embedding, timeout_s=tc.rpc_timeout_s,
                              client_id=f"worker{rank}-{uuid.uuid4().hex[:12]}", delay_s=tc.network_delay_s,
-                             bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s)
+                             bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s,
+                             shared_memory=None if tc.shared_memory else False)
     try:
         resume = None
         if args.resume:

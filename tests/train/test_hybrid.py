@@ -36,6 +36,28 @@ def test_empty_multi_hot_bag_pools_to_exact_zeros_with_zero_gradient():
     assert rows.grad[0].tolist() == [2.0, 2.0, 2.0]
 
 
+def test_one_id_per_bag_pools_by_gather_equal_to_embedding_bag():
+    rng = np.random.default_rng(0)
+    b, s = 64, 3
+    values = rng.integers(0, 20, b * s).astype(np.uint64)  # repeats: gradients must be summed per unique ID
+    ids = IdBatch([f"s{i}" for i in range(s)], values, np.arange(b * s + 1), b)
+    layout = [type("L", (), {"name": "t", "dim": 5, "slots": ids.keys})()]
+    prep = prepare_ids(ids, layout)["t"]
+    assert prep.one_per_bag
+    rows = torch.tensor(rng.normal(size=(len(prep.uniq), 5)).astype(np.float32))
+    weight = torch.tensor(rng.normal(size=(b, s, 5)).astype(np.float32))
+    fast, ref = rows.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    out_fast = pool(fast, prep, s, b)
+    prep.one_per_bag = False
+    out_ref = pool(ref, prep, s, b)
+    torch.testing.assert_close(out_fast, out_ref, rtol=0, atol=0)
+    (out_fast * weight).sum().backward()
+    (out_ref * weight).sum().backward()
+    torch.testing.assert_close(fast.grad, ref.grad, rtol=1e-6, atol=1e-6)
+    multi = IdBatch(["a"], np.array([1, 2, 3], np.uint64), np.array([0, 2, 3]), 2)  # a bag of two
+    assert not prepare_ids(multi, [type("L", (), {"name": "t", "dim": 5, "slots": ["a"]})()])["t"].one_per_bag
+
+
 def _in_process(config: RunConfig, data_dir: str, out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     backend = LocalEmbedding(config.embedding, num_shards=1, seed=config.trainer.seed)

@@ -1,0 +1,103 @@
+"""The same-host shared-memory path of the parameter-server client (``persia_core.ps.shm``), on 127.0.0.1."""
+
+import os
+
+import numpy as np
+import pytest
+
+from persia_core.ps import shm as shm_mod
+from persia_core.ps.client import EmbeddingClient, ParameterServerError
+from persia_core.ps.server import ParameterServerShard, serve
+
+from support import tiny_config
+
+pytestmark = pytest.mark.skipif(not shm_mod.available(), reason="no writable /dev/shm")
+
+
+@pytest.fixture
+def cluster():
+    cfg = tiny_config()
+    shards = [ParameterServerShard(cfg, s, 2) for s in range(2)]
+    servers = [serve(sh, "127.0.0.1", 0, token="s3cret") for sh in shards]
+    yield cfg, shards, [f"127.0.0.1:{port}" for _, port in servers]
+    for srv, _ in servers:
+        srv.stop(0)
+
+
+def _ids(n, seed=0):
+    return np.unique(np.random.default_rng(seed).integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True))
+
+
+def test_shared_memory_calls_equal_message_calls_and_leave_no_files(cluster):
+    cfg, _, addrs = cluster
+    ids = _ids(6000)  # 48 KB of IDs per call: above the size that goes through shared memory
+    via_shm = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=True)
+    via_msg = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=False)
+    rows = via_shm.lookup("default", ids)
+    np.testing.assert_array_equal(rows, via_msg.lookup_readonly("default", ids))
+    g = np.random.default_rng(1).normal(size=(len(ids), 4)).astype(np.float32)
+    assert via_shm.push("default", ids, g).result(timeout=10) == 0
+    np.testing.assert_array_equal(via_shm.lookup_readonly("default", ids), via_msg.lookup_readonly("default", ids))
+    assert via_shm.lookup_readonly("default", ids).shape == (len(ids), 4)
+    assert not np.array_equal(via_msg.lookup_readonly("default", ids), rows)  # the push was applied
+    np.testing.assert_array_equal(via_shm.contains("default", ids), np.ones(len(ids), bool))
+    segs = [seg for pool in via_shm.segments for seg in pool.all]
+    assert segs and via_shm.use_shm == [True, True]
+    assert all(os.path.exists(seg.path) for seg in segs)
+    assert not any(pool.all for pool in via_msg.segments)
+    via_shm.close()
+    via_msg.close()
+    assert not any(os.path.exists(seg.path) for seg in segs)
+
+
+def test_auto_mode_uses_shared_memory_for_loopback_only_and_not_with_injected_delay(cluster):
+    cfg, _, addrs = cluster
+    auto = EmbeddingClient(addrs, cfg.embedding, token="s3cret")
+    assert auto.use_shm == [True, True]
+    remote = EmbeddingClient(["10.1.2.3:5000"], cfg.embedding, token="s3cret")
+    assert remote.use_shm == [False]
+    delayed = EmbeddingClient(addrs, cfg.embedding, token="s3cret", delay_s=0.001)
+    assert delayed.use_shm == [False, False]
+    for c in (auto, remote, delayed):
+        c.close()
+
+
+def test_client_falls_back_to_messages_when_a_server_cannot_map_the_segment(cluster, monkeypatch):
+    cfg, _, addrs = cluster
+
+    def elsewhere(self, name, size):
+        raise shm_mod.ShmUnavailable(f"cannot open shared-memory segment {name}: No such file or directory")
+
+    monkeypatch.setattr(shm_mod.SegmentCache, "get", elsewhere)  # as a server on another host would answer
+    ids = _ids(6000, seed=2)
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=True)
+    ref = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=False)
+    np.testing.assert_array_equal(client.lookup("default", ids), ref.lookup_readonly("default", ids))
+    assert client.use_shm == [False, False]
+    client.close()
+    ref.close()
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "persia_../x", "other_0123456789abcdef", ""])
+def test_server_refuses_segment_names_outside_its_own_form(cluster, name):
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", retries=0, shared_memory=False)
+    meta = {"table": "default", "shm": {"name": name, "size": 1 << 20, "arrays": [], "out": [0, 0]}}
+    with pytest.raises(ParameterServerError, match="FAILED_PRECONDITION"):
+        client.call("Lookup", 0, meta)
+    client.close()
+
+
+def test_array_headers_outside_the_segment_are_refused():
+    buf = np.zeros(4096, np.uint8)
+    assert shm_mod.views(buf, [["ids", "uint64", [8], 64, 64]])["ids"].shape == (8,)
+    for bad in (["ids", "uint64", [8], 4096, 64],  # past the end
+                ["ids", "uint64", [8], -64, 64],  # negative offset
+                ["ids", "uint64", [9], 0, 64],  # size does not match the shape
+                ["ids", "uint64", [8], 3, 64],  # misaligned
+                ["ids", "object", [8], 0, 64]):  # dtype not allowed
+        with pytest.raises(ValueError):
+            shm_mod.views(buf, [bad])
+    with pytest.raises(ValueError):
+        shm_mod.write_reply(buf, [4032, 4096], {"rows": np.zeros(4, np.float32)})
+    assert shm_mod.write_reply(buf, [0, 64], {"rows": np.zeros(32, np.float32)}) is None  # too big: message
