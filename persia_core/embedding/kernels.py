@@ -178,6 +178,8 @@ def rebuild_index(index, keys, shift, size):
     """Re-insert rows ``0..size-1`` into an all-empty ``index``."""
     index[:] = -1
     for r in range(size):
+        if r + PF < size:
+            prefetch(index, _home(keys[r + PF], shift))
         _insert(index, keys, shift, keys[r], r)
 
 
