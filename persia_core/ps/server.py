@@ -116,6 +116,7 @@ class ParameterServerShard:
         self.done_steps: dict[str, int] = {}
         self.pushes = 0
         self.duplicates = 0
+        self.table_cpu_s = 0.0  # CPU seconds spent in table lookups and gradient applies
         self.delta_seq = 0
         self.tracker = None  # a DeltaTracker while incremental export is on
         self.exporter = None
@@ -128,7 +129,9 @@ class ParameterServerShard:
 
     def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` in table ``name``, created where unseen (recorded for the incremental export)."""
+        t0 = time.thread_time()
         rows = self.table(name).lookup(ids)
+        self.table_cpu_s += time.thread_time() - t0
         if self.tracker is not None:
             self.tracker.record(name, ids)
         return rows
@@ -163,7 +166,9 @@ class ParameterServerShard:
                 if rec.seen(seq):
                     self.duplicates += 1
                     return {"applied": False, "duplicate": True, "dropped": 0}
+                t0 = time.thread_time()
                 dropped = table.apply_gradients(ids, grads, float(meta.get("step_fraction", 1.0)))
+                self.table_cpu_s += time.thread_time() - t0
                 rec.add(seq)
                 self.pushes += 1
                 if self.tracker is not None:
@@ -179,7 +184,9 @@ class ParameterServerShard:
             if bucket is not None and len(bucket) >= m:
                 all_ids = np.concatenate([b[0] for b in bucket.values()])
                 all_grads = np.concatenate([b[1] for b in bucket.values()])
+                t0 = time.thread_time()
                 dropped = table.apply_gradients(all_ids, all_grads)
+                self.table_cpu_s += time.thread_time() - t0
                 if self.tracker is not None:
                     self.tracker.record(meta["table"], all_ids)
                 del self.pending[key]
@@ -199,7 +206,8 @@ class ParameterServerShard:
     def stats(self) -> dict:
         with self.cond:
             return {"shard": self.shard, "num_shards": self.num_shards, "pushes": self.pushes,
-                    "duplicate_pushes": self.duplicates,
+                    "duplicate_pushes": self.duplicates, "table_cpu_s": round(self.table_cpu_s, 3),
+                    "process_cpu_s": round(time.process_time(), 3),
                     "tables": {n: t.stats() for n, t in self.tables.items()}}
 
     def server_state(self) -> dict:

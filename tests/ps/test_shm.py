@@ -41,6 +41,7 @@ def test_shared_memory_calls_equal_message_calls_and_leave_no_files(cluster):
     assert via_shm.lookup_readonly("default", ids).shape == (len(ids), 4)
     assert not np.array_equal(via_msg.lookup_readonly("default", ids), rows)  # the push was applied
     np.testing.assert_array_equal(via_shm.contains("default", ids), np.ones(len(ids), bool))
+    assert all(st["table_cpu_s"] > 0 for st in via_shm.stats())
     segs = [seg for pool in via_shm.segments for seg in pool.all]
     assert segs and via_shm.use_shm == [True, True]
     assert all(os.path.exists(seg.path) for seg in segs)
