@@ -19,6 +19,7 @@ with ``np.load``, no pickles) whose members are::
     <table>.last_used        int32[R]
     <table>.prev / .nxt      int32[R]  the recency list (layout "storage": rows in table order, as held)
     <table>.head_tail        int32[2], <table>.counters int64[4]
+    <table>.sketch           uint8[2^20]  admission sketch (only tables with admit_after_sightings > 0)
 
 Layout ``storage`` is the table's own arrays written as they are (no gather), so a dump runs at the disk's
 sequential rate; layout ``lru`` (older files, ``EmbeddingTable.state_dict()``) has rows most recent first and no
@@ -59,6 +60,9 @@ _PAD_EXTRA_ID = 0xD935  # the extra-field id zipalign uses for padding
 _LOCAL_HEADER = 30
 _ZIP64_EXTRA = 20  # what zipfile appends to a local header written with force_zip64
 RECENCY_ARRAYS = ("prev", "nxt", "head_tail", "counters", "index")
+EXTRA_ARRAYS = ("sketch",)
+"""Per-table arrays that are neither rows nor optimizer state: the admission sketch (sightings of IDs not yet
+admitted, tables with ``admit_after_sightings``), so a restarted shard keeps counting where it stopped."""
 log = logging.getLogger("persia.shards")
 
 
@@ -219,9 +223,23 @@ def table_arrays(t: EmbeddingTable) -> TableArrays:
         arrays.update({k: v[:n] for k, v in t.state.items()})
         arrays.update({"last_used": t.last_used[:n], "prev": t.prev[:n], "nxt": t.nxt[:n],
                        "head_tail": t.head_tail, "counters": t.counters, "index": t.index})
+        _add_sketch(t, arrays)
         return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
     sd = t.state_dict()
+    _add_sketch(t, sd)
     return TableArrays(sd, {**base, "layout": "lru", "rows": len(sd["keys"]), "step": int(getattr(t, "step", 0))})
+
+
+def _add_sketch(t, arrays: dict) -> None:
+    if getattr(t, "admit_after", 0) > 0:
+        arrays["sketch"] = t.sketch
+
+
+def _restore_sketch(t, arrays: dict) -> None:
+    """Take back the admission sketch when both the file and the table count sightings (same size)."""
+    sketch = arrays.get("sketch")
+    if sketch is not None and getattr(t, "admit_after", 0) > 0 and sketch.shape == t.sketch.shape:
+        t.sketch[:] = sketch
 
 
 @contextlib.contextmanager
@@ -477,7 +495,7 @@ def _parse_meta(arr: np.ndarray, where: str) -> dict:
 
 # ---- restoring ----------------------------------------------------------------------------------------------
 def _state_names(arrays: dict) -> set[str]:
-    return set(arrays) - {"keys", "weights", "last_used", *RECENCY_ARRAYS}
+    return set(arrays) - {"keys", "weights", "last_used", *RECENCY_ARRAYS, *EXTRA_ARRAYS}
 
 
 def index_consistent(index: np.ndarray, keys: np.ndarray, samples: int = 4096) -> bool:
@@ -542,6 +560,7 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
             t.counters[0] = n
             t.step = int(ta.meta.get("step", 0))
             t.dropped_gradients = int(ta.meta.get("dropped_gradients", 0))
+            _restore_sketch(t, a)
         return
     sd = lru_state_dict(ta)
     if n > t.capacity:
@@ -554,6 +573,7 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         raise ShardFileError(f"{label}: {e}") from e
     t.step = max(int(ta.meta.get("step", 0)), int(sd["last_used"].max()) if len(sd["last_used"]) else 0)
     t.dropped_gradients = int(ta.meta.get("dropped_gradients", 0))
+    _restore_sketch(t, a)
 
 
 def load_shard_file(path: str, tables: dict[str, EmbeddingTable], expect_size: int | None = None,

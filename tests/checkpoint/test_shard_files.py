@@ -193,3 +193,30 @@ def test_delta_export_runs_every_t_seconds_on_its_own(tmp_path):
         assert list_deltas(str(tmp_path / "d"), 0)
     finally:
         shard.exporter.stop()
+
+
+@pytest.mark.parametrize("small", [False, True])  # small: fewer than 1024 rows, the state-dict path
+def test_admission_sightings_survive_a_shard_file_round_trip(tmp_path, small):
+    """An ID seen twice before a checkpoint is admitted on its third sighting after the restart, not its fifth."""
+    def table():
+        return EmbeddingTable(4, OptimizerConfig(name="adagrad", lr=0.05), 3000, 0.1, 0, admit_after_sightings=3)
+
+    t = table()
+    if not small:
+        t.lookup(np.arange(2000, 3500, dtype=np.uint64))  # 1500 IDs seen three times: admitted
+        t.lookup(np.arange(2000, 3500, dtype=np.uint64))
+        t.lookup(np.arange(2000, 3500, dtype=np.uint64))
+    pending = np.array([7, 2**64 - 1], dtype=np.uint64)
+    t.lookup(pending)
+    t.lookup(pending)
+    assert not t.contains(pending).any()
+    path = str(tmp_path / "shard.npz")
+    S.write_shard_file(path, {"default": t})
+    back = table()
+    S.load_shard_file(path, {"default": back})
+    np.testing.assert_array_equal(back.sketch, t.sketch)
+    back.lookup(pending)
+    assert back.contains(pending).all()
+    fresh = table()  # without the sketch the same sighting is only the first
+    fresh.lookup(pending)
+    assert not fresh.contains(pending).any()
