@@ -29,6 +29,10 @@ Parameter servers listen beyond loopback, so a token is required: ``$PERSIA_PS_T
 ends when the primary exits; parameter servers also exit once the primary has written ``DONE_MARKER`` into the
 control folder, so the job ends under any pool semantics.
 
+Restarts: every replica looks for the newest complete checkpoint of the run (``--resume auto``, the default); the
+parameter servers load its shard files (size and CRC-32C checked) and the NN workers continue from its step, so a
+job that Vertex AI restarts after a failure or a preemption resumes instead of starting over.
+
 Entry point (the same command in every pool)::
 
     python -m persia_core.cluster --config /gcs/b/shards/run_config.yaml --data /gcs/b/dataset \\
@@ -336,6 +340,48 @@ def finalize_model(config, data_dir: str, model_dir: str, addresses: list[str], 
     return manifest
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``--name value`` or ``--name=value`` in ``argv`` (the last one), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def resume_point(args, config) -> tuple[str, dict] | None:
+    """The checkpoint a (re)started job continues from, the same for every replica.
+
+    ``--resume auto`` (default): the newest complete checkpoint in the run's checkpoint folder (``--checkpoint-dir``
+    among the NN worker flags, else ``trainer.checkpoint_dir``, else ``<out>/checkpoints``), None when there is
+    none; ``--resume PATH``: exactly that checkpoint; ``--resume ''``: start afresh. Raises ``CheckpointError``
+    when the checkpoint belongs to another run (config or data lineage) or holds another number of shards than
+    the run config (re-shard it with ``persia_core.embedding.plan`` first)."""
+    from persia_core.train import checkpoint as ckpt
+    from persia_core.train.launcher import checkpoint_settings
+
+    explicit = _flag(args.worker_args, "--resume")
+    where = explicit if explicit is not None else args.resume
+    if not where:
+        return None
+    if where == "auto":
+        folder = _flag(args.worker_args, "--checkpoint-dir") or checkpoint_settings(config, args.out).dir
+        chosen = ckpt.find_latest(folder)
+        if chosen is None:
+            return None
+    else:
+        chosen = (where, ckpt.verify(where, deep=True, deep_roles=("dense", "worker")))
+    path, manifest = chosen
+    ckpt.check_lineage(manifest, ckpt.lineage(config, args.data), path)
+    shards = [e for e in manifest["files"] if e.get("role") == "shard"]
+    if len(shards) != config.embedding.num_shards:
+        raise ckpt.CheckpointError(f"{path} holds {len(shards)} shards but the run config has "
+                                   f"embedding.num_shards={config.embedding.num_shards}")
+    return chosen
+
+
 def _run_nn_worker(args, place: Placement, config, token: str) -> int:
     from persia_core.ps.server import TOKEN_ENV
     from persia_core.train import worker
@@ -345,6 +391,10 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
              place.world_size, place.master_addr, place.master_port, len(place.ps_addresses))
     wait_for_servers(place.ps_addresses, config, token, args.ps_wait_s)
     worker_args = ["--config", args.config, "--data", args.data, "--out", args.out, *args.worker_args]
+    resume = resume_point(args, config)
+    if resume is not None and _flag(args.worker_args, "--resume") is None:
+        worker_args += ["--resume", resume[0]]
+        log.info("resuming from %s (step %d)", resume[0], resume[1]["step"])
     if place.local_ranks == 1:
         os.environ.update(place.env())
         os.environ[TOKEN_ENV] = token
@@ -356,7 +406,7 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
     manifest = finalize_model(config, args.data, args.out, place.ps_addresses, token, time.time() - t0)
     log.info("model written to %s (%d shards)", args.out, manifest["num_shards"])
     if args.control:
-        io.write_text(io.join(args.control, DONE_MARKER), json.dumps({"model": args.out}))
+        io.write_text(io.join(args.control, DONE_MARKER), json.dumps({"model": args.out, "time": time.time()}))
     return 0
 
 
@@ -396,6 +446,14 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
     env = dict(os.environ, **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
     env.pop(TOKEN_SECRET_ENV, None)
     plan = io.join(args.init, "shard_plan.json") if args.init else ""
+    resume = resume_point(args, config)
+    from_ckpt = {}
+    if resume is not None:
+        for e in resume[1]["files"]:
+            if e.get("role") == "shard":
+                from_ckpt[int(e["shard"])] = e
+        log.info("parameter servers resume from %s (step %d)", resume[0], resume[1]["step"])
+    started = time.time()
     procs = []
     for shard, port in zip(place.shards, place.ports):
         cmd = [sys.executable, "-m", "persia_core.ps.server", "--config", args.config, "--shard", str(shard),
@@ -403,7 +461,11 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
         if plan and io.exists(plan):
             cmd += ["--plan", plan]
         init = io.join(args.init, shard_file_name(shard)) if args.init else ""
-        if init and io.exists(init):
+        if shard in from_ckpt:
+            e = from_ckpt[shard]
+            cmd += ["--init", io.join(resume[0], e["path"]), "--init-size", str(e["bytes"]),
+                    "--init-crc32c", str(e["crc32c"])]
+        elif init and io.exists(init):
             cmd += ["--init", init]
         log.info("parameter server: shard %d/%d on %s:%d", shard, n, args.host, port)
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
@@ -414,7 +476,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
                 if p.poll() is not None:
                     log.error("parameter server of shard %d exited with code %s", shard, p.returncode)
                     return p.returncode or 1
-            if done and io.exists(done):
+            if done and io.exists(done) and _marker_time(done) >= started:
                 log.info("primary finished (%s); stopping", done)
                 return 0
             time.sleep(args.poll_s)
@@ -428,6 +490,15 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _marker_time(path: str) -> float:
+    """When the done marker at ``path`` was written (seconds since the epoch; 0 for an older marker without it),
+    so servers of a restarted job do not stop on the marker of an earlier attempt."""
+    try:
+        return float(json.loads(io.read_text(path)).get("time", 0.0))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
 
 
 def run_replica(args: argparse.Namespace, cluster_spec: str) -> int:
@@ -468,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="0.0.0.0", help="address parameter servers bind")
     p.add_argument("--ps-wait-s", type=float, default=900.0, help="how long NN workers wait for the servers")
     p.add_argument("--poll-s", type=float, default=10.0, help="parameter servers: done-marker poll interval")
+    p.add_argument("--resume", default="auto", help="checkpoint to continue from: 'auto' (the newest complete one "
+                                                    "in the run's checkpoint folder, if any; a restarted job "
+                                                    "continues where it stopped), a folder, or '' to start afresh")
     p.add_argument("worker_args", nargs="*", help="after '--': more arguments of every NN worker "
                                                    "(persia_core.train.worker), e.g. warm-start or checkpoint flags")
     args = p.parse_args(argv)

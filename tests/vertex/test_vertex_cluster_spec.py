@@ -154,6 +154,29 @@ def _free_port_run(k):
     raise RuntimeError("no run of free ports")
 
 
+def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> dict:
+    """Start every replica as Vertex AI would and wait for all; asserts they all exit 0. Returns the logs."""
+    procs = {}
+    try:
+        for pool, index in replicas:
+            spec = dict(base, task={"type": pool, "index": index, "trial": ""})
+            log = open(tmp_path / f"{pool}-{index}{tag}.log", "w")
+            procs[(pool, index)] = subprocess.Popen(cmd, env=dict(env, CLUSTER_SPEC=json.dumps(spec)),
+                                                    stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = {k: p.poll() for k, p in procs.items()}
+        logs = {k: open(tmp_path / f"{k[0]}-{k[1]}{tag}.log").read() for k in procs}
+        assert all(c == 0 for c in codes.values()), (codes, {k: v[-2000:] for k, v in logs.items()})
+        return logs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nn_replicas, ps_replicas", [
     (2, 2),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
@@ -185,24 +208,7 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
            "--ranks-per-replica", str(2 // nn_replicas)]
     replicas = [("workerpool2", i) for i in range(ps_replicas)] + [("workerpool1", i) for i in
                                                                    range(nn_replicas - 1)] + [("workerpool0", 0)]
-    procs = {}
-    try:
-        for pool, index in replicas:
-            spec = dict(base, task={"type": pool, "index": index, "trial": ""})
-            log = open(tmp_path / f"{pool}-{index}.log", "w")
-            procs[(pool, index)] = subprocess.Popen(cmd, env=dict(env, CLUSTER_SPEC=json.dumps(spec)),
-                                                    stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 200
-        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        codes = {k: p.poll() for k, p in procs.items()}
-        logs = {k: open(tmp_path / f"{k[0]}-{k[1]}.log").read()[-2000:] for k in procs}
-        assert all(c == 0 for c in codes.values()), (codes, logs)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    _run_replicas(tmp_path, cmd, replicas, base, env)
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
     assert all(r > 0 for r in manifest["summary"]["rows"])
@@ -220,3 +226,42 @@ def test_vertex_replica_entry_point_passes_worker_flags_after_the_separator(monk
     monkeypatch.delenv("CLUSTER_SPEC")
     with pytest.raises(SystemExit):
         cluster.main(["--config", "c.yaml", "--data", "d", "--out", "m"])
+
+
+@pytest.mark.timeout(300)
+def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint(tmp_path, tiny_data):
+    """A restarted job (same command in every replica, as Vertex AI restarts it) continues from the newest
+    complete checkpoint: servers load its shards, the workers its step; a done marker left by the earlier
+    attempt does not stop the new servers."""
+    from persia_core.embedding.plan import init_shards
+    from persia_core.train import checkpoint as ckpt
+    from support import tiny_config
+
+    cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=2)
+    init = str(tmp_path / "shards")
+    init_shards(cfg, tiny_data, init)
+    out, control, ckpts = str(tmp_path / "model"), str(tmp_path / "control"), str(tmp_path / "ckpt")
+    (port,) = _free_ports(1)
+    ps_port = _free_port_run(2)
+    base = {"cluster": {"workerpool0": [f"127.0.0.1:{port}"], "workerpool2": [f"127.0.0.1:{ps_port}"]},
+            "environment": "cloud"}
+    env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "persia_core.cluster", "--config", os.path.join(init, "run_config.yaml"),
+           "--data", tiny_data, "--init", init, "--out", out, "--control", control, "--host", "127.0.0.1",
+           "--poll-s", "0.2", "--ps-wait-s", "120", "--shards-per-server", "2", "--ranks-per-replica", "2",
+           "--", "--checkpoint-dir", ckpts, "--checkpoint-every-steps", "3", "--checkpoint-keep", "5",
+           "--no-checkpoint-at-end"]  # so the newest checkpoint is mid-run, as after a failure
+    replicas = [("workerpool2", 0), ("workerpool0", 0)]
+    _run_replicas(tmp_path, cmd, replicas, base, env, tag="-first")
+    first = json.load(open(os.path.join(out, "train_metrics.json")))
+    assert first["resumed_from_step"] == 0
+    newest_step, newest = ckpt.list_checkpoints(ckpts)[0]
+    assert 0 < newest_step < first["steps"]
+    # the restart: the same command again, with the earlier attempt's done marker still in the control folder
+    assert os.path.exists(os.path.join(control, cluster.DONE_MARKER))
+    time.sleep(1.0)
+    logs = _run_replicas(tmp_path, cmd, replicas, base, env, tag="-restart")
+    again = json.load(open(os.path.join(out, "train_metrics.json")))
+    assert again["resumed_from_step"] == newest_step
+    assert again["samples"][-1] == first["samples"][-1]  # the same training, finished
+    assert f"resume from {newest}" in logs[("workerpool2", 0)]
