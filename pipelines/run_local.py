@@ -1,17 +1,110 @@
 """Run the compiled-equivalent pipeline locally with ``kfp.local.SubprocessRunner`` (no cloud account needed).
 
-Each task runs in this interpreter's environment, where the project is installed. Prints where the outputs
-are and, as its last line, ``eval: AUC=... logloss=... NE=...``.
+Each task runs in this interpreter's environment, where the project is installed. kfp.local's own output (every
+task's executor input and output, streamed logs) goes to ``<pipeline root>/logs/run-<time>.log``; the terminal
+gets one line per task as it starts and ends, the log's tail when a task fails (``--verbose``: everything, as
+kfp.local prints it), then where the outputs are and, as its last line, ``eval: AUC=... logloss=... NE=...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
+import re
 import shutil
 import sys
+import threading
 import time
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STARTED = re.compile(r"Executing task '([^']+)'")
+_FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
+
+
+@contextlib.contextmanager
+def captured_output(log_path: str, verbose: bool = False):
+    """Send everything written to this process's stdout/stderr (and its task subprocesses', which inherit them)
+    to ``log_path``; echo one line per task start and end to the terminal meanwhile. Yields a function that
+    returns the log's last ``n`` lines (for a failure message). ``verbose``: no capture."""
+    if verbose:
+        yield lambda n=0: ""
+        return
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+    log = open(log_path, "ab", buffering=0)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    # Python-level streams too: sys.stdout/err and logging handlers that hold them (kfp.local's) may not write
+    # to fds 1 and 2 (e.g. under a test runner's capture)
+    text = open(log_path, "a", buffering=1, errors="replace")
+    old_streams = sys.stdout, sys.stderr
+    handlers = []
+    for logger in [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(v, logging.Logger)]:
+        for h in logger.handlers:
+            if isinstance(h, logging.StreamHandler) and h.stream in old_streams:
+                handlers.append((h, h.setStream(text)))
+    sys.stdout = sys.stderr = text
+    stop = threading.Event()
+    began: dict[str, float] = {}
+
+    def echo(line: str) -> None:
+        line = _ANSI.sub("", line)
+        m = _STARTED.search(line)
+        if m:
+            began[m.group(1)] = time.time()
+            os.write(saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: running\n".encode())
+            return
+        m = _FINISHED.search(line)
+        if m:
+            took = time.time() - began.get(m.group(1), time.time())
+            os.write(saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: {m.group(2).lower()} ({took:.1f} s)\n"
+                     .encode())
+
+    def follow() -> None:
+        with open(log_path, "r", errors="replace") as f:
+            f.seek(start)
+            pending = ""
+            while True:
+                chunk = f.read()
+                if chunk:
+                    pending += chunk
+                    *lines, pending = pending.split("\n")
+                    for line in lines:
+                        echo(line)
+                elif stop.is_set():
+                    return
+                else:
+                    time.sleep(0.1)
+
+    tail = threading.Thread(target=follow, daemon=True)
+    tail.start()
+
+    def last_lines(n: int = 60) -> str:
+        with open(log_path, "r", errors="replace") as f:
+            return "".join(_ANSI.sub("", line) for line in f.readlines()[-n:])
+
+    try:
+        yield last_lines
+    finally:
+        text.flush()
+        sys.stdout, sys.stderr = old_streams
+        for h, stream in handlers:
+            h.setStream(stream)
+        text.close()
+        stop.set()
+        tail.join(timeout=5)
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+        log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-start-from", default="",
                    help="start from a previous model, checkpoint or blessed-model location (empty = cold start)")
     p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
+    p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < 0:
@@ -61,14 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=True)
     t0 = time.time()
-    try:
-        result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
-                                 num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
-                                 epochs=args.epochs, max_rows=args.max_rows, blessed_dir=blessed_dir,
-                                 warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc)
-    except RuntimeError as e:
+    log_path = os.path.join(root, "logs", time.strftime("run-%Y%m%d-%H%M%S.log"))
+    if not args.verbose:
+        print(f"kfp.local output: {log_path}")
+    failure = None
+    with captured_output(log_path, args.verbose) as last_lines:
+        try:
+            result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
+                                     num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
+                                     epochs=args.epochs, max_rows=args.max_rows, blessed_dir=blessed_dir,
+                                     warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc)
+        except RuntimeError as e:
+            failure = (e, last_lines(80))
+    if failure is not None:
+        e, tail = failure
+        where = "above" if args.verbose else f"in {log_path}; its last lines:"
         print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {e}\n"
-              f"run_local: the failing task's own error is in its log above (outputs under {root})", file=sys.stderr)
+              f"run_local: the failing task's own error is {where}\n{tail}", file=sys.stderr)
         return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")

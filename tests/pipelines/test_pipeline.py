@@ -50,3 +50,18 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capsys, mo
     reports = [p for d, _, fs in os.walk(tmp_path / "out") for p in [os.path.join(d, f) for f in fs]
                if os.path.basename(os.path.dirname(p)) == "evaluate" or p.endswith("report")]
     assert any("<img" in open(p, errors="ignore").read() for p in reports if os.path.isfile(p))
+
+
+@pytest.mark.timeout(120)
+def test_kfp_local_failure_names_the_error_and_keeps_the_whole_output_in_a_log(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc = run_local(["--data", str(tmp_path / "no-such-data"), "--pipeline-root", str(tmp_path / "out")])
+    assert rc == 1
+    out, err = capfd.readouterr()
+    assert "preprocess: running" in out and "preprocess: failure" in out  # one line per task on the terminal
+    assert "Got executor_input" not in out  # kfp.local's own output is not (the tail on stderr has it)
+    assert "the pipeline failed" in err and "ratings file" in err and "not found" in err  # the task's own error
+    logs = os.listdir(tmp_path / "out" / "logs")
+    assert len(logs) == 1
+    text = open(tmp_path / "out" / "logs" / logs[0]).read()
+    assert "Executing task" in text and "FileNotFoundError" in text  # kfp.local's output went to the log
