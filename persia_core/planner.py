@@ -37,7 +37,7 @@ from persia_core.embedding import table as T
 
 WEIGHT_BYTES = {k: v for k, v in T.STORAGE_BYTES.items()}
 MAX_ROWS_PER_SHARD = int(np.iinfo(np.int32).max)
-"""Rows one shard process can hold: the table's row numbers (index slots, LRU links) are int32."""
+"""Rows one shard process can hold: the table's row numbers (index slots, recency queue) are int32."""
 INDEX_SLOT_BYTES = 4
 """One int32 slot of the table's hash index."""
 TB = 10**12
@@ -50,11 +50,13 @@ class RowBytes:
 
     key: int
     lru: int
+    """The recency queue: 1.25 (row, step) entries of 8 B per row (its fixed 8 KiB is amortized in ``index``)."""
     last_used: int
     weights: int
     optimizer_state: int
     index: float
-    """Hash-index slots per row at the planned capacity (4 B per slot, load <= MAX_LOAD)."""
+    """Hash-index slots per row at the planned capacity (4 B per slot, load <= MAX_LOAD), and the recency
+    queue's fixed 8 KiB, amortized over the rows."""
 
     @property
     def total(self) -> float:
@@ -86,6 +88,7 @@ def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, weights: st
     per-row bytes of ``weights`` and at most ``max_rows`` rows; equal to it for fp32. Returns ``(0, 0)`` when
     fewer than 1024 rows fit."""
     per_row = row_bytes_without_index(optimizer, dim, weights)
+    budget_bytes -= T.QUEUE_FIXED_BYTES
     best, best_slots = 0, 0
     slots = 1024
     while slots * INDEX_SLOT_BYTES < budget_bytes:
@@ -101,9 +104,10 @@ def row_bytes(optimizer: str, dim: int, weights: str, capacity: int, slots: int)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     state = _state_bytes(optimizer, dim)
-    fixed = T.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + LRU links + last-used step
-    return RowBytes(key=8, lru=8, last_used=fixed - 16, weights=WEIGHT_BYTES[weights] * dim,
-                    optimizer_state=state, index=INDEX_SLOT_BYTES * slots / max(capacity, 1))
+    fixed = T.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
+    return RowBytes(key=8, lru=fixed - 12, last_used=4, weights=WEIGHT_BYTES[weights] * dim,
+                    optimizer_state=state,
+                    index=(INDEX_SLOT_BYTES * slots + T.QUEUE_FIXED_BYTES) / max(capacity, 1))
 
 
 @dataclass

@@ -2,8 +2,15 @@
 
 Hash index: linear probing over a power-of-two array of int32 row numbers (-1 = empty), keyed by Fibonacci
 hashing of the 64-bit feature ID (Knuth, TAOCP vol. 3, 6.4); deletion by backward shift (Knuth's Algorithm R),
-so no tombstones accumulate under eviction. Recency: an intrusive doubly linked list over rows (``prev``/``nxt``
-int32) with the most recently used row at the head; the tail is evicted first (LRU, as PERSIA's servers).
+so no tombstones accumulate under eviction.
+
+Recency (LRU eviction, as PERSIA's servers): every row carries the step of its last lookup (``last_used``), and
+a FIFO queue (a ring of ``(row, step)`` entries, ``qrow``/``qstep``, head and tail in ``qht``) gets an entry each
+time a row is first looked up in a step. An entry is live when its step is still the row's ``last_used``; older
+entries of a row are stale and skipped. Entries enter in step order, so the first live entry is the least
+recently used row, and within a step rows leave in the order they were first touched: exact LRU at the
+granularity of lookup batches, at the cost of one write per touched row (a linked list would also touch both
+neighbours). When the ring is full it is compacted in place to its live entries, at most one per row.
 
 Every function releases the GIL, so a parameter server's RPC threads keep (de)serializing while one runs.
 
@@ -147,30 +154,92 @@ def _delete(index, keys, shift, key):
     return True
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _unlink(prev, nxt, head_tail, r):
-    p = prev[r]
-    n = nxt[r]
-    if p != -1:
-        nxt[p] = n
-    else:
-        head_tail[0] = n
-    if n != -1:
-        prev[n] = p
-    else:
-        head_tail[1] = p
+DEAD = np.int32(-2147483648)
+"""``last_used`` of a row removed by expiry (no queue entry has this step)."""
+
+
+def queue_size(rows: int) -> int:
+    """Entries of the recency queue of a table of ``rows`` allocated rows (live entries never exceed rows)."""
+    return rows + rows // 4 + 1024
+
+
+@njit(nogil=True, cache=True)
+def _compact(qrow, qstep, qht, last_used, size):
+    """Keep only the live entries of the recency queue, in order (in place)."""
+    q = qrow.shape[0]
+    w = qht[0]
+    for i in range(qht[0], qht[1]):
+        p = i % q
+        r = qrow[p]
+        if r < size and last_used[r] == qstep[p]:
+            o = w % q
+            qrow[o] = r
+            qstep[o] = qstep[p]
+            w += 1
+    qht[1] = w
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _push_front(prev, nxt, head_tail, r):
-    h = head_tail[0]
-    prev[r] = -1
-    nxt[r] = h
-    if h != -1:
-        prev[h] = r
-    else:
-        head_tail[1] = r
-    head_tail[0] = r
+def _enqueue(qrow, qstep, qht, last_used, size, r, step):
+    q = qrow.shape[0]
+    if qht[1] - qht[0] >= q:
+        _compact(qrow, qstep, qht, last_used, size)
+    p = qht[1] % q
+    qrow[p] = r
+    qstep[p] = step
+    qht[1] += 1
+
+
+@njit(nogil=True, cache=True)
+def _first_live(qrow, qstep, qht, last_used):
+    """Drop stale entries at the head; returns the least recently used row (its entry stays) or -1."""
+    q = qrow.shape[0]
+    while qht[0] < qht[1]:
+        p = qht[0] % q
+        r = qrow[p]
+        if last_used[r] == qstep[p]:
+            return r
+        qht[0] += 1
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def queue_from_order(order, last_used, qrow, qstep, qht):
+    """Fill an empty recency queue from ``order: int[R]``, rows from least to most recently used."""
+    for i in range(order.shape[0]):
+        qrow[i] = order[i]
+        qstep[i] = last_used[order[i]]
+    qht[0] = 0
+    qht[1] = order.shape[0]
+
+
+@njit(nogil=True, cache=True)
+def queue_order(qrow, qstep, qht, last_used, size):
+    """Live rows from least to most recently used (``int32[size]`` when consistent)."""
+    out = np.empty(size, dtype=np.int32)
+    q = qrow.shape[0]
+    k = 0
+    for i in range(qht[0], qht[1]):
+        p = i % q
+        r = qrow[p]
+        if r < size and last_used[r] == qstep[p] and k < size:
+            out[k] = r
+            k += 1
+    return out[:k]
+
+
+@njit(nogil=True, cache=True)
+def list_order(head, nxt, size):
+    """Rows from most to least recently used (``int64[size]``) of a linked recency list (``nxt``, from
+    ``head``), as shard files of format ``persia-shard/2`` hold it."""
+    order = np.empty(size, dtype=np.int64)
+    r = head
+    i = 0
+    while r != -1 and i < size:
+        order[i] = r
+        r = nxt[r]
+        i += 1
+    return order[:i]
 
 
 @njit(nogil=True, cache=True)
@@ -184,14 +253,14 @@ def rebuild_index(index, keys, shift, size):
 
 
 @njit(nogil=True, cache=True)
-def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, capacity, step, last_used,
+def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capacity, step, last_used,
            seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
     recently used row is evicted first (its key removed from the index). create=False: unseen -> zero row and
-    nothing is inserted. A found row moves to the head of the recency list on its first touch in this batch
-    (``last_used != step``) and gets ``last_used = step``.
+    nothing is inserted. A found row gets ``last_used = step`` and a recency-queue entry on its first touch in
+    this batch (``last_used != step``).
     ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
     whose optimizer state the caller resets; ``rows: int32[N]`` receives each ID's row (-1: none).
     ``fill=False`` (16-bit storage): neither initialize created rows nor copy rows into ``out``; the caller
@@ -210,28 +279,14 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
     sketch_shift = 64 - _log2(sketch.shape[0])
     n = ids.shape[0]
     find_many(ids, index, keys, rows)
-    # recency first, so that rows of this batch are not at the tail when new rows evict
+    # recency first, so that rows of this batch are not the least recent when new rows evict
     for t in range(n):
-        # two stages: a row's own links and stamp 2 PR ahead, then its list neighbours PR ahead
-        if t + 2 * PR < n and rows[t + 2 * PR] >= 0:
-            q = rows[t + 2 * PR]
-            prefetch(last_used, q)
-            prefetch(prev, q)
-            prefetch(nxt, q)
         if t + PR < n and rows[t + PR] >= 0:
-            q = rows[t + PR]
-            if last_used[q] != step:
-                p = prev[q]
-                if p >= 0:
-                    prefetch(nxt, p)
-                p = nxt[q]
-                if p >= 0:
-                    prefetch(prev, p)
+            prefetch(last_used, rows[t + PR])
         r = rows[t]
         if r >= 0 and last_used[r] != step:
-            _unlink(prev, nxt, head_tail, r)
-            _push_front(prev, nxt, head_tail, r)
             last_used[r] = step
+            _enqueue(qrow, qstep, qht, last_used, counters[0], r, step)
     created = np.empty(n, dtype=np.int32)
     nc = 0
     for t in range(n):
@@ -263,21 +318,21 @@ def lookup(ids, create, index, keys, weights, prev, nxt, head_tail, counters, ca
             r = np.int32(size)
             counters[0] = size + 1
         else:
-            r = head_tail[1]  # LRU tail
-            if last_used[r] == step:
+            r = _first_live(qrow, qstep, qht, last_used)  # the least recently used row
+            if r < 0 or last_used[r] == step:
                 raise ValueError("a batch holds more distinct IDs than the table's row capacity")
+            qht[0] += 1
             _delete(index, keys, shift, keys[r])
-            _unlink(prev, nxt, head_tail, r)
             counters[1] += 1
         keys[r] = key
         _insert(index, keys, shift, key, r)
         if fill:
             init_row(key, seed, scale, weights[r])
-        _push_front(prev, nxt, head_tail, r)
         counters[2] += 1
         created[nc] = r
         nc += 1
         last_used[r] = step
+        _enqueue(qrow, qstep, qht, last_used, counters[0], r, step)
         rows[t] = r
     if fill:
         for t in range(n):
@@ -309,45 +364,71 @@ def _log2(n):
 
 
 @njit(nogil=True, cache=True)
-def expire(older_than, index, keys, prev, nxt, head_tail, counters, last_used):
-    """Remove every row whose ``last_used`` step is below ``older_than``; returns how many.
+def _slot_of(index, keys, shift, key):
+    """Index slot holding ``key`` (which must be present)."""
+    mask = index.shape[0] - 1
+    i = _home(key, shift)
+    while keys[index[i]] != key:
+        i = (i + 1) & mask
+    return i
 
-    The recency list is ordered by last use, so the expired rows are exactly a run at its tail: walk from the
-    tail, unlink and delete each, and move the table's last row into each freed slot so rows stay contiguous.
-    Callers must move the per-row optimizer state the same way (``moves``: pairs (from, to), returned)."""
+
+@njit(nogil=True, cache=True)
+def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
+    """Remove every row whose ``last_used`` step is below ``older_than``; returns (how many, moves).
+
+    They are the live entries at the head of the recency queue. Rows stay contiguous: each freed row below the
+    new size takes a surviving row from above it. Callers must move the per-row weights and optimizer state the
+    same way (``moves``: int64[M, 2] pairs (from, to), each row moved at most once)."""
     shift = shift_of(index)
-    removed = 0
-    moves = np.empty((counters[0], 2), dtype=np.int64)
-    nm = 0
-    while head_tail[1] != -1 and last_used[head_tail[1]] < older_than:
-        r = head_tail[1]
+    size = counters[0]
+    gone = np.empty(size, dtype=np.int32)
+    ne = 0
+    q = qrow.shape[0]
+    while True:
+        r = _first_live(qrow, qstep, qht, last_used)
+        if r < 0 or last_used[r] >= older_than:
+            break
+        qht[0] += 1
         _delete(index, keys, shift, keys[r])
-        _unlink(prev, nxt, head_tail, r)
-        last = np.int32(counters[0] - 1)
-        if r != last:
-            # move row `last` into slot r: index entry, links, key, recency
-            _delete(index, keys, shift, keys[last])
-            keys[r] = keys[last]
-            last_used[r] = last_used[last]
-            p = prev[last]
-            n = nxt[last]
-            prev[r] = p
-            nxt[r] = n
-            if p != -1:
-                nxt[p] = r
-            else:
-                head_tail[0] = r
-            if n != -1:
-                prev[n] = r
-            else:
-                head_tail[1] = r
-            _insert(index, keys, shift, keys[r], r)
-            moves[nm, 0] = last
-            moves[nm, 1] = r
-            nm += 1
-        counters[0] -= 1
-        removed += 1
-    return removed, moves[:nm]
+        last_used[r] = DEAD
+        gone[ne] = r
+        ne += 1
+    new_size = size - ne
+    moves = np.empty((ne, 2), dtype=np.int64)
+    remap = np.full(ne, -1, dtype=np.int32)  # row new_size + i -> where it moved
+    nm = 0
+    src = size - 1
+    for i in range(ne):
+        h = gone[i]
+        if h >= new_size:
+            continue
+        while last_used[src] == DEAD:
+            src -= 1
+        index[_slot_of(index, keys, shift, keys[src])] = h
+        keys[h] = keys[src]
+        last_used[h] = last_used[src]
+        last_used[src] = DEAD
+        moves[nm, 0] = src
+        moves[nm, 1] = h
+        remap[src - new_size] = h
+        nm += 1
+        src -= 1
+    counters[0] = new_size
+    if ne:  # rewrite the queue: moved rows under their new numbers, removed rows' entries dropped
+        w = qht[0]
+        for i in range(qht[0], qht[1]):
+            p = i % q
+            r = qrow[p]
+            if r >= new_size:
+                r = remap[r - new_size] if r - new_size < ne else -1
+            if r >= 0 and last_used[r] == qstep[p]:
+                o = w % q
+                qrow[o] = r
+                qstep[o] = qstep[p]
+                w += 1
+        qht[1] = w
+    return ne, moves[:nm]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -505,19 +586,6 @@ def apply_adam(rows, grads, weights, m, v, steps, lr, beta1, beta2, eps, wd):
             vr[j] = np.float32(vr[j] * np.float32(beta2) + g * g * np.float32(1.0 - beta2))
             den = np.float32(np.float32(np.sqrt(vr[j])) / np.float32(bc2_sqrt)) + np.float32(eps)
             w[j] = np.float32(w[j] - np.float32(step_size) * (mr[j] / den))
-
-
-@njit(nogil=True, cache=True)
-def lru_order(head, nxt, size):
-    """Rows from most to least recently used (``int64[size]``), following the recency list from ``head``."""
-    order = np.empty(size, dtype=np.int64)
-    r = head
-    i = 0
-    while r != -1 and i < size:
-        order[i] = r
-        r = nxt[r]
-        i += 1
-    return order[:i]
 
 
 @njit(nogil=True, cache=True)

@@ -85,16 +85,11 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
 def storage_arrays(sd: dict[str, np.ndarray], meta: dict) -> TableArrays:
     """Arrays in recency order (``state_dict`` form) as layout ``storage``: row i is the i-th most recent."""
     n = len(sd["keys"])
-    prev = np.arange(-1, n - 1, dtype=np.int32)
-    nxt = np.arange(1, n + 1, dtype=np.int32)
-    if n:
-        nxt[-1] = -1
     counters = np.zeros(4, np.int64)
     counters[0] = n
     arrays = {k: np.ascontiguousarray(v) for k, v in sd.items()}
     arrays.setdefault("last_used", np.zeros(n, np.int32))
-    arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([0, n - 1] if n else [-1, -1], np.int32),
-                   "counters": counters})
+    arrays.update({"lru_rows": np.arange(n - 1, -1, -1, dtype=np.int32), "counters": counters})
     step = int(arrays["last_used"].max()) if n else 0
     return TableArrays(arrays, {**meta, "layout": "storage", "rows": n, "step": max(step, meta.get("step", 0))})
 

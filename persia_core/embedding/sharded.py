@@ -17,8 +17,10 @@ with ``np.load``, no pickles) whose members are::
     <table>.weights          float32[R, D]
     <table>.<state>          optimizer state per row (acc | m, v, steps)
     <table>.last_used        int32[R]
-    <table>.prev / .nxt      int32[R]  the recency list (layout "storage": rows in table order, as held)
-    <table>.head_tail        int32[2], <table>.counters int64[4]
+    <table>.lru_rows         int32[R]  rows from least to most recently used (layout "storage": rows in table
+                                       order, as held; format persia-shard/2 had a linked list: .prev, .nxt,
+                                       .head_tail, still read)
+    <table>.counters         int64[4]
     <table>.sketch           uint8[2^20]  admission sketch (only tables with admit_after_sightings > 0)
 
 Layout ``storage`` is the table's own arrays written as they are (no gather), so a dump runs at the disk's
@@ -53,13 +55,14 @@ from persia_core.embedding import kernels as K
 from persia_core.embedding import table as table_mod
 from persia_core.embedding.table import EmbeddingTable, capacity_for_budget
 
-SHARD_FORMAT = "persia-shard/2"
+SHARD_FORMAT = "persia-shard/3"
+READ_FORMATS = ("persia-shard/2", SHARD_FORMAT)
 META = "__meta__"
 _ALIGN = 64
 _PAD_EXTRA_ID = 0xD935  # the extra-field id zipalign uses for padding
 _LOCAL_HEADER = 30
 _ZIP64_EXTRA = 20  # what zipfile appends to a local header written with force_zip64
-RECENCY_ARRAYS = ("prev", "nxt", "head_tail", "counters", "index")
+RECENCY_ARRAYS = ("lru_rows", "prev", "nxt", "head_tail", "counters", "index")
 EXTRA_ARRAYS = ("sketch",)
 """Per-table arrays that are neither rows nor optimizer state: the admission sketch (sightings of IDs not yet
 admitted, tables with ``admit_after_sightings``), so a restarted shard keeps counting where it stopped."""
@@ -207,7 +210,7 @@ class TableArrays:
 
 
 def _has_internals(t) -> bool:
-    need = ("keys", "weights", "prev", "nxt", "last_used", "state", "index", "head_tail", "counters", "step",
+    need = ("keys", "weights", "last_used", "qrow", "qstep", "qht", "state", "index", "counters", "step",
             "lock", "capacity", "dim")
     return all(hasattr(t, a) for a in need) and isinstance(getattr(t, "state"), dict)
 
@@ -221,8 +224,9 @@ def table_arrays(t: EmbeddingTable) -> TableArrays:
         n = int(t.counters[0])
         arrays = {"keys": t.keys[:n], "weights": t.weights[:n]}
         arrays.update({k: v[:n] for k, v in t.state.items()})
-        arrays.update({"last_used": t.last_used[:n], "prev": t.prev[:n], "nxt": t.nxt[:n],
-                       "head_tail": t.head_tail, "counters": t.counters, "index": t.index})
+        arrays.update({"last_used": t.last_used[:n],
+                       "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
+                       "counters": t.counters, "index": t.index})
         _add_sketch(t, arrays)
         return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
     sd = t.state_dict()
@@ -488,7 +492,7 @@ def _parse_meta(arr: np.ndarray, where: str) -> dict:
         meta = json.loads(arr.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ShardFileError(f"{where}: unreadable {META}: {e}") from e
-    if meta.get("format") != SHARD_FORMAT:
+    if meta.get("format") not in READ_FORMATS:
         raise ShardFileError(f"{where}: unknown shard file format {meta.get('format')!r}")
     return meta
 
@@ -522,10 +526,18 @@ def lru_state_dict(ta: TableArrays) -> dict[str, np.ndarray]:
         out.setdefault("last_used", np.zeros(len(a["keys"]), np.int32))
         return out
     n = len(a["keys"])
-    order = K.lru_order(int(a["head_tail"][0]), a["nxt"], n) if n else np.zeros(0, np.int64)
+    order = _lru_first(a, n)[::-1] if n else np.zeros(0, np.int64)
     if len(order) != n:
         raise ShardFileError(f"recency list covers {len(order)} of {n} rows")
     return {k: a[k][order] for k in names}
+
+
+def _lru_first(a: dict, n: int) -> np.ndarray:
+    """Rows of a layout-``storage`` table from least to most recently used (format 3: ``lru_rows``; format 2:
+    its linked list)."""
+    if "lru_rows" in a:
+        return np.asarray(a["lru_rows"])
+    return K.list_order(int(a["head_tail"][0]), a["nxt"], n)[::-1]
 
 
 def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str = "") -> None:
@@ -545,17 +557,21 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         raise ShardFileError(f"{label}: optimizer state {sorted(present)} (optimizer "
                              f"{ta.meta.get('optimizer', '?')}) does not match {t.optimizer.name} {sorted(expected)}")
     fast = (ta.meta.get("layout") == "storage" and _has_internals(t) and n <= t.capacity and n >= 1024
-            and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "prev", "nxt", "last_used"))
+            and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "last_used"))
             and all(a[k].dtype == t.state[k].dtype for k in expected))
     if fast:
         index = a.get("index")
         if index is None or not index_consistent(index, a["keys"]):
             index = ta.index if ta.index is not None else _build_index(a["keys"])
+        order = _lru_first(a, n)
+        if len(order) != n:
+            raise ShardFileError(f"{label}: recency order covers {len(order)} of {n} rows")
         with t.lock:
-            t.keys, t.weights, t.last_used = a["keys"], a["weights"], a["last_used"]
-            t.prev, t.nxt, t.index = a["prev"], a["nxt"], index
+            t.keys, t.weights, t.last_used, t.index = a["keys"], a["weights"], a["last_used"], index
             t.state = {k: a[k] for k in t.state}
-            t.head_tail[:] = a["head_tail"]
+            t.qrow = np.zeros(K.queue_size(n), dtype=np.int32)
+            t.qstep = np.zeros(K.queue_size(n), dtype=np.int32)
+            K.queue_from_order(np.ascontiguousarray(order, dtype=np.int32), t.last_used, t.qrow, t.qstep, t.qht)
             t.counters[:] = a["counters"]
             t.counters[0] = n
             t.step = int(ta.meta.get("step", 0))

@@ -6,7 +6,8 @@ embedding table name; the table never imports gRPC). All per-ID work runs in com
 
 Memory per row (``bytes_per_row``), everything included::
 
-    key uint64 (8) + LRU prev/next int32 (8) + last-used step int32 (4) + hash index int32 slots (4 / load)
+    key uint64 (8) + last-used step int32 (4) + recency queue (row, step) int32 pairs (8 x 1.25 entries per row)
+    + hash index int32 slots (4 / load)
     + weights (4 * D; 2 * D with fp16 or bf16 storage) + optimizer state (fp32: rowwise_adagrad 4,
     adagrad 4 * D, adam 8 * D + 4, sgd 0)
 
@@ -25,6 +26,8 @@ from persia_core.config import OptimizerConfig
 from persia_core.embedding import kernels as K
 
 MAX_LOAD = 0.75
+QUEUE_FIXED_BYTES = 8 * (K.queue_size(0))
+"""The recency queue's bytes beyond its 1.25 entries per row (``kernels.queue_size``)."""
 _NO_WEIGHTS = np.zeros((1, 1), dtype=np.float32)  # the lookup kernel's weights argument when it does not fill
 _INITIAL_ROWS = 1024
 
@@ -68,13 +71,13 @@ def decode(stored: np.ndarray, storage: str) -> np.ndarray:
 
 
 def row_bytes_without_index(optimizer: str, dim: int, storage: str = "fp32") -> int:
-    """Bytes per row excluding the hash index: key, LRU links, last-used step, weights at ``storage``
-    precision, optimizer state (fp32)."""
+    """Bytes per row excluding the hash index: key, last-used step, recency-queue entries (1.25 per row, 8 bytes
+    each), weights at ``storage`` precision, optimizer state (fp32)."""
     if storage not in STORAGE_BYTES:
         raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
     state = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
                 for shape, dt in state_shapes(optimizer, dim).values())
-    return 8 + 8 + 4 + STORAGE_BYTES[storage] * dim + state
+    return 8 + 4 + 10 + STORAGE_BYTES[storage] * dim + state
 
 
 def _index_slots(rows: int) -> int:
@@ -90,6 +93,7 @@ def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: st
     Raises ``ValueError`` if not even 1024 rows fit.
     """
     per_row = row_bytes_without_index(optimizer, dim, storage)
+    budget_bytes -= QUEUE_FIXED_BYTES
     best = 0
     slots = 1024
     while slots * 4 < budget_bytes:
@@ -103,7 +107,8 @@ def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: st
 
 def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: str = "fp32") -> float:
     """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
-    return row_bytes_without_index(optimizer, dim, storage) + 4 * _index_slots(capacity) / capacity
+    return (row_bytes_without_index(optimizer, dim, storage) + (4 * _index_slots(capacity) + QUEUE_FIXED_BYTES)
+            / capacity)
 
 
 class EmbeddingTable:
@@ -157,15 +162,15 @@ class EmbeddingTable:
         self.lock = threading.Lock()
         self._alloc(min(self.capacity, _INITIAL_ROWS))
         self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
-        self.head_tail = np.full(2, -1, dtype=np.int32)
 
     # ---- storage -------------------------------------------------------------------------------------
     def _alloc(self, rows: int) -> None:
         self.keys = np.zeros(rows, dtype=np.uint64)
         self.weights = np.zeros((rows, self.dim), dtype=self.wdtype)
-        self.prev = np.full(rows, -1, dtype=np.int32)
-        self.nxt = np.full(rows, -1, dtype=np.int32)
         self.last_used = np.zeros(rows, dtype=np.int32)
+        self.qrow = np.zeros(K.queue_size(rows), dtype=np.int32)  # recency queue (see kernels)
+        self.qstep = np.zeros(K.queue_size(rows), dtype=np.int32)
+        self.qht = np.zeros(2, dtype=np.int64)
         self.state = {name: np.zeros((rows, *shape), dtype=dt)
                       for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()}
         self.index = np.full(_index_slots(rows), -1, dtype=np.int32)
@@ -176,15 +181,15 @@ class EmbeddingTable:
             return
         new_rows = min(self.capacity, max(2 * rows, needed_rows))
         size = int(self.counters[0])
-        old = (self.keys, self.weights, self.prev, self.nxt, self.last_used, self.state)
+        order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)
+        old = (self.keys, self.weights, self.last_used, self.state)
         self._alloc(new_rows)
         self.keys[:size] = old[0][:size]
         self.weights[:size] = old[1][:size]
-        self.prev[:size] = old[2][:size]
-        self.nxt[:size] = old[3][:size]
-        self.last_used[:size] = old[4][:size]
-        for name, arr in old[5].items():
+        self.last_used[:size] = old[2][:size]
+        for name, arr in old[3].items():
             self.state[name][:size] = arr[:size]
+        K.queue_from_order(order, self.last_used, self.qrow, self.qstep, self.qht)
         K.rebuild_index(self.index, self.keys, K.shift_of(self.index), size)
 
     def _reset_state(self, rows: np.ndarray) -> None:
@@ -212,8 +217,8 @@ class EmbeddingTable:
                 self._expire(self.step - self.expire_after_steps)
             fill = self.storage == "fp32"
             rows = np.empty(len(ids), dtype=np.int32)
-            created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.prev,
-                               self.nxt, self.head_tail, self.counters, self.capacity, self.step, self.last_used,
+            created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.qrow,
+                               self.qstep, self.qht, self.counters, self.capacity, self.step, self.last_used,
                                self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
                                self.sketch, self.refused, fill, rows)
             self._reset_state(created)
@@ -226,12 +231,14 @@ class EmbeddingTable:
 
     def _expire(self, older_than: int) -> int:
         """Remove rows last looked up before step ``older_than`` (caller holds the lock). Returns how many."""
-        tail = int(self.head_tail[1])
-        if older_than <= 0 or tail == -1 or self.last_used[tail] >= older_than:
+        if older_than <= 0:
             return 0
-        removed, moves = K.expire(older_than, self.index, self.keys, self.prev, self.nxt, self.head_tail,
+        lru = K._first_live(self.qrow, self.qstep, self.qht, self.last_used)
+        if lru < 0 or self.last_used[lru] >= older_than:
+            return 0
+        removed, moves = K.expire(older_than, self.index, self.keys, self.qrow, self.qstep, self.qht,
                                   self.counters, self.last_used)
-        if len(moves):  # a row can move twice: apply in order
+        if len(moves):
             K.apply_moves(moves, self.weights)
             for arr in self.state.values():
                 K.apply_moves(moves, arr)
@@ -319,7 +326,7 @@ class EmbeddingTable:
     def stats(self) -> dict:
         """Rows, capacity, evictions, inserts, read-only misses, dropped gradients, bytes allocated."""
         with self.lock:
-            allocated = (self.keys.nbytes + self.weights.nbytes + self.prev.nbytes + self.nxt.nbytes
+            allocated = (self.keys.nbytes + self.weights.nbytes + self.qrow.nbytes + self.qstep.nbytes
                          + self.last_used.nbytes + self.index.nbytes + sum(a.nbytes for a in self.state.values()))
             return {
                 "rows": int(self.counters[0]), "capacity": self.capacity, "evictions": int(self.counters[1]),
@@ -335,7 +342,7 @@ class EmbeddingTable:
         ``last_used int32[R]`` and one array per optimizer state (``acc``, ``m``, ``v``, ``steps``)."""
         with self.lock:
             size = self.size
-            order = K.lru_order(int(self.head_tail[0]), self.nxt, size)
+            order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)[::-1]
             out = {"keys": self.keys[order].copy(), "weights": self.weights[order].copy(),
                    "last_used": self.last_used[order].copy()}
             for name, arr in self.state.items():
@@ -367,11 +374,8 @@ class EmbeddingTable:
             self.last_used[:n] = sd.get("last_used", np.zeros(n, np.int32))
             for name in expected:
                 self.state[name][:n] = sd[name]
-            self.prev[:n] = np.arange(-1, n - 1, dtype=np.int32)
-            self.nxt[:n] = np.arange(1, n + 1, dtype=np.int32)
-            if n:
-                self.nxt[n - 1] = -1
-            self.head_tail[:] = (0, n - 1) if n else (-1, -1)
+            K.queue_from_order(np.arange(n - 1, -1, -1, dtype=np.int32), self.last_used, self.qrow, self.qstep,
+                               self.qht)
             self.counters[:] = 0
             self.counters[0] = n
             self.step = int(self.last_used[:n].max()) if n else 0

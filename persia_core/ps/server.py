@@ -206,8 +206,8 @@ class ParameterServerShard:
     def stats(self) -> dict:
         with self.cond:
             return {"shard": self.shard, "num_shards": self.num_shards, "pushes": self.pushes,
-                    "duplicate_pushes": self.duplicates, "table_cpu_s": round(self.table_cpu_s, 3),
-                    "process_cpu_s": round(time.process_time(), 3),
+                    "duplicate_pushes": self.duplicates, "table_cpu_s": round(self.table_cpu_s, 6),
+                    "process_cpu_s": round(time.process_time(), 6),
                     "tables": {n: t.stats() for n, t in self.tables.items()}}
 
     def server_state(self) -> dict:

@@ -220,3 +220,35 @@ def test_admission_sightings_survive_a_shard_file_round_trip(tmp_path, small):
     fresh = table()  # without the sketch the same sighting is only the first
     fresh.lookup(pending)
     assert not fresh.contains(pending).any()
+
+
+def test_shard_files_of_format_2_with_a_linked_recency_list_still_load(tmp_path, monkeypatch):
+    """Files written before the recency queue (persia-shard/2: rows in table order plus a prev/next list) load
+    with the same rows, state and recency order."""
+    t = _trained_table("adagrad", capacity=3000)
+    sd = t.state_dict()  # most recent first
+    n = len(sd["keys"])
+    perm = np.random.default_rng(5).permutation(n)  # rows stored in an arbitrary table order
+    pos = np.empty(n, np.int64)
+    pos[perm] = np.arange(n)  # recency rank i is stored at row pos[i]
+    arrays = {k: np.empty_like(v) for k, v in sd.items()}
+    for k, v in sd.items():
+        arrays[k][pos] = v
+    prev, nxt = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+    nxt[pos[:-1]] = pos[1:]
+    prev[pos[1:]] = pos[:-1]
+    counters = np.zeros(4, np.int64)
+    counters[0] = n
+    arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([pos[0], pos[-1]], np.int32),
+                   "counters": counters})
+    ta = S.TableArrays(arrays, {"dim": 4, "optimizer": "adagrad", "layout": "storage", "rows": n,
+                                "step": int(t.step)})
+    monkeypatch.setattr(S, "SHARD_FORMAT", "persia-shard/2")
+    path = str(tmp_path / "old.npz")
+    S.write_shard_arrays(path, {"default": ta})
+    monkeypatch.undo()
+    with np.load(path) as z:
+        assert "__meta__" in z.files and "default.nxt" in z.files
+    u = EmbeddingTable(4, OptimizerConfig(name="adagrad", lr=0.05), 3000, 0.1, 0)
+    S.load_shard_file(path, {"default": u})
+    _assert_same(sd, u.state_dict())

@@ -261,3 +261,47 @@ def test_a_partial_async_push_scales_the_step_of_scale_invariant_optimizers_but_
         half.apply_gradients(ids, g, step_fraction=0.5)
         ref.apply_gradients(ids, g)
         np.testing.assert_array_equal(half.lookup_readonly(ids), ref.lookup_readonly(ids))
+
+
+def test_eviction_and_expiry_follow_a_reference_lru_over_many_batches():
+    """Random batches against an ordered-dict LRU model (recency at batch granularity, ties in first-touch order):
+    the same rows live after every batch, the same evicted, weights and optimizer state follow their IDs through
+    expiry's row moves, and the recency queue compacts many times over."""
+    from collections import OrderedDict
+
+    cap, expire_after = 300, 6
+    t = EmbeddingTable(2, OptimizerConfig(name="adagrad", lr=0.1), cap, 0.1, 0, expire_after_steps=expire_after)
+    model: OrderedDict[int, int] = OrderedDict()  # id -> last step, least recent first
+    rng = np.random.default_rng(3)
+    for step in range(1, 400):
+        hot = rng.integers(0, 40, 30)
+        cold = rng.integers(0, 100_000, int(rng.integers(0, 120)))
+        ids = np.concatenate([hot, cold]).astype(np.uint64)
+        # the model: expire, then touch found IDs (first-touch order), then create unseen ones, evicting the LRU
+        for k in [k for k, s in model.items() if s < step - expire_after]:
+            del model[k]
+        seen = set()
+        for k in (int(v) for v in ids):
+            if k in model and k not in seen:
+                model.move_to_end(k)
+                model[k] = step
+            seen.add(k)
+        for k in dict.fromkeys(int(v) for v in ids):
+            if k not in model:
+                if len(model) >= cap:
+                    model.popitem(last=False)
+                model[k] = step
+        rows = t.lookup(ids)
+        t.apply_gradients(np.unique(ids), np.ones((len(np.unique(ids)), 2), np.float32))
+        assert t.size == len(model)
+        sd = t.state_dict()  # most recent first: the model's order reversed, exactly
+        assert sd["keys"].tolist() == list(reversed(model))
+        assert sd["last_used"].tolist() == [model[int(k)] for k in sd["keys"]]
+        assert rows.shape == (len(ids), 2)
+    st = t.stats()
+    assert st["evictions"] > 0 and st["expired"] > 0
+    assert t.qht[1] - t.qht[0] <= len(t.qrow)
+    # the rows of every ID are its own: a fresh table fed the same history gives the same state per ID
+    sd = t.state_dict()
+    assert len(set(sd["keys"].tolist())) == len(sd["keys"])
+    assert (sd["acc"] > 0).all()

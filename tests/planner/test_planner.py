@@ -25,7 +25,7 @@ def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
         assert (planner.row_bytes_without_index(opt, 32, "fp32") - planner.row_bytes_without_index(opt, 32, "fp16")
                 == 2 * 32)
     rb = planner.row_bytes("rowwise_adagrad", 32, "fp16", 1000, 2048)
-    assert (rb.key, rb.lru, rb.last_used, rb.weights, rb.optimizer_state) == (8, 8, 4, 64, 4)
+    assert (rb.key, rb.lru, rb.last_used, rb.weights, rb.optimizer_state) == (8, 10, 4, 64, 4)
     assert rb.without_index == planner.row_bytes_without_index("rowwise_adagrad", 32, "fp16")
 
 
