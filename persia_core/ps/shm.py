@@ -12,7 +12,8 @@ copied the reply out.
 
 Safety: a server only maps names of the form ``persia_<hex>`` under ``/dev/shm`` (no paths), checks every
 offset and size against the mapped size, accepts the same dtypes as ``persia_core.ps.wire`` and never unpickles;
-files are created with mode 0600 and removed by the client on ``close``. A server that cannot map a segment
+files are created with mode 0600 and removed by the client on ``close`` (and by the local launcher for a worker
+that was killed first: names carry the creating process's pid). A server that cannot map a segment
 (another host, another container) answers FAILED_PRECONDITION and the client falls back to sending the arrays
 in the message for that shard.
 """
@@ -53,6 +54,30 @@ def is_local(address: str) -> bool:
     return host in LOOPBACK
 
 
+def segment_name(pid: int) -> str:
+    """A fresh segment name of process ``pid``: ``persia_`` + its pid (8 hex digits) + 32 random hex digits."""
+    return f"{PREFIX}{pid & 0xFFFFFFFF:08x}{uuid.uuid4().hex}"
+
+
+def remove_segments_of(pids) -> int:
+    """Remove the segments left in ``/dev/shm`` by processes ``pids`` (killed before they could close them).
+    Returns how many were removed."""
+    prefixes = tuple(f"{PREFIX}{pid & 0xFFFFFFFF:08x}" for pid in pids)
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if prefixes and name.startswith(prefixes) and NAME_RE.match(name):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -62,7 +87,7 @@ class Segment:
 
     def __init__(self, size: int):
         self.size = max(MIN_SEGMENT, 1 << (int(size) - 1).bit_length())
-        self.name = PREFIX + uuid.uuid4().hex
+        self.name = segment_name(os.getpid())
         self.path = os.path.join(SHM_DIR, self.name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -261,6 +261,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 _signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
+        from persia_core.ps.shm import remove_segments_of
+
+        remove_segments_of([p.popen.pid for p in self.workers])  # left by a worker killed before its close
 
     def __enter__(self) -> "LocalCluster":
         return self

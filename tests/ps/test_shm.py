@@ -102,3 +102,20 @@ def test_array_headers_outside_the_segment_are_refused():
     with pytest.raises(ValueError):
         shm_mod.write_reply(buf, [4032, 4096], {"rows": np.zeros(4, np.float32)})
     assert shm_mod.write_reply(buf, [0, 64], {"rows": np.zeros(32, np.float32)}) is None  # too big: message
+
+
+def test_segments_of_a_killed_worker_are_removed_by_pid():
+    import subprocess
+    import sys
+
+    code = ("from persia_core.ps.shm import Segment; import sys, time; s = Segment(4096); "
+            "print(s.path, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    path = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    assert os.path.exists(path)  # killed before it could close its segment
+    mine = shm_mod.Segment(4096)
+    assert shm_mod.remove_segments_of([child.pid]) == 1
+    assert not os.path.exists(path) and os.path.exists(mine.path)  # only that process's segments
+    mine.close()
