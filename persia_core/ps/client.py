@@ -85,22 +85,30 @@ class EmbeddingClient:
         answer's arrays (room reserved in the segment).
 
         Raises ``ParameterServerError`` naming the shard, its address and the gRPC status."""
-        seg = None
-        if arrays and self.use_shm[shard] and method in SHM_METHODS:
-            nbytes = sum(np.asarray(a).nbytes + shm_mod.ALIGN for a in arrays.values())
-            if nbytes >= SHM_MIN_BYTES:
-                seg = self.segments[shard].acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
+        seg, clean, pool = None, True, self.segments[shard]
+        nbytes = sum(np.asarray(a).nbytes + shm_mod.ALIGN for a in (arrays or {}).values())
+        use_shm = bool(arrays) and self.use_shm[shard] and method in SHM_METHODS and nbytes >= SHM_MIN_BYTES
+
+        def request() -> bytes:
+            nonlocal seg
+            if not use_shm:
+                return wire.encode(meta, arrays)
+            if seg is not None:  # a retry: the failed attempt may still be answered into the old segment
+                pool.discard(seg)
+            seg = pool.acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
+            entries, off = seg.put(arrays)
+            return wire.encode({**(meta or {}), "shm": {"name": seg.name, "size": seg.size, "arrays": entries,
+                                                        "out": [off, seg.size - off]}})
+
         try:
-            if seg is not None:
-                entries, off = seg.put(arrays)
-                req = wire.encode({**(meta or {}), "shm": {"name": seg.name, "size": seg.size, "arrays": entries,
-                                                           "out": [off, seg.size - off]}})
-            else:
-                req = wire.encode(meta, arrays)
+            req = request()
             if self.delay_s or self.bandwidth:
                 time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
             last = None
             for attempt in range(self.retries + 1):
+                if attempt and use_shm:
+                    req = request()
+                    clean = True
                 try:
                     resp = self.calls[method][shard](req, timeout=timeout_s or self.timeout_s,
                                                      metadata=self.metadata)
@@ -114,14 +122,21 @@ class EmbeddingClient:
                     return consume(out_meta, out_arrays) if consume is not None else (out_meta, out_arrays)
                 except grpc.RpcError as e:
                     last = e
+                    clean = False
                     if seg is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         break  # the server cannot map the segment: messages from now on
                     if e.code() not in RETRYABLE or attempt == self.retries:
                         break
                     time.sleep(min(0.05 * 2**attempt, 1.0))
+        except BaseException:
+            clean = False
+            raise
         finally:
             if seg is not None:
-                self.segments[shard].release(seg)
+                if clean:
+                    pool.release(seg)
+                else:  # a failed or timed-out attempt may still be answered into it
+                    pool.discard(seg)
         if seg is not None and last is not None and last.code() == grpc.StatusCode.FAILED_PRECONDITION:
             self.use_shm[shard] = False
             return self.call(method, shard, meta, arrays, timeout_s, reply_bytes, consume)

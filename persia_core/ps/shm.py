@@ -185,6 +185,14 @@ class SegmentPool:
         with self.lock:
             self.free.append(seg)
 
+    def discard(self, seg: Segment) -> None:
+        """Remove a segment instead of reusing it: after a call that failed or timed out, the server may still
+        be writing its reply there."""
+        with self.lock:
+            if seg in self.all:
+                self.all.remove(seg)
+        seg.close()
+
     def close(self) -> None:
         """Remove every segment (call once no call is in flight)."""
         with self.lock:
@@ -196,7 +204,7 @@ class SegmentPool:
 class SegmentCache:
     """Server side: the clients' segments mapped so far, by name (most recently used kept, ``max_open`` at most)."""
 
-    def __init__(self, max_open: int = 256):
+    def __init__(self, max_open: int = 64):
         self.max_open = max_open
         self.maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
         self.lock = threading.Lock()

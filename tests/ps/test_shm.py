@@ -119,3 +119,32 @@ def test_segments_of_a_killed_worker_are_removed_by_pid():
     assert shm_mod.remove_segments_of([child.pid]) == 1
     assert not os.path.exists(path) and os.path.exists(mine.path)  # only that process's segments
     mine.close()
+
+
+def test_a_timed_out_call_never_reuses_its_segment(cluster, monkeypatch):
+    """The server may still answer a timed-out attempt into its segment: the retry gets a fresh one and the old
+    one is removed, so no later call can read a stale reply."""
+    import time as _time
+
+    cfg, shards, addrs = cluster
+    real = ParameterServerShard.lookup
+    calls = []
+
+    def slow_first(self, name, ids):
+        calls.append(1)
+        if len(calls) == 1:
+            _time.sleep(0.6)
+        return real(self, name, ids)
+
+    monkeypatch.setattr(ParameterServerShard, "lookup", slow_first)
+    client = EmbeddingClient(addrs[:1], cfg.embedding, token="s3cret", shared_memory=True, timeout_s=0.3,
+                             retries=2)
+    ids = _ids(6000, seed=4)
+    rows = client.call("Lookup", 0, {"table": "default"}, {"ids": ids}, None, len(ids) * 16)[1]["rows"]
+    assert len(calls) >= 2 and rows.shape == (len(ids), 4)
+    pool = client.segments[0]
+    assert len(pool.all) == 1 and len(pool.free) == 1  # only the retry's segment is kept for reuse
+    leftovers = [n for n in os.listdir(shm_mod.SHM_DIR) if n.startswith(shm_mod.segment_name(os.getpid())[:15])]
+    assert leftovers == [pool.all[0].name]
+    client.close()
+    np.testing.assert_array_equal(rows, shards[0].table("default").lookup_readonly(ids))
