@@ -489,12 +489,20 @@ def dedup(ids):
 @njit(nogil=True, cache=True)
 def segment_sum(ids, grads):
     """Sum the gradient rows of repeated IDs: ``ids: uint64[N]``, ``grads: float32[N, D]`` ->
-    (``uint64[U]`` unique IDs in first-seen order, ``float32[U, D]`` summed rows)."""
+    (``uint64[U]`` unique IDs in first-seen order, ``float32[U, D]`` summed rows, whether every gradient value
+    was finite: checked in the same pass, so a push holding inf or NaN can be refused before anything applies)."""
     uniq, inverse = dedup(ids)
-    out = np.zeros((uniq.shape[0], grads.shape[1]), dtype=np.float32)
+    d = grads.shape[1]
+    out = np.zeros((uniq.shape[0], d), dtype=np.float32)
+    finite = True
     for t in range(ids.shape[0]):
-        out[inverse[t], :] += grads[t]
-    return uniq, out
+        u = inverse[t]
+        for j in range(d):
+            g = grads[t, j]
+            if not np.isfinite(g):
+                finite = False
+            out[u, j] += g
+    return uniq, out, finite
 
 
 @njit(nogil=True, cache=True)

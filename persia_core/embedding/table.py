@@ -287,11 +287,11 @@ class EmbeddingTable:
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if grads.shape != (len(ids), self.dim):
             raise ValueError(f"grads has shape {grads.shape}, expected ({len(ids)}, {self.dim})")
-        if not np.isfinite(grads).all():
-            raise ValueError("gradient push contains inf or NaN; refused")
         if len(ids) == 0:
             return 0
-        uniq, summed = K.segment_sum(ids, grads)
+        uniq, summed, finite = K.segment_sum(ids, grads)
+        if not finite:
+            raise ValueError("gradient push contains inf or NaN; refused")
         o = self.optimizer
         with self.lock:
             rows = K.find_rows(uniq, self.index, self.keys)
