@@ -139,10 +139,9 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     # The global loss of a step is an all-reduce over ranks. It is done every step only when something needs
     # it at once (an ``on_step`` callback, or time-based checkpoints, whose clocks the ranks must agree on);
     # otherwise the local losses of up to ``progress_every`` steps go in one all-reduce.
-    every_step = world == 1 or on_step is not None or (checkpointer is not None and checkpointer.settings.every_s > 0)
-    pending: list = []  # (StepResult, local loss sum) not yet reduced
-
     timed = world > 1 and checkpointer is not None and checkpointer.settings.every_s > 0
+    every_step = world == 1 or on_step is not None or timed
+    pending: list = []  # (StepResult, local loss sum) not yet reduced
 
     def flush(time_flag: float = 0.0) -> bool:
         """Reduce the pending local losses (and, for time-based checkpoints, whether any rank's clock is due)."""
