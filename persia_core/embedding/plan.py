@@ -24,6 +24,7 @@ Output folder::
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -35,6 +36,8 @@ from persia_core.embedding.sharded import (TableArrays, lru_state_dict, make_tab
                                            shard_file_bytes, write_shard_arrays)
 from persia_core.embedding.table import bytes_per_row, capacity_for_budget
 from persia_core.hashing import shard_of
+
+log = logging.getLogger("persia.plan")
 
 WARM_DENSE = "warm_start/dense.pt"
 
@@ -131,9 +134,13 @@ def reshard(sources: list[dict[str, TableArrays]], num_shards: int,
 
 def resolve_warm_start(path: str) -> str:
     """The Model artifact or checkpoint folder that ``warm_start_from`` names ("" for a cold start): the folder
-    itself, or the latest blessed model of a blessed-model location. Raises ``FileNotFoundError`` when it
-    names nothing usable."""
+    itself, or the latest blessed model of a blessed-model location. A location that does not exist yet, or is
+    empty, is a blessed-model location before its first model (the first day of a daily schedule): a cold start,
+    logged. Raises ``FileNotFoundError`` when it holds files but nothing usable."""
     if not path:
+        return ""
+    if not io.exists(path) and not io.isdir(path):
+        log.warning("warm start from %s: nothing there yet (no model blessed so far); starting cold", path)
         return ""
     if io.exists(io.join(path, "manifest.json")):
         return path
@@ -142,7 +149,8 @@ def resolve_warm_start(path: str) -> str:
     if io.exists(io.join(path, gate.MARKER)):
         return gate.latest_blessed_model(path) or ""
     if io.isdir(path) and not io.listdir(path):
-        return ""  # an empty blessed-model location: nothing blessed yet
+        log.warning("warm start from %s: empty (no model blessed so far); starting cold", path)
+        return ""
     raise FileNotFoundError(f"warm start from {path!r}: not a Model artifact, checkpoint or blessed-model "
                             f"location (no manifest.json or {gate.MARKER})")
 

@@ -202,3 +202,17 @@ def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_t
     assert "last log lines" in str(err.value)
     assert raised_at - box["killed_at"] < 60
     assert _children(work) == []
+
+
+def test_warm_start_from_a_blessed_location_before_its_first_model_is_a_cold_start(tmp_path):
+    """Day one of a daily schedule: warm_start_from names the blessed-model location, which does not exist yet
+    (or is empty): a cold start. A location holding files but no model is still refused."""
+    from persia_core.embedding.plan import resolve_warm_start
+
+    assert resolve_warm_start(str(tmp_path / "blessed" / "criteo")) == ""
+    (tmp_path / "empty").mkdir()
+    assert resolve_warm_start(str(tmp_path / "empty")) == ""
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="not a Model artifact"):
+        resolve_warm_start(str(tmp_path / "junk"))
