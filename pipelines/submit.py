@@ -142,6 +142,38 @@ def check_parameters(values: dict[str, Any], specs: dict[str, dict], from_text: 
     return out
 
 
+CLOUD_PREFIXES = ("gs://", "/gcs/")
+
+
+def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
+    """Checks of parameter values that only fail at run time on Vertex AI, made before anything is sent.
+
+    ``blessed_dir`` (given or the template's default) and a non-empty ``warm_start_from`` must be Cloud
+    Storage folders (a path inside a run's container is gone when the run ends, so nothing would ever be
+    warm-started); ``{...}`` tokens of ``data`` must be date tokens (``pipelines.vertex.resolve_data_path``).
+    Raises ``ValueError`` naming the parameter."""
+    import re
+
+    from pipelines.vertex import resolve_data_path
+
+    def value(name: str) -> str:
+        return str(values.get(name, specs.get(name, {}).get("defaultValue", "")))
+
+    if "blessed_dir" in specs and not value("blessed_dir").startswith(CLOUD_PREFIXES):
+        raise ValueError(f"blessed_dir {value('blessed_dir')!r} is a folder inside the run's container, gone when "
+                         "it ends: pass --param blessed_dir=gs://BUCKET/blessed/<config> (and, for daily "
+                         "retraining, warm_start_from= the same folder)")
+    warm = value("warm_start_from") if "warm_start_from" in specs else ""
+    if warm and not warm.startswith(CLOUD_PREFIXES):
+        raise ValueError(f"warm_start_from {warm!r} must be a gs:// (or /gcs/) folder on Vertex AI")
+    data = value("data") if "data" in specs else ""
+    resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
+    left = re.findall(r"\{[^}]*\}", resolved)
+    if left:
+        raise ValueError(f"data path {data!r}: {left[0]} is not a token (use {{date}}, {{date:%Y%m%d}}, "
+                         f"{{date-1d}}, {{date+3h:%H}}; times are UTC)")
+
+
 def parse_key_values(items: list[str] | None, what: str) -> dict[str, str]:
     """``["k=v", ...]`` -> dict. Raises ``ValueError`` naming ``what`` for an item without ``=``."""
     out = {}
@@ -212,6 +244,7 @@ def build_pipeline_job(template: str, target: Target, parameter_values: dict[str
     spec = load_template(template)
     check_vertex_template(spec, template)
     values = check_parameters(parameter_values or {}, parameter_specs(spec), from_text)
+    check_cloud_values(values, parameter_specs(spec))
     name = spec["pipelineInfo"]["name"]
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return aiplatform.PipelineJob(
@@ -289,7 +322,8 @@ def register_model(artifact_uri: str, display_name: str, target: Target, serving
                    parent_model: str = "", aliases: list[str] | None = None, labels: dict[str, str] | None = None,
                    description: str = "", credentials=None):
     """Upload the blessed Model folder to the Vertex AI Model Registry (a new version of ``parent_model`` when
-    given); returns the ``aiplatform.Model``. The folder must be on Cloud Storage and hold ``manifest.json``."""
+    given); returns the ``aiplatform.Model``. The folder must be on Cloud Storage and hold ``manifest.json``, or
+    be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded."""
     from google.cloud import aiplatform
 
     from persia_core import io
@@ -297,6 +331,10 @@ def register_model(artifact_uri: str, display_name: str, target: Target, serving
     uri = io.to_uri(artifact_uri).rstrip("/")
     if not uri.startswith("gs://"):
         raise ValueError(f"--artifact-uri {artifact_uri!r} must be a gs:// (or /gcs/) folder")
+    from persia_core.evaluate.gate import MARKER, latest_blessed_model
+
+    if not io.exists(io.join(uri, "manifest.json")) and io.exists(io.join(uri, MARKER)):
+        uri = io.to_uri(latest_blessed_model(uri)).rstrip("/")  # a blessed-model location: its latest model
     if not display_name:
         raise ValueError("--display-name is required")
     if not serving_image:

@@ -41,7 +41,14 @@ class LoadedModel:
     def __init__(self, model_dir: str):
         path = io.join(model_dir, "manifest.json")
         if not io.exists(path):
-            raise FileNotFoundError(f"{path}: not a trained model (no manifest.json)")
+            from persia_core.evaluate.gate import MARKER, latest_blessed_model
+
+            if io.exists(io.join(model_dir, MARKER)):  # a blessed-model location: its latest blessed model
+                model_dir = latest_blessed_model(model_dir)
+                path = io.join(model_dir, "manifest.json")
+        if not io.exists(path):
+            raise FileNotFoundError(f"{path}: not a trained model (no manifest.json) nor a blessed-model location")
+        self.model_dir = model_dir
         self.manifest = json.loads(io.read_text(path))
         if self.manifest.get("format") != "persia-model/1":
             raise ValueError(f"{path}: unknown model format {self.manifest.get('format')!r}")
@@ -49,7 +56,7 @@ class LoadedModel:
         self.layouts = table_layouts(self.config)
         self.slots = model_slot_order(self.config)
         self.embedding = LocalEmbedding(self.config.embedding, self.manifest["num_shards"], self.config.trainer.seed)
-        self.embedding.load([io.join(model_dir, f) for f in self.manifest["shard_files"]])
+        self.embedding.load([io.join(model_dir, f) for f in self.manifest["shard_files"]])  # the resolved folder
         self.dense = build_model(self.config.model, len(self.slots), self.layouts[0].dim, len(self.manifest["dense"]),
                                  self.manifest["dense_mean"], self.manifest["dense_std"])
         state = torch.load(_io.BytesIO(io.read_bytes(io.join(model_dir, self.manifest["dense_file"]))),
@@ -144,6 +151,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
     for a missing model or dataset file, ``ValueError`` for invalid ones."""
     model = LoadedModel(model_dir)
+    model_dir = model.model_dir  # a blessed-model location resolves to its latest blessed model
     read_schema(data_dir)
     examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots)
     stream = StreamingMetrics()

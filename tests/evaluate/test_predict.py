@@ -134,3 +134,21 @@ def test_predict_raw_movielens_ratings_join_movies_and_tags_like_preprocess(tmp_
     assert raw["rows"] == 6 and sorted(expected) == [2, 3, 4, 5, 6, 7]
     assert np.array_equal(raw["probability"], np.array([expected[i] for i in range(2, 8)], dtype=np.float32))
     assert len(set(raw["probability"].tolist())) > 1
+
+
+def test_a_blessed_model_location_serves_like_the_model_it_names(trained, tmp_path):
+    """predict and evaluate take the gate's blessed-model location (what daily runs warm-start from) and use its
+    latest blessed model."""
+    from persia_core.evaluate.gate import bless
+
+    model, data = trained
+    r = evaluate(model, data)
+    blessed = str(tmp_path / "blessed")
+    bless(model, r["metrics"], blessed)
+    again = evaluate(blessed, data)
+    assert np.array_equal(again["preds"], r["preds"])
+    eval_file = os.path.join(data, "eval", "eval-00000-of-00001.parquet")
+    predict(blessed, eval_file, str(tmp_path / "p.parquet"))
+    assert np.array_equal(pq.read_table(tmp_path / "p.parquet").column("probability").to_numpy(), r["preds"])
+    with pytest.raises(FileNotFoundError, match="nor a blessed-model location"):
+        evaluate(str(tmp_path), data)

@@ -100,6 +100,10 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     return sent
 
 
+BLESSED = ["--param", "blessed_dir=gs://persia-test/blessed/criteo",
+           "--param", "warm_start_from=gs://persia-test/blessed/criteo"]
+
+
 def _runtime(job):
     return {k: v for k, v in job.runtime_config.parameter_values.items()}
 
@@ -107,7 +111,7 @@ def _runtime(job):
 def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(template, gapic, capsys):
     rc = submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--service-account", SA,
                       "--param", "data=gs://persia-test/criteo/dt={date-1d}/", "--param", "config=criteo",
-                      "--param", "num_parameter_servers=4", "--param", "epochs=1", "--no-cache",
+                      "--param", "num_parameter_servers=4", "--param", "epochs=1", *BLESSED, "--no-cache",
                       "--label", "team=ranking", "--display-name", "persia-manual"])
     assert rc == 0
     (method, req), = gapic
@@ -118,6 +122,7 @@ def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(
     params = _runtime(job)
     assert params["data"] == "gs://persia-test/criteo/dt={date-1d}/" and params["config"] == "criteo"
     assert params["num_parameter_servers"] == 4 and params["epochs"] == 1
+    assert params["blessed_dir"] == params["warm_start_from"] == "gs://persia-test/blessed/criteo"
     assert dict(job.labels)["team"] == "ranking"
     tasks = job.pipeline_spec["root"]["dag"]["tasks"]
     assert all(not t.get("cachingOptions", {}).get("enableCache", False) for t in tasks.values())
@@ -136,6 +141,20 @@ def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(
 def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template, gapic, param, message, capsys):
     with pytest.raises(SystemExit) as e:
         submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--param", param])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert gapic == []
+
+
+@pytest.mark.parametrize("params, message", [
+    ([], "blessed_dir 'local_outputs/blessed' is a folder inside the run's container"),
+    (["--param", "blessed_dir=/tmp/blessed"], "blessed_dir '/tmp/blessed'"),
+    ([*BLESSED[:2], "--param", "warm_start_from=local_outputs/blessed"], "warm_start_from 'local_outputs/blessed'"),
+    ([*BLESSED, "--param", "data=gs://b/dt={date-1x}/"], "unrecognized date token"),
+    ([*BLESSED, "--param", "data=gs://b/dt={data}/"], "{data} is not a token"),
+])
+def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, *params])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert gapic == []
 
@@ -167,7 +186,7 @@ def test_schedule_create_sends_cron_time_zone_concurrency_and_the_run_request(te
     rc = submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
                       "--name", "persia-nightly", "--cron", "0 3 * * *", "--time-zone", "Europe/Berlin",
                       "--max-concurrent-runs", "1", "--max-runs", "30", "--service-account", SA,
-                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/"])
+                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/", *BLESSED])
     assert rc == 0
     (method, req), = gapic
     assert method == "create_schedule" and req["parent"] == f"projects/{PROJECT}/locations/{REGION}"
@@ -230,7 +249,7 @@ def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(ga
 def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
     submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--dataflow",
                  "--dataflow-image", IMAGE, "--dataflow-max-workers", "25", "--dataflow-machine-type",
-                 "n2-highmem-8"])
+                 "n2-highmem-8", *BLESSED])
     (method, req), = gapic
     args = json.loads(_runtime(req["pipeline_job"])["beam_args"])
     opts = PipelineOptions(args)
