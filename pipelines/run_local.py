@@ -107,6 +107,28 @@ def captured_output(log_path: str, verbose: bool = False):
         log.close()
 
 
+def _run_dirs(root: str) -> list[str]:
+    """The run folders kfp.local made under ``root`` (one per pipeline run)."""
+    try:
+        return [os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d, "evaluate"))
+                or os.path.isdir(os.path.join(root, d, "preprocess"))]
+    except FileNotFoundError:
+        return []
+
+
+def _this_run(root: str, before: set[str], output: str) -> str:
+    """This run's folder: the new one whose evaluate step returned ``output`` (another run may share the pipeline
+    root and finish meanwhile). "" when none matches."""
+    for d in sorted(set(_run_dirs(root)) - before):
+        try:
+            with open(os.path.join(d, "evaluate", "executor_output.json")) as f:
+                if json.load(f).get("parameterValues", {}).get("Output") == output:
+                    return d
+        except (OSError, ValueError):
+            continue
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the persia-kfp pipeline with kfp.local on this machine.")
     p.add_argument("--data", default="data/movielens", help="raw data: folder, file or glob")
@@ -155,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=True)
     t0 = time.time()
-    log_path = os.path.join(root, "logs", time.strftime("run-%Y%m%d-%H%M%S.log"))
+    log_path = os.path.join(root, "logs", time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}.log")
+    before = set(_run_dirs(root))
     if not args.verbose:
         print(f"kfp.local output: {log_path}")
     failure = None
@@ -170,26 +193,28 @@ def main(argv: list[str] | None = None) -> int:
     if failure is not None:
         e, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"
-        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {e}\n"
+        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n"
               f"run_local: the failing task's own error is {where}\n{tail}", file=sys.stderr)
         return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
-    reports = sorted(
-        (os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if d.endswith("report") or f == "report"),
-        key=os.path.getmtime,
-    )
-    if reports:
-        run_dir = os.path.dirname(os.path.dirname(reports[-1]))
+    run_dir = _this_run(root, before, result.output)
+    report = os.path.join(run_dir, "evaluate", "report") if run_dir else ""
+    if report and os.path.isfile(report):
         html = os.path.join(run_dir, "report.html")
-        shutil.copyfile(reports[-1], html)
+        shutil.copyfile(report, html)
         print(f"report: {html}")
         decision = os.path.join(run_dir, "gate", "decision")
         if os.path.exists(decision):
             with open(decision) as f:
                 print("gate:", "; ".join(line.replace("**", "").strip("#- \n") for line in f if line.strip()))
     marker = os.path.join(blessed_dir, "BLESSED.json")
-    if os.path.exists(marker) and os.path.getmtime(marker) >= t0:
+    try:
+        with open(marker) as f:
+            source = json.load(f).get("source", "")
+    except (OSError, ValueError):
+        source = ""
+    if run_dir and source.startswith(run_dir + os.sep):
         print(f"blessed model: {latest_blessed_model(blessed_dir)}")
     else:
         print(f"not blessed: the latest blessed model under {blessed_dir} stays")

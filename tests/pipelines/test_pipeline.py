@@ -65,3 +65,22 @@ def test_kfp_local_failure_names_the_error_and_keeps_the_whole_output_in_a_log(t
     assert len(logs) == 1
     text = open(tmp_path / "out" / "logs" / logs[0]).read()
     assert "Executing task" in text and "FileNotFoundError" in text  # kfp.local's output went to the log
+
+
+def test_run_local_reports_its_own_run_when_another_shares_the_pipeline_root(tmp_path):
+    """Two runs in one pipeline root: each finds its own folder by what its evaluate step returned, never the
+    newest one."""
+    from pipelines.run_local import _run_dirs, _this_run
+
+    root = tmp_path / "out"
+    old = root / "persia-hybrid-training-old"
+    (old / "evaluate").mkdir(parents=True)
+    before = set(_run_dirs(str(root)))
+    for name, auc in (("persia-hybrid-training-a", 0.71), ("persia-hybrid-training-b", 0.72)):
+        (root / name / "evaluate").mkdir(parents=True)
+        out = json.dumps({"auc": auc})
+        (root / name / "evaluate" / "executor_output.json").write_text(
+            json.dumps({"parameterValues": {"Output": out}}))
+    assert _this_run(str(root), before, json.dumps({"auc": 0.71})) == str(root / "persia-hybrid-training-a")
+    assert _this_run(str(root), before, json.dumps({"auc": 0.72})) == str(root / "persia-hybrid-training-b")
+    assert _this_run(str(root), before, json.dumps({"auc": 0.9})) == ""
