@@ -122,8 +122,9 @@ def cmd_evaluate(args, _extra) -> int:
 def cmd_predict(args, _extra) -> int:
     from persia_core.evaluate.predict import predict
 
-    r = predict(args.model, args.input, args.output, config=args.config, batch_size=args.batch_size)
-    _print({"output": r["output"], "rows": r["rows"]})
+    r = predict(args.model, args.input, args.output, config=args.config, batch_size=args.batch_size,
+                dead_letter=args.dead_letter)
+    _print({"output": r["output"], "rows": r["rows"], "malformed": r["malformed"]})
     return EXIT_OK
 
 
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("evaluate", "Evaluate a Model on the eval split: metrics, seen/unseen users, coverage, HTML report, "
              "model gate.", cmd_evaluate)
-    sp.add_argument("--model", required=True, help="Model folder (from train)")
+    sp.add_argument("--model", required=True, help="Model folder (from train), or a blessed-model location")
     sp.add_argument("--data", required=True, help="preprocess output folder (its eval split is scored)")
     sp.add_argument("--report", default="report.html", help="HTML report to write (default report.html)")
     sp.add_argument("--metrics-json", default="", help="also write the results as JSON to this file")
@@ -278,12 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("predict", "Score rows with a Model: a Parquet file/folder of preprocessed rows, or a file of raw "
              "rows of the layout; writes source,probability[,label] as CSV or Parquet.", cmd_predict)
-    sp.add_argument("--model", required=True, help="Model folder (from train)")
+    sp.add_argument("--model", required=True, help="Model folder (from train), or a blessed-model location")
     sp.add_argument("--input", required=True, help=".parquet file or folder of preprocessed rows, or a raw file")
     sp.add_argument("--output", required=True, help="predictions file: .parquet for Parquet, else CSV")
     sp.add_argument("--config", default=None, help="run config whose layout parses raw rows (default: the "
                                                    "model's own)")
     sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
+    sp.add_argument("--dead-letter", default="", help="JSON-lines file for raw rows that do not parse: they are "
+                                                      "counted and set aside, the rest scored (default: the first "
+                                                      "one stops the run, naming file:line)")
 
     add("plan", "Capacity planning (persia_core.planner); every argument after 'plan' is passed to it as it is "
         "(try: persia plan --help).", cmd_plan, add_help=False)

@@ -24,6 +24,7 @@ the raw row), ``probability`` (float32) and, when the input has labels, ``label`
 from __future__ import annotations
 
 import csv
+import json
 import io as _io
 import logging
 import os
@@ -77,7 +78,14 @@ def _bad(path: str, line_no: int, err: Exception) -> ValueError:
     return ValueError(f"{path}:{line_no}: {err}")
 
 
-def _delimited_records(path: str, cfg: RunConfig) -> tuple[list[tuple[dict, str]], bool]:
+def _set_aside(bad: list | None, path: str, line_no: int, err: Exception, text: str) -> None:
+    """Record a malformed row in ``bad`` (dead-letter mode), or raise naming ``file:line`` when ``bad`` is None."""
+    if bad is None:
+        raise _bad(path, line_no, err) from err
+    bad.append({"source": f"{path}:{line_no}", "reason": str(err), "line": text})
+
+
+def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
     from persia_core.preprocess import layouts
 
     layout = cfg.layout
@@ -97,12 +105,13 @@ def _delimited_records(path: str, cfg: RunConfig) -> tuple[list[tuple[dict, str]
         try:
             record = layouts.parse_delimited(text, layout)
         except layouts.ParseError as e:
-            raise _bad(path, line_no, e) from e
+            _set_aside(bad, path, line_no, e, text)
+            continue
         out.append((record, f"{path}:{line_no}"))
     return out, all_labelled
 
 
-def _movielens_records(path: str, cfg: RunConfig) -> tuple[list[tuple[dict, str]], bool]:
+def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
     from persia_core.preprocess import layouts
 
     layout = cfg.layout
@@ -148,9 +157,11 @@ def _movielens_records(path: str, cfg: RunConfig) -> tuple[list[tuple[dict, str]
         except layouts.ParseError as e:
             if line_no == 1:
                 continue
-            raise _bad(path, line_no, e) from e
+            _set_aside(bad, path, line_no, e, text)
+            continue
         if r["movieId"] not in movies:
-            raise _bad(path, line_no, ValueError(f"unknown movieId: {r['movieId']}"))
+            _set_aside(bad, path, line_no, ValueError(f"unknown movieId: {r['movieId']}"), text)
+            continue
         ratings.append((r, f"{path}:{line_no}"))
     by_movie: dict[str, list[int]] = {}
     for i, (r, _) in enumerate(ratings):
@@ -165,16 +176,17 @@ def _movielens_records(path: str, cfg: RunConfig) -> tuple[list[tuple[dict, str]
     return out, all_labelled
 
 
-def raw_rows_table(path: str, config: RunConfig) -> tuple[pa.Table, bool]:
+def raw_rows_table(path: str, config: RunConfig, bad: list | None = None) -> tuple[pa.Table, bool]:
     """Raw rows of ``config``'s layout in ``path`` -> (a table of preprocessed rows with
-    ``schema.arrow_schema(slots)``, whether every row had a label). Raises ``ValueError`` naming
-    ``file:line`` for a row that does not parse, ``FileNotFoundError`` for missing files."""
+    ``schema.arrow_schema(slots)``, whether every row had a label). A row that does not parse raises
+    ``ValueError`` naming ``file:line``, or, with ``bad`` (a list), is appended to it as ``{source, reason,
+    line}`` and skipped. Raises ``FileNotFoundError`` for missing files."""
     from persia_core.preprocess.pipeline import encode_row, rows_to_table, slot_specs
 
     if config.layout.kind == "delimited":
-        records, labelled = _delimited_records(path, config)
+        records, labelled = _delimited_records(path, config, bad)
     else:
-        records, labelled = _movielens_records(path, config)
+        records, labelled = _movielens_records(path, config, bad)
     if not records:
         raise ValueError(f"predict input {path} holds no rows")
     specs = slot_specs(config)
@@ -199,19 +211,25 @@ def _write(output_path: str, table: pa.Table) -> None:
 
 
 def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig | str | None = None,
-            batch_size: int = 4096) -> dict:
+            batch_size: int = 4096, dead_letter: str = "") -> dict:
     """Score the rows of ``input_path`` with the Model artifact in ``model_dir`` and write ``output_path``.
 
     See the module docstring for the input and output formats. ``config``: the run config whose layout parses
     raw rows (a ``RunConfig``, a shipped name or a YAML path); default: the model's own; its slots must be the
     model's. Returns ``{"rows": N, "output": output_path, "probability": float32[N], "label": float32[N] |
-    None}``.
+    None, "malformed": rows set aside}``. ``model_dir`` may also be a blessed-model location (its latest
+    blessed model is used).
+
+    ``dead_letter``: a JSON-lines file (local or gs://) that receives every raw row that does not parse, as
+    ``{"source": "file:line", "reason": ..., "line": ...}``; those rows are counted and skipped, the others are
+    scored. Without it the first such row stops the run.
 
     Raises ``FileNotFoundError`` for a missing model or input, ``ValueError`` for an input row that does not
-    parse (naming ``file:line``) or a config whose slots differ from the model's.
+    parse (naming ``file:line``, without ``dead_letter``) or a config whose slots differ from the model's.
     """
     model = LoadedModel(model_dir)
     cfg = _resolve_config(config, model)
+    bad: list | None = [] if dead_letter else None
     tmp = None
     try:
         if input_path.endswith(".parquet") or io.isdir(input_path):
@@ -222,7 +240,7 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
                 t = pq.read_table(_io.BytesIO(io.read_bytes(f)) if io.is_gcs(f) else f, columns=[S.SOURCE])
                 sources += t.column(S.SOURCE).to_pylist()
         else:
-            table, labelled = raw_rows_table(input_path, cfg)
+            table, labelled = raw_rows_table(input_path, cfg, bad)
             sources = table.column(S.SOURCE).to_pylist()
             fd, tmp = tempfile.mkstemp(suffix=".parquet", prefix="persia-predict-")
             os.close(fd)
@@ -237,6 +255,11 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
     if labelled:
         cols["label"] = pa.array(examples.labels, pa.float32())
     _write(output_path, pa.table(cols))
+    if dead_letter:
+        io.write_text(dead_letter, "".join(json.dumps(b) + "\n" for b in bad))
+        if bad:
+            log.warning("predict: %d malformed rows set aside in %s (first: %s: %s)", len(bad), dead_letter,
+                        bad[0]["source"], bad[0]["reason"])
     log.info("predict: %d rows -> %s", len(probs), output_path)
     return {"rows": int(len(probs)), "output": output_path, "probability": probs,
-            "label": examples.labels if labelled else None}
+            "label": examples.labels if labelled else None, "malformed": len(bad) if bad is not None else 0}

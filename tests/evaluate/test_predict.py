@@ -97,6 +97,27 @@ def test_predict_rejects_a_bad_raw_row_naming_file_and_line_and_missing_input(tr
         predict(model, str(bad), str(tmp_path / "o.csv"), config=other)
 
 
+def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_the_rest(trained, tmp_path):
+    import json
+
+    model, _ = trained
+    rows = tmp_path / "rows.tsv"
+    rows.write_text("1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\nshort\n0\t1.5\t2\t18\t5\n")
+    dead = tmp_path / "dead.jsonl"
+    out = predict(model, str(rows), str(tmp_path / "o.csv"), dead_letter=str(dead))
+    assert out["rows"] == 2 and out["malformed"] == 2
+    set_aside = [json.loads(line) for line in dead.read_text().splitlines()]
+    assert [b["source"] for b in set_aside] == [f"{rows}:2", f"{rows}:3"]
+    assert set_aside[1]["line"] == "short" and all(b["reason"] for b in set_aside)
+    with open(tmp_path / "o.csv") as f:
+        sources = [r["source"] for r in csv.DictReader(f)]
+    assert sources == [f"{rows}:1", f"{rows}:4"]  # the scored rows keep their own file:line
+    good = tmp_path / "good.tsv"  # the well-formed rows alone score the same
+    good.write_text("1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\t5\n")
+    alone = predict(model, str(good), str(tmp_path / "p.csv"))
+    assert np.array_equal(alone["probability"], out["probability"]) and alone["malformed"] == 0
+
+
 RATINGS = ["userId,movieId,rating,timestamp", "1,1,4.0,1000000000", "1,2,3.5,1000000100", "2,1,5.0,1000000200",
            "2,3,2.0,1000000300", "3,2,4.5,1000000400", "3,1,1.0,1000000500"]
 MOVIES = ["movieId,title,genres", "1,Toy Story (1995),Adventure|Comedy", '2,"Babe Ruth Story, The (1948) ",Drama',
