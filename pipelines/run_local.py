@@ -190,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                                      warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc)
         except RuntimeError as e:
             failure = (e, last_lines(80))
+        except KeyboardInterrupt:
+            failure = (None, "")
+    if failure is not None and failure[0] is None:
+        print(f"\nrun_local: interrupted after {time.time() - t0:.0f} s; nothing was blessed by this run "
+              f"(outputs so far under {root}, kfp.local's output in {log_path})", file=sys.stderr)
+        return 130
     if failure is not None:
         e, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"
