@@ -205,6 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
     run_dir = _this_run(root, before, result.output)
+    stats_path = os.path.join(run_dir, "preprocess", "dataset", "preprocess_stats.json") if run_dir else ""
+    if stats_path and os.path.isfile(stats_path):
+        with open(stats_path) as f:
+            bad = json.load(f).get("malformed", {})
+        n = int(bad.get("examples", 0)) + int(bad.get("side_lines", 0))
+        if n:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(bad.get("by_reason", {}).items(), key=lambda kv: -kv[1]))
+            print(f"malformed rows set aside: {n} ({reasons}); see "
+                  f"{os.path.join(os.path.dirname(stats_path), 'dead_letter')}")
     report = os.path.join(run_dir, "evaluate", "report") if run_dir else ""
     if report and os.path.isfile(report):
         html = os.path.join(run_dir, "report.html")
