@@ -7,6 +7,7 @@ unique already (the trainer deduplicates a batch once); gradients are per unique
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -21,6 +22,7 @@ from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
+log = logging.getLogger("persia.ps.client")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 SHM_METHODS = {"Lookup", "LookupReadonly", "Push", "Contains"}
 SHM_MIN_BYTES = 16384
@@ -101,7 +103,13 @@ class EmbeddingClient:
                                                         "out": [off, seg.size - off]}})
 
         try:
-            req = request()
+            try:
+                req = request()
+            except OSError as e:  # no room in /dev/shm: messages for this shard from now on
+                log.warning("shared memory unavailable for shard %d (%s); sending arrays in messages", shard, e)
+                self.use_shm[shard] = False
+                use_shm, seg = False, None
+                req = request()
             if self.delay_s or self.bandwidth:
                 time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
             last = None

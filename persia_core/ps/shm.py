@@ -92,9 +92,16 @@ class Segment:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
+            # reserve the pages now: a full /dev/shm (64 MiB in a default Docker container) then fails here with
+            # OSError, not later with SIGBUS on a write into the mapping
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, self.size)
             self.mm = mmap.mmap(fd, self.size)
-        finally:
+        except OSError:
             os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
 
     def put(self, arrays: dict[str, np.ndarray]) -> tuple[list, int]:

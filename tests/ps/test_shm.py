@@ -148,3 +148,26 @@ def test_a_timed_out_call_never_reuses_its_segment(cluster, monkeypatch):
     assert leftovers == [pool.all[0].name]
     client.close()
     np.testing.assert_array_equal(rows, shards[0].table("default").lookup_readonly(ids))
+
+
+def test_a_full_dev_shm_makes_the_client_send_messages_instead(cluster, monkeypatch):
+    """Docker gives containers 64 MiB of /dev/shm by default: a segment that does not fit fails when it is
+    made (its pages are reserved then, never a SIGBUS later), and the client sends that shard's arrays in
+    messages."""
+    import errno
+
+    cfg, _, addrs = cluster
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = set(os.listdir(shm_mod.SHM_DIR))
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=True)
+    ref = EmbeddingClient(addrs, cfg.embedding, token="s3cret", shared_memory=False)
+    ids = _ids(6000, seed=6)
+    np.testing.assert_array_equal(client.lookup("default", ids), ref.lookup_readonly("default", ids))
+    assert client.use_shm == [False, False]
+    assert set(os.listdir(shm_mod.SHM_DIR)) <= before  # the half-made segments were removed
+    client.close()
+    ref.close()
