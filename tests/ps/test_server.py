@@ -7,19 +7,9 @@ import pytest
 
 from persia_core.embedding.sharded import LocalEmbedding
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
-from persia_core.ps.server import ParameterServerShard, serve
+from persia_core.ps.server import ParameterServerShard
 
 from support import tiny_config
-
-
-@pytest.fixture
-def cluster():
-    cfg = tiny_config()
-    shards = [ParameterServerShard(cfg, s, 2) for s in range(2)]
-    servers = [serve(sh, "127.0.0.1", 0, token="s3cret") for sh in shards]
-    yield cfg, shards, [f"127.0.0.1:{port}" for _, port in servers]
-    for srv, _ in servers:
-        srv.stop(0)
 
 
 def test_lookup_and_push_through_grpc_equal_the_in_process_reference(cluster):

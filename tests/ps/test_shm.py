@@ -7,21 +7,9 @@ import pytest
 
 from persia_core.ps import shm as shm_mod
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
-from persia_core.ps.server import ParameterServerShard, serve
-
-from support import tiny_config
+from persia_core.ps.server import ParameterServerShard
 
 pytestmark = pytest.mark.skipif(not shm_mod.available(), reason="no writable /dev/shm")
-
-
-@pytest.fixture
-def cluster():
-    cfg = tiny_config()
-    shards = [ParameterServerShard(cfg, s, 2) for s in range(2)]
-    servers = [serve(sh, "127.0.0.1", 0, token="s3cret") for sh in shards]
-    yield cfg, shards, [f"127.0.0.1:{port}" for _, port in servers]
-    for srv, _ in servers:
-        srv.stop(0)
 
 
 def _ids(n, seed=0):
