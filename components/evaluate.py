@@ -38,8 +38,15 @@ def evaluate(
         metrics.log_metric(k, v)
     if r["roc"] is not None:
         roc.log_roc_curve(r["roc"]["fpr"], r["roc"]["tpr"], r["roc"]["thresholds"])
+    from persia_core.preprocess.pipeline import malformed_summary
+
     decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase)
-    write_report(report.path, m, r["labels"], r["preds"], r["train_history"], r["config"],
-                 {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"},
+    details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
+    bad = malformed_summary(dataset.path)
+    if bad is not None:
+        reasons = ", ".join(f"{k}: {v}" for k, v in bad["by_reason"].items())
+        details["malformed rows set aside"] = f"{bad['rows']}" + (f" ({reasons}) in {bad['dead_letter']}"
+                                                                   if bad["rows"] else "")
+    write_report(report.path, m, r["labels"], r["preds"], r["train_history"], r["config"], details,
                  user_split=r["user_split"], coverage=r["coverage"], gate=decision)
     return json.dumps(m)

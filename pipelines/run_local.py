@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from kfp import local
 
     from persia_core.evaluate.gate import latest_blessed_model
+    from persia_core.preprocess.pipeline import malformed_summary
     from pipelines.persia_pipeline import persia_pipeline
 
     def absolute(path: str) -> str:
@@ -205,15 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
     run_dir = _this_run(root, before, result.output)
-    stats_path = os.path.join(run_dir, "preprocess", "dataset", "preprocess_stats.json") if run_dir else ""
-    if stats_path and os.path.isfile(stats_path):
-        with open(stats_path) as f:
-            bad = json.load(f).get("malformed", {})
-        n = int(bad.get("examples", 0)) + int(bad.get("side_lines", 0))
-        if n:
-            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(bad.get("by_reason", {}).items(), key=lambda kv: -kv[1]))
-            print(f"malformed rows set aside: {n} ({reasons}); see "
-                  f"{os.path.join(os.path.dirname(stats_path), 'dead_letter')}")
+    bad = malformed_summary(os.path.join(run_dir, "preprocess", "dataset")) if run_dir else None
+    if bad and bad["rows"]:
+        reasons = ", ".join(f"{k}: {v}" for k, v in bad["by_reason"].items())
+        print(f"malformed rows set aside: {bad['rows']} ({reasons}); see {bad['dead_letter']}")
     report = os.path.join(run_dir, "evaluate", "report") if run_dir else ""
     if report and os.path.isfile(report):
         html = os.path.join(run_dir, "report.html")

@@ -513,6 +513,20 @@ def _match_files(pattern: str) -> list[str]:
     return sorted(p for p in paths if io.is_gcs(p) or not os.path.isdir(p))
 
 
+def malformed_summary(data_dir: str) -> dict | None:
+    """What preprocess set aside in ``data_dir`` (its output folder): ``{"rows": N, "by_reason": {reason: n},
+    "dead_letter": folder}``, or None when the folder has no ``preprocess_stats.json``."""
+    from persia_core import io
+
+    path = io.join(data_dir, STATS_FILE)
+    if not io.exists(path):
+        return None
+    bad = json.loads(io.read_text(path)).get("malformed", {})
+    return {"rows": int(bad.get("examples", 0)) + int(bad.get("side_lines", 0)),
+            "by_reason": dict(sorted(bad.get("by_reason", {}).items(), key=lambda kv: -kv[1])),
+            "dead_letter": io.join(data_dir, schema.DEAD_LETTER_DIR)}
+
+
 def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
     """The input files of a run.
 

@@ -195,6 +195,13 @@ def test_criteo_malformed_rows_go_to_dead_letter_with_line_numbers_and_counts_ad
     lines = {int(r["source"].rsplit(":", 1)[1]) for r in rows}
     assert lines == set(range(1, info["lines"] + 1)) - set(info["malformed_lines"])
     assert result["rows"] == {"train": 1600, "eval": 400, "malformed": 12, "read": 2012}
+    from persia_core.preprocess.pipeline import malformed_summary
+
+    summary = malformed_summary(str(tmp_path))  # what make run prints and the report shows
+    assert summary["rows"] == 12 and sum(summary["by_reason"].values()) == 12
+    assert set(summary["by_reason"]) == set(info["malformed_kinds"])
+    assert summary["dead_letter"].endswith("dead_letter")
+    assert malformed_summary(str(tmp_path / "nothing-here")) is None
     assert result["split"]["by"] == "row_order"
     assert all(r["ts"] == int(r["source"].rsplit(":", 1)[1]) - 1 for r in rows)  # global row number, 0-based
     assert sum(r["label"] for r in rows) == info["positives"]
