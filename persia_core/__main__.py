@@ -162,6 +162,13 @@ def cmd_serve_shards(args, _extra) -> int:
         raise FileNotFoundError(f"--plan {args.plan} not found")
     if args.init and not os.path.isdir(args.init):
         raise FileNotFoundError(f"--init {args.init} is not a folder")
+    if args.init:
+        import glob
+
+        have = len(glob.glob(os.path.join(args.init, "shards", "shard-*.npz")))
+        if have and have != n:  # each server loads the file of its own shard number: the others would be lost
+            raise ValueError(f"--init {args.init} holds {have} shard files but {n} shards were asked: serve it with "
+                             f"--num-shards {have}, or re-shard it first (init-shards warm-started from it)")
 
     def _stop(*_):
         raise KeyboardInterrupt

@@ -177,3 +177,17 @@ def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):
     bad.write_text(text.replace("name: rowwise_adagrad", "name: rowwise_adagrd"))
     with pytest.raises(ValueError, match=r"optimizer.name.*rowwise_adagrd.*embedding.tables\[default\].optimizer"):
         load_config(str(bad))
+
+
+def test_cli_serve_shards_refuses_a_model_of_another_shard_count(tmp_path, capsys):
+    """Each server loads the file of its own shard number: serving 2 shard files on 3 servers would lose rows."""
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    model = tmp_path / "model" / "shards"
+    model.mkdir(parents=True)
+    for s in range(2):
+        (model / f"shard-{s:05d}.npz").write_bytes(b"")
+    rc = main(["serve-shards", "--config", str(cfg), "--num-shards", "3", "--init", str(tmp_path / "model"),
+               "--work-dir", str(tmp_path / "work")])
+    assert rc == 2
+    assert "holds 2 shard files but 3 shards were asked" in capsys.readouterr().err
