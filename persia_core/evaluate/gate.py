@@ -179,7 +179,8 @@ def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None
 
     Writes every file of ``model_dir`` to ``blessed_dir/models/<version>/``, then the marker ``BLESSED.json``
     (last; it names the version and holds ``metrics``, the baseline of the next gate, and ``decision`` when
-    given). Locally, blessed versions older than the one the marker named before are then removed.
+    given). Locally, blessed versions older than the one the marker named before are then removed (never a
+    version another run may be writing at the same time).
 
     Returns the marker dict. Raises ``FileNotFoundError`` when ``model_dir`` is not a Model artifact (no
     ``manifest.json``), ``ValueError`` for an empty ``blessed_dir``.
@@ -209,10 +210,12 @@ def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None
         marker["decision"] = {"decision": decision.get("decision"), "reasons": list(decision.get("reasons", []))}
     io.write_text(io.join(blessed_dir, MARKER), json.dumps(marker, indent=1, sort_keys=True) + "\n")
     log.info("blessed %s -> %s (%d files)", model_dir, io.join(blessed_dir, rel), len(files))
-    if not io.is_gcs(blessed_dir):
-        keep = {version} | ({previous["model"].rpartition("/")[2]} if previous else set())
+    if not io.is_gcs(blessed_dir) and previous is not None:
+        # remove only versions older than the one the marker named before: versions are named by time, so one
+        # another run is blessing at the same moment is newer and kept, and the marker never names a deleted one
+        before = previous["model"].rpartition("/")[2]
         models = os.path.join(blessed_dir, MODELS_DIR)
         for name in os.listdir(models):
-            if name not in keep:
+            if name < before and name != version:
                 shutil.rmtree(os.path.join(models, name), ignore_errors=True)
     return marker

@@ -84,6 +84,27 @@ def test_gate_bless_copies_the_model_and_writes_the_marker_last(tmp_path, monkey
         bless(str(tmp_path), BASE, blessed)
 
 
+def test_bless_never_removes_a_version_another_run_is_blessing_at_the_same_time(tmp_path):
+    """Versions older than the one the marker named before are removed; a newer one (another run copying its
+    model right now) stays, so whichever marker lands last names a complete model."""
+    import time
+
+    blessed = str(tmp_path / "blessed")
+    v1 = bless(_fake_model(tmp_path / "m1", "one"), BASE, blessed)["model"]
+    time.sleep(1.1)  # versions are named by the second
+    v2 = bless(_fake_model(tmp_path / "m2", "two"), BASE, blessed)["model"]
+    models = os.path.join(blessed, "models")
+    assert sorted(os.listdir(models)) == sorted([v1.split("/")[1], v2.split("/")[1]])  # the previous one is kept
+    time.sleep(1.1)
+    busy = os.path.join(models, "29991231T000000Z-ffffff")  # a concurrent run's copy in progress (no marker yet)
+    os.makedirs(busy)
+    open(os.path.join(busy, "partial"), "w").close()
+    v3 = bless(_fake_model(tmp_path / "m3", "three"), BASE, blessed)["model"]
+    left = sorted(os.listdir(models))
+    assert v1.split("/")[1] not in left  # older than the one named before: removed
+    assert v2.split("/")[1] in left and v3.split("/")[1] in left and os.path.basename(busy) in left
+
+
 # --------------------------------------------------------------------------------------------- kfp.local
 
 
