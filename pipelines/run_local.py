@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import logging
 import os
@@ -206,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
     run_dir = _this_run(root, before, result.output)
+    plans = glob.glob(os.path.join(run_dir, "init-shards", "*", "shard_plan.json")) if run_dir else []
+    if plans:
+        with open(plans[0]) as f:
+            warm = json.load(f).get("warm_start")
+        if warm and not warm.get("cold_start"):
+            print(f"warm start: from {warm['from']} ({sum(warm.get('rows', {}).values())} rows)")
+        elif warm:
+            print(f"cold start: {warm['cold_start']} ({warm['from']})")
+        else:
+            print("cold start")
     bad = malformed_summary(os.path.join(run_dir, "preprocess", "dataset")) if run_dir else None
     if bad and bad["rows"]:
         reasons = ", ".join(f"{k}: {v}" for k, v in bad["by_reason"].items())

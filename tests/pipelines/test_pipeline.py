@@ -38,6 +38,7 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capsys, mo
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("eval: AUC=")
+    assert "cold start" in lines  # says how training started (no warm_start_from given)
     auc = float(lines[-1].split("AUC=")[1].split()[0])
     assert 0.0 < auc < 1.0
     found = {}
