@@ -78,6 +78,25 @@ def remove_segments_of(pids) -> int:
     return removed
 
 
+def remove_orphans() -> int:
+    """Remove the segments of processes that no longer exist (a job killed with SIGKILL or by the OOM killer
+    cleans nothing up itself). Returns how many were removed."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if NAME_RE.match(n)]
+    except OSError:
+        return 0
+    dead = set()
+    for name in names:
+        pid = int(name[len(PREFIX):len(PREFIX) + 8], 16)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            dead.add(pid)
+        except (PermissionError, OverflowError):
+            pass  # alive under another user, or not a pid of ours
+    return remove_segments_of(dead) if dead else 0
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

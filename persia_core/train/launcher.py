@@ -125,6 +125,9 @@ class LocalCluster:
         self.token = secrets.token_hex(16)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
+        from persia_core.ps.shm import remove_orphans
+
+        remove_orphans()  # shared-memory files of an earlier job that was killed outright
         self.addresses: list[str] = []
         os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
 

@@ -106,6 +106,12 @@ def test_segments_of_a_killed_worker_are_removed_by_pid():
     mine = shm_mod.Segment(4096)
     assert shm_mod.remove_segments_of([child.pid]) == 1
     assert not os.path.exists(path) and os.path.exists(mine.path)  # only that process's segments
+    again = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    orphan = again.stdout.readline().strip()
+    again.kill()
+    again.wait()
+    assert shm_mod.remove_orphans() >= 1  # a later job finds the files of a dead process by their pid
+    assert not os.path.exists(orphan) and os.path.exists(mine.path)
     mine.close()
 
 
