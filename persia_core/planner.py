@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", default=d.image, help="container image URI for the worker-pool specs")
     p.add_argument("--json", default="", help="also write the plan (with the worker-pool specs) here")
     args = p.parse_args(argv)
+    if args.dim < 1:
+        p.error(f"--dim must be >= 1, got {args.dim}")
     try:
         if args.params is not None:
             rows = math.ceil(args.params / args.dim)

@@ -240,7 +240,13 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
                 t = pq.read_table(_io.BytesIO(io.read_bytes(f)) if io.is_gcs(f) else f, columns=[S.SOURCE])
                 sources += t.column(S.SOURCE).to_pylist()
         else:
-            table, labelled = raw_rows_table(input_path, cfg, bad)
+            try:
+                table, labelled = raw_rows_table(input_path, cfg, bad)
+            except ValueError:
+                if bad:  # every row was malformed: keep the reasons before failing
+                    io.write_text(dead_letter, "".join(json.dumps(b) + "\n" for b in bad))
+                    log.error("predict: all %d rows of %s are malformed; see %s", len(bad), input_path, dead_letter)
+                raise
             sources = table.column(S.SOURCE).to_pylist()
             fd, tmp = tempfile.mkstemp(suffix=".parquet", prefix="persia-predict-")
             os.close(fd)

@@ -112,6 +112,11 @@ def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_th
     with open(tmp_path / "o.csv") as f:
         sources = [r["source"] for r in csv.DictReader(f)]
     assert sources == [f"{rows}:1", f"{rows}:4"]  # the scored rows keep their own file:line
+    only_bad = tmp_path / "only_bad.tsv"  # nothing to score: it fails, but the reasons are kept
+    only_bad.write_text("short\n1\tabc\t3\t17\t4\n")
+    with pytest.raises(ValueError, match="holds no rows"):
+        predict(model, str(only_bad), str(tmp_path / "x.csv"), dead_letter=str(tmp_path / "d3.jsonl"))
+    assert len((tmp_path / "d3.jsonl").read_text().splitlines()) == 2
     good = tmp_path / "good.tsv"  # the well-formed rows alone score the same
     good.write_text("1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\t5\n")
     alone = predict(model, str(good), str(tmp_path / "p.csv"))

@@ -104,3 +104,10 @@ def test_planner_runs_as_persia_core_plan_and_as_its_own_module():
         out = subprocess.run([sys.executable, "-m", *module, *SEED_ARGS], capture_output=True, text=True,
                              check=True, timeout=120).stdout.strip().splitlines()
         assert out[-1].startswith("parameter_servers=") and int(out[-1].split("=")[1]) <= 30
+
+
+@pytest.mark.parametrize("dim", ["0", "-4"])
+def test_planner_refuses_a_dim_below_one_naming_the_flag(dim, capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--params", "1e14", "--dim", dim])
+    assert e.value.code == 2 and "--dim must be >= 1" in capsys.readouterr().err
