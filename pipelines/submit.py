@@ -167,6 +167,11 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     if warm and not warm.startswith(CLOUD_PREFIXES):
         raise ValueError(f"warm_start_from {warm!r} must be a gs:// (or /gcs/) folder on Vertex AI")
     data = value("data") if "data" in specs else ""
+    for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
+        if name in specs and float(value(name) or 0) < 0:
+            raise ValueError(f"{name} must be >= 0 (0 = the run config's value), got {value(name)}")
+    if "min_auc" in specs and not 0.0 <= float(value("min_auc") or 0) <= 1.0:
+        raise ValueError(f"min_auc must be in [0, 1], got {value('min_auc')}")
     resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
     left = re.findall(r"\{[^}]*\}", resolved)
     if left:
@@ -485,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.max_workers, args.sdk_container_image)))
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    except Exception as e:  # no credentials, no permission, API errors: one line, not a traceback
+        if type(e).__module__.startswith(("google.auth", "google.api_core")):
+            print(f"pipelines.submit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (for "
+                  "credentials: gcloud auth application-default login, or a service account)", file=sys.stderr)
+            return 1
+        raise
     return 0
 
 

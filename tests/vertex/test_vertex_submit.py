@@ -151,6 +151,8 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
     ([*BLESSED[:2], "--param", "warm_start_from=local_outputs/blessed"], "warm_start_from 'local_outputs/blessed'"),
     ([*BLESSED, "--param", "data=gs://b/dt={date-1x}/"], "unrecognized date token"),
     ([*BLESSED, "--param", "data=gs://b/dt={data}/"], "{data} is not a token"),
+    ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
+    ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
 ])
 def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -303,3 +305,16 @@ def test_upload_template_posts_the_yaml_to_the_kfp_registry(template, monkeypatc
     assert call["url"] == host and call["headers"] == {"description": "nightly build"}
     assert yaml.safe_load(call["content"])["pipelineInfo"]["name"] == "persia-hybrid-training"
     assert call["data"] == {"tags": "v1,latest"} and call["auth"]._token == "t"
+
+
+def test_submit_without_credentials_says_so_in_one_line(template, monkeypatch, capsys):
+    from google.auth.exceptions import DefaultCredentialsError
+
+    def no_credentials(*a, **k):
+        raise DefaultCredentialsError("Your default credentials were not found.\nTo set up ADC, see ...")
+
+    monkeypatch.setattr(submit, "submit", no_credentials)
+    rc = submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, *BLESSED])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "DefaultCredentialsError: Your default credentials were not found." in err and "Traceback" not in err
