@@ -69,10 +69,10 @@ def cmd_init_shards(args, _extra) -> int:
     from persia_core.embedding.plan import init_shards
 
     config = _config(args.config, [io.join(args.data, "run_config.yaml")], args.set)
-    plan = init_shards(config, args.data, args.output)
+    plan = init_shards(config, args.data, args.output, warm_start_from=args.warm_start_from)
     _print({"output": args.output, "num_shards": plan["num_shards"],
             "estimated_bytes_per_shard": plan["estimated_bytes_per_shard"],
-            "shard_memory_bytes": plan["shard_memory_bytes"]})
+            "shard_memory_bytes": plan["shard_memory_bytes"], "warm_start": plan.get("warm_start")})
     return EXIT_OK
 
 
@@ -82,7 +82,8 @@ def cmd_train(args, _extra) -> int:
 
     fallbacks = [io.join(args.init, "run_config.yaml") if args.init else "", io.join(args.data, "run_config.yaml")]
     config = _config(args.config, fallbacks, args.set)
-    manifest = train(config, args.data, args.output, init_dir=args.init or "", work_dir=args.work_dir or "")
+    manifest = train(config, args.data, args.output, init_dir=args.init or "", work_dir=args.work_dir or "",
+                     resume_from=args.resume_from)
     out = {"output": args.output, "summary": manifest["summary"]}
     if args.tensorboard:
         from persia_core.logging_utils import write_tensorboard
@@ -250,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
              cmd_init_shards)
     sp.add_argument("--data", required=True, help="preprocess output folder (holds schema.json)")
     sp.add_argument("--output", required=True, help="folder for shard_plan.json, run_config.yaml, shards/")
+    sp.add_argument("--warm-start-from", default="", help="start from a previous Model, checkpoint or "
+                                                          "blessed-model location (re-sharded if needed; a location "
+                                                          "with nothing blessed yet: cold start)")
     config_flags(sp, "default: <data>/run_config.yaml")
 
     sp = add("train", "Hybrid training on this machine: N parameter servers + M NN workers -> a Model folder.",
@@ -260,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "optional")
     config_flags(sp, "default: <init>/run_config.yaml, else <data>/run_config.yaml")
     sp.add_argument("--work-dir", default="", help="folder for process logs and port files (default: a temp dir)")
+    sp.add_argument("--resume-from", default="auto",
+                    help="'auto' (default): continue from the newest complete checkpoint in the checkpoint folder "
+                         "(trainer.checkpoint_dir, else <output>/checkpoints), if any; a checkpoint folder: exactly "
+                         "that one; '' : start afresh (checkpoints of another run are refused, naming the change)")
     sp.add_argument("--tensorboard", default="", metavar="DIR",
                     help="also write the training metrics as TensorBoard event files to DIR (needs tensorboard)")
 

@@ -372,7 +372,8 @@ def check_lineage(manifest: dict, current: dict, where: str) -> None:
         problems.append(f"input data differs (train files changed: {changed or 'row counts'})")
     if problems:
         raise CheckpointError(f"{where} was written by another run; refusing to resume from it: "
-                              + "; ".join(problems[:10]) + ("" if len(problems) <= 10 else " ..."))
+                              + "; ".join(problems[:10]) + ("" if len(problems) <= 10 else " ...")
+                              + " (to start afresh: a new output folder, or resume_from='' / train --resume-from '')")
 
 
 # ---- the dense model, RNG states ------------------------------------------------------------------------------

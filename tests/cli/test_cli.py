@@ -123,6 +123,14 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
     rows = np.loadtxt(preds, delimiter=",", skiprows=1, usecols=(1, 2))
     assert roc_auc_score(rows[:, 1], rows[:, 0].astype(np.float32)) == out["metrics"]["auc"]
 
+    # the next day: warm-start from the blessed location, train afresh into a new folder
+    warm = str(tmp_path / "warm")
+    assert main(["init-shards", "--data", data, "--output", warm, "--config", str(cfg),
+                 "--warm-start-from", blessed]) == 0
+    assert json.loads(capsys.readouterr().out)["warm_start"]["rows"]["default"] > 0
+    assert main(["train", "--data", data, "--init", warm, "--output", str(tmp_path / "model2"),
+                 "--set", "trainer.epochs=1", "--resume-from", ""]) == 0
+
 
 @pytest.mark.timeout(120)
 def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
