@@ -100,7 +100,8 @@ def persia_pipeline(
             dataset=pre.outputs["dataset"], shards=plan.outputs["shards"],
             worker_pool_specs=json.dumps(target.worker_pool_specs()), location=target.region,
             service_account=target.service_account, network=target.network,
-            ps_token_secret=target.ps_token_secret, timeout_s=target.timeout_s)
+            ps_token_secret=target.ps_token_secret, timeout_s=target.timeout_s,
+            checkpoint_every_s=checkpoint_every_s, checkpoint_every_steps=checkpoint_every_steps)
     trained.set_display_name("train (hybrid)").set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
     ev = evaluate(dataset=pre.outputs["dataset"], model=trained.outputs["model"], blessed_dir=blessed_dir,
                   min_auc=min_auc, max_auc_drop=max_auc_drop).set_display_name("evaluate")

@@ -243,13 +243,17 @@ def _arg(args: list[str], flag: str, default: int) -> int:
 
 
 def custom_job_request(template_json: str, dataset_uri: str, shards_uri: str, model_uri: str,
-                       ps_token_secret: str = "") -> tuple[list[dict], str]:
+                       ps_token_secret: str = "", checkpoint_every_s: float = 0.0,
+                       checkpoint_every_steps: int = 0) -> tuple[list[dict], str]:
     """Worker-pool specs for this run and the job's base output folder (``<model>_job``, gs:// form).
 
     Counts follow the run config in ``shards_uri``: NN replicas = ``trainer.num_workers / ranks per replica``,
     parameter-server replicas = ``embedding.num_shards / shards per server``. The token is a fresh random one
-    in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. Raises
-    ``ValueError`` when the counts do not divide."""
+    in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. With
+    ``checkpoint_every_s`` or ``checkpoint_every_steps`` > 0 every replica gets the checkpoint flags, the folder
+    being ``<model>/checkpoints`` on Cloud Storage: the workers write checkpoints there, and the replicas of a
+    restarted or retried job resume from the newest complete one. Raises ``ValueError`` when the counts do not
+    divide."""
     from persia_core import io
     from persia_core.config import load_config
 
@@ -265,12 +269,21 @@ def custom_job_request(template_json: str, dataset_uri: str, shards_uri: str, mo
     paths = {"dataset": io.to_fuse(dataset_uri), "shards": io.to_fuse(shards_uri), "model": io.to_fuse(model_uri),
              "control": io.to_fuse(io.join(base, "control"))}
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
-    return fill_worker_pool_specs(template, paths, m // g, n // k, env), base
+    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env)
+    if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
+        flags = ["--", "--checkpoint-dir", io.to_fuse(io.join(model_uri, "checkpoints")),
+                 "--checkpoint-every-s", str(float(checkpoint_every_s)),
+                 "--checkpoint-every-steps", str(int(checkpoint_every_steps)), "--no-checkpoint-at-end"]
+        for spec in specs:
+            if spec:
+                spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + flags
+    return specs, base
 
 
 def run_custom_job(template_json: str, dataset_uri: str, shards_uri: str, model_uri: str, location: str,
                    project: str = "", service_account: str = "", network: str = "", ps_token_secret: str = "",
-                   timeout_s: int = 0, display_name: str = "") -> dict:
+                   timeout_s: int = 0, display_name: str = "", checkpoint_every_s: float = 0.0,
+                   checkpoint_every_steps: int = 0) -> dict:
     """Submit the training CustomJob, wait for it, and return the Model's manifest (written by the primary).
 
     Raises ``RuntimeError`` when the job fails (``google.cloud.aiplatform`` raises it with the job's error)."""
@@ -279,7 +292,8 @@ def run_custom_job(template_json: str, dataset_uri: str, shards_uri: str, model_
 
     from persia_core import io
 
-    specs, base = custom_job_request(template_json, dataset_uri, shards_uri, model_uri, ps_token_secret)
+    specs, base = custom_job_request(template_json, dataset_uri, shards_uri, model_uri, ps_token_secret,
+                                     checkpoint_every_s, checkpoint_every_steps)
     job = aiplatform.CustomJob(
         display_name=display_name or f"persia-train-{secrets.token_hex(4)}",
         worker_pool_specs=[custom_job_types.WorkerPoolSpec.from_json(json.dumps(s)) for s in specs],
@@ -294,13 +308,17 @@ def run_custom_job(template_json: str, dataset_uri: str, shards_uri: str, model_
 @dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
 def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model], metrics: Output[Metrics],
           worker_pool_specs: str, location: str, project: str = "", service_account: str = "",
-          network: str = "", ps_token_secret: str = "", timeout_s: int = 0):
+          network: str = "", ps_token_secret: str = "", timeout_s: int = 0, checkpoint_every_s: float = 600.0,
+          checkpoint_every_steps: int = 0):
     """Hybrid training as a Vertex AI CustomJob (pools: primary, NN workers, parameter servers; see
-    ``pipelines.vertex``); writes the same Model artifact as the local train step."""
+    ``pipelines.vertex``); writes the same Model artifact as the local train step. Checkpoints go to
+    ``<model>/checkpoints`` every ``checkpoint_every_s`` seconds / ``checkpoint_every_steps`` steps (0: off),
+    and a restarted or retried job resumes from the newest complete one."""
     from pipelines.vertex import run_custom_job
 
     manifest = run_custom_job(worker_pool_specs, dataset.uri, shards.uri, model.uri, location, project,
-                              service_account, network, ps_token_secret, timeout_s)
+                              service_account, network, ps_token_secret, timeout_s,
+                              checkpoint_every_s=checkpoint_every_s, checkpoint_every_steps=checkpoint_every_steps)
     summary = manifest["summary"]
     for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
         if summary.get(key) is not None:

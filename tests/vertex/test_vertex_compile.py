@@ -135,6 +135,13 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
                                         {"PERSIA_PS_TOKEN_SECRET": "projects/p/secrets/t/versions/1"})
     assert one[1] == {} and one[2]["containerSpec"]["env"] == [
         {"name": "PERSIA_PS_TOKEN_SECRET", "value": "projects/p/secrets/t/versions/1"}]
+    ckpt, _ = vertex.custom_job_request(template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model",
+                                        checkpoint_every_s=600.0)
+    for spec in (s for s in ckpt if s):  # every pool: workers write checkpoints, every replica resumes from them
+        tail = spec["containerSpec"]["args"][spec["containerSpec"]["args"].index("--"):]
+        assert tail[:3] == ["--", "--checkpoint-dir", "/gcs/b/root/train/model/checkpoints"]
+        assert tail[tail.index("--checkpoint-every-s") + 1] == "600.0"
+    assert "--" not in specs[0]["containerSpec"]["args"]  # checkpoints off: no flags
     bad = tiny_config(num_workers=3).with_overrides({"embedding.num_shards": 3})
     (shards / "run_config.yaml").write_text(bad.to_yaml())
     with pytest.raises(ValueError, match="multiple"):
