@@ -2,7 +2,7 @@
 # root (so the default data path data/movielens resolves). Used as every KFP component's base_image, by the
 # Vertex AI CustomJob's worker pools (python -m persia_core.cluster) and as Dataflow's sdk_container_image.
 #
-#   docker build -t persia-kfp:local .                                      CPU (torch from requirements.txt)
+#   docker build -t persia-kfp:local .                                      CPU torch (PyTorch's CPU index)
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t persia-kfp-cuda .
 #                                                                           CUDA torch of the same version
 #   docker build --target tfrecord -t persia-kfp-tfrecord .                 TFRecord conversion (requirements-tfrecord.txt)
@@ -30,7 +30,9 @@ RUN pip install --no-deps -e . && python -c "import persia_core.data.tfrecord"
 
 # The main image (the default target: last stage).
 FROM os AS main
-ARG TORCH_INDEX_URL=""
+# torch of the pinned version from PyTorch's own index: the CPU build by default (PyPI's Linux wheel would be the
+# multi-GB CUDA one); cloudbuild.yaml / make image CUDA=1 pass a CUDA index for the CUDA image
+ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
 COPY requirements.txt ./
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
       pip install "torch==$(sed -n 's/^torch==//p' requirements.txt)" --index-url "$TORCH_INDEX_URL"; \

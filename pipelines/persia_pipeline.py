@@ -47,9 +47,9 @@ DEFAULT_OUTPUT = {"local": "pipelines/persia_pipeline.yaml", "vertex": "pipeline
 def persia_pipeline(
     data: str = DEFAULT_DATA,
     config: str = "movielens",
-    num_parameter_servers: int = 2,
-    num_nn_workers: int = 2,
-    embedding_staleness: int = 4,
+    num_parameter_servers: int = 0,
+    num_nn_workers: int = 0,
+    embedding_staleness: int = -1,
     epochs: int = 0,
     max_rows: int = 0,
     beam_args: str = "",
@@ -64,10 +64,11 @@ def persia_pipeline(
     data: raw data (folder, file or glob; local, gs:// or /gcs/). Vertex target: ``{date}``, ``{date-1d}``,
         ``{date:%Y%m%d}`` tokens are filled from the run's scheduled time (see ``pipelines.vertex``).
     config: run config, a shipped name (``movielens``, ``criteo``) or a YAML path.
-    num_parameter_servers: embedding parameter-server shards (0 = the config's).
-    num_nn_workers: NN workers / DDP ranks (0 = the config's).
+    num_parameter_servers: embedding parameter-server shards (processes; default 0 = the config's
+        ``embedding.num_shards``; on Vertex AI several shards share a server machine, see ``pipelines.vertex``).
+    num_nn_workers: NN workers / DDP ranks (default 0 = the config's ``trainer.num_workers``).
     embedding_staleness: K, batches a worker may look up ahead of its oldest unapplied push (0 = fully
-        synchronous; -1 = the config's).
+        synchronous; default -1 = the config's ``trainer.embedding_staleness``).
     epochs: training epochs (0 = the config's). max_rows: read only this many examples (0 = all).
     beam_args: Beam pipeline options as a JSON list (e.g. DataflowRunner settings); empty = DirectRunner.
     blessed_dir: the stable "latest blessed model" location the gate writes (local path, gs:// or /gcs/).

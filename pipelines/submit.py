@@ -222,7 +222,8 @@ def dataflow_beam_args(project: str, region: str, temp_location: str, machine_ty
     if max_num_workers < 1:
         raise ValueError(f"--max-workers must be >= 1, got {max_num_workers}")
     if not sdk_container_image:
-        raise ValueError("--sdk-container-image: Dataflow workers need the project image (PERSIA_BASE_IMAGE)")
+        raise ValueError("Dataflow workers need the project image: --dataflow-image on run / schedule create, "
+                         "--sdk-container-image on dataflow-args (e.g. $PERSIA_BASE_IMAGE)")
     args = ["--runner=DataflowRunner", f"--project={project}", f"--region={region}",
             f"--temp_location={temp_location}", f"--staging_location={staging_location or temp_location}",
             f"--machine_type={machine_type}", f"--max_num_workers={max_num_workers}",

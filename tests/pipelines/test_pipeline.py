@@ -27,7 +27,8 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
         tasks["train"]["dependentTasks"]) == {"init-shards", "preprocess"}
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["data"]["defaultValue"] == "data/movielens"
-    assert params["num_parameter_servers"]["defaultValue"] == 2
+    assert params["num_parameter_servers"]["defaultValue"] == 0  # the run config's, unless a run says otherwise
+    assert params["embedding_staleness"]["defaultValue"] == -1
 
 
 @pytest.mark.timeout(180)
