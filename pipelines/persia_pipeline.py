@@ -83,7 +83,8 @@ def persia_pipeline(
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
     tasks = []
     if target is not None:
-        resolved = vertex.resolve_data(template=data, schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER
+        resolved = vertex.resolve_data(template=data, schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER,
+                                       blessed_dir=blessed_dir, warm_start_from=warm_start_from
                                        ).set_display_name("resolve data (schedule time)")
         tasks.append(resolved)
         data = resolved.output

@@ -159,13 +159,13 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     def value(name: str) -> str:
         return str(values.get(name, specs.get(name, {}).get("defaultValue", "")))
 
-    if "blessed_dir" in specs and not value("blessed_dir").startswith(CLOUD_PREFIXES):
-        raise ValueError(f"blessed_dir {value('blessed_dir')!r} is a folder inside the run's container, gone when "
-                         "it ends: pass --param blessed_dir=gs://BUCKET/blessed/<config> (and, for daily "
-                         "retraining, warm_start_from= the same folder)")
-    warm = value("warm_start_from") if "warm_start_from" in specs else ""
-    if warm and not warm.startswith(CLOUD_PREFIXES):
-        raise ValueError(f"warm_start_from {warm!r} must be a gs:// (or /gcs/) folder on Vertex AI")
+    from pipelines.vertex import check_cloud_folders
+
+    if "blessed_dir" in specs:
+        try:
+            check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
+        except ValueError as e:
+            raise ValueError(str(e).replace("set it to", "pass --param blessed_dir=")) from None
     data = value("data") if "data" in specs else ""
     for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
         if name in specs and float(value(name) or 0) < 0:

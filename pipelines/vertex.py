@@ -189,12 +189,28 @@ def resolve_data_path(template: str, schedule_time: str, now: _dt.datetime | Non
     return out
 
 
-@dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
-def resolve_data(template: str, schedule_time: str) -> str:
-    """The data path of this run: ``{date...}`` tokens of ``template`` filled from the scheduled time (the
-    current time for a run that was not scheduled)."""
-    from pipelines.vertex import resolve_data_path
+def check_cloud_folders(blessed_dir: str, warm_start_from: str) -> None:
+    """Raises ``ValueError`` unless ``blessed_dir`` is a Cloud Storage folder (gs:// or /gcs/) and
+    ``warm_start_from`` is empty or one."""
+    cloud = ("gs://", "/gcs/")
+    if not blessed_dir.startswith(cloud):
+        raise ValueError(f"blessed_dir {blessed_dir!r} is a folder inside the run's container, gone when it ends: "
+                         "set it to gs://BUCKET/blessed/<config> (and, for daily retraining, warm_start_from to "
+                         "the same folder)")
+    if warm_start_from and not warm_start_from.startswith(cloud):
+        raise ValueError(f"warm_start_from {warm_start_from!r} must be a gs:// (or /gcs/) folder on Vertex AI")
 
+
+@dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
+def resolve_data(template: str, schedule_time: str, blessed_dir: str = "", warm_start_from: str = "") -> str:
+    """The data path of this run: ``{date...}`` tokens of ``template`` filled from the scheduled time (the
+    current time for a run that was not scheduled). First step of the Vertex AI pipeline, so it also fails the
+    run at once (not after training) when ``blessed_dir`` or ``warm_start_from`` is not on Cloud Storage: a
+    folder inside the step's container is gone when the step ends (runs started from the UI are not checked
+    by ``pipelines.submit``)."""
+    from pipelines.vertex import check_cloud_folders, resolve_data_path
+
+    check_cloud_folders(blessed_dir, warm_start_from)
     path = resolve_data_path(template, schedule_time)
     print(f"data: {path}")
     return path

@@ -226,5 +226,12 @@ def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
         vertex.resolve_data_path("x/{date-1w}", "2025-03-02T03:00:00Z")
     with pytest.raises(ValueError, match="RFC 3339"):
         vertex.resolve_data_path("x/{date}", "yesterday")
-    assert vertex.resolve_data.python_func(template="gs://b/{date}", schedule_time="2025-03-02T03:00:00Z") == \
+    assert vertex.resolve_data.python_func(template="gs://b/{date}", schedule_time="2025-03-02T03:00:00Z",
+                                           blessed_dir="gs://b/blessed", warm_start_from="gs://b/blessed") == \
         "gs://b/2025-03-02"
+    # a run started from the UI with the compiled default blessed_dir fails here, before any training
+    with pytest.raises(ValueError, match="inside the run's container"):
+        vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="local_outputs/blessed")
+    with pytest.raises(ValueError, match="warm_start_from"):
+        vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="/gcs/b/blessed",
+                                        warm_start_from="local_outputs/blessed")
