@@ -35,6 +35,12 @@ PLACEHOLDERS = ("dataset", "shards", "model", "control")
 TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
 
 
+GPU_MACHINE_FAMILIES = (("NVIDIA_TESLA_A100", "a2-"), ("NVIDIA_A100_80GB", "a2-"), ("NVIDIA_H100", "a3-"),
+                        ("NVIDIA_H200", "a3-"), ("NVIDIA_L4", "g2-"), ("NVIDIA_TESLA_T4", "n1-"),
+                        ("NVIDIA_TESLA_V100", "n1-"), ("NVIDIA_TESLA_P100", "n1-"), ("NVIDIA_TESLA_P4", "n1-"))
+"""GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
+
+
 @dataclass
 class VertexSettings:
     """Compile-time settings of the Vertex AI target (``PERSIA_*`` environment variables or compile flags)."""
@@ -48,7 +54,7 @@ class VertexSettings:
     nn_machine_type: str = "a2-highgpu-1g"
     """Machine of the NN pools 0 and 1 ($PERSIA_NN_MACHINE_TYPE)."""
     accelerator_type: str = "NVIDIA_TESLA_A100"
-    """GPU of an NN machine ($PERSIA_ACCELERATOR_TYPE; empty: none)."""
+    """GPU of an NN machine ($PERSIA_ACCELERATOR_TYPE; ``none`` or empty with count 0: CPU-only)."""
     accelerator_count: int = 1
     """GPUs per NN machine ($PERSIA_ACCELERATOR_COUNT)."""
     ps_machine_type: str = "n2-highmem-32"
@@ -89,8 +95,18 @@ class VertexSettings:
             low = 0 if name in ("accelerator_count", "timeout_s") else 1
             if getattr(self, name) < low:
                 raise ValueError(f"vertex setting {name} must be >= {low}, got {getattr(self, name)}")
+        if self.accelerator_type.lower() == "none":  # PERSIA_ACCELERATOR_TYPE=none: a CPU-only NN pool
+            self.accelerator_type, self.accelerator_count = "", 0
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
-            raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither)")
+            raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither; "
+                             "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)")
+        family = next((f for prefix, f in GPU_MACHINE_FAMILIES if self.accelerator_type.startswith(prefix)), None)
+        if family and not self.nn_machine_type.startswith(family):
+            raise ValueError(f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "
+                             f"nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE)")
+        if self.accelerator_count and self.ranks_per_replica > self.accelerator_count:
+            raise ValueError(f"vertex settings: {self.ranks_per_replica} ranks per NN replica but "
+                             f"{self.accelerator_count} GPU(s) per machine (one rank per GPU)")
 
     @classmethod
     def from_env(cls, environ: dict | None = None, **overrides) -> "VertexSettings":

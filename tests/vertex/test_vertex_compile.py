@@ -235,3 +235,18 @@ def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
     with pytest.raises(ValueError, match="warm_start_from"):
         vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="/gcs/b/blessed",
                                         warm_start_from="local_outputs/blessed")
+
+
+def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn_pools():
+    with pytest.raises(ValueError, match="a2-"):
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
+    with pytest.raises(ValueError, match="one rank per GPU"):
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_RANKS_PER_REPLICA": "8"})
+    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_ACCELERATOR_TYPE": "none",
+                                          "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
+    assert (cpu.accelerator_type, cpu.accelerator_count) == ("", 0)
+    assert "acceleratorType" not in cpu.worker_pool_specs()[0]["machineSpec"]
+    eight = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
+                                            "PERSIA_ACCELERATOR_TYPE": "NVIDIA_H100_80GB",
+                                            "PERSIA_ACCELERATOR_COUNT": "8", "PERSIA_RANKS_PER_REPLICA": "8"})
+    assert eight.worker_pool_specs()[0]["machineSpec"]["acceleratorCount"] == 8
