@@ -142,9 +142,6 @@ def check_parameters(values: dict[str, Any], specs: dict[str, dict], from_text: 
     return out
 
 
-CLOUD_PREFIXES = ("gs://", "/gcs/")
-
-
 def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     """Checks of parameter values that only fail at run time on Vertex AI, made before anything is sent.
 
@@ -162,10 +159,7 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     from pipelines.vertex import check_cloud_folders
 
     if "blessed_dir" in specs:
-        try:
-            check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
-        except ValueError as e:
-            raise ValueError(str(e).replace("set it to", "pass --param blessed_dir=")) from None
+        check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
     data = value("data") if "data" in specs else ""
     for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
         if name in specs and float(value(name) or 0) < 0:

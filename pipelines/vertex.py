@@ -211,8 +211,8 @@ def check_cloud_folders(blessed_dir: str, warm_start_from: str) -> None:
     cloud = ("gs://", "/gcs/")
     if not blessed_dir.startswith(cloud):
         raise ValueError(f"blessed_dir {blessed_dir!r} is a folder inside the run's container, gone when it ends: "
-                         "set it to gs://BUCKET/blessed/<config> (and, for daily retraining, warm_start_from to "
-                         "the same folder)")
+                         "set blessed_dir to gs://BUCKET/blessed/<config> (and, for daily retraining, "
+                         "warm_start_from to the same folder)")
     if warm_start_from and not warm_start_from.startswith(cloud):
         raise ValueError(f"warm_start_from {warm_start_from!r} must be a gs:// (or /gcs/) folder on Vertex AI")
 
