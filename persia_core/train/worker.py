@@ -119,7 +119,10 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
                                rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer,
                                prefetch_threads=tc.prefetch_threads)
     total_steps = len(schedule.global_batch)
-    # everything built so far lives until the end: keep it out of the garbage collector's scans
+    # everything built so far lives until the end: keep it out of the garbage collector's scans. Unfrozen (in
+    # ``finally`` below) before returning: the DDP model and this pipeline sit in reference cycles, and frozen
+    # they would outlive ``destroy_process_group`` into interpreter shutdown, where gloo's threads still running
+    # abort the process (SIGABRT, "terminate called without an active exception").
     gc.collect()
     gc.freeze()
     t0 = time.perf_counter()
@@ -197,6 +200,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             checkpointer.save(done, pipe, model, opt, state(done))
     finally:
         pipe.close()
+        gc.unfreeze()
     elapsed = time.perf_counter() - t0
     cpu_s, main_cpu_s = time.process_time() - cpu0, time.thread_time() - main_cpu0
     max_stal = torch.tensor([max(max_stal0, pipe.max_staleness)])
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                    init_dense=args.init_dense)
     finally:
         client.close()
+        gc.collect()  # the DDP model (a reference cycle) releases the process group before it is destroyed
         if world > 1:
             dist.destroy_process_group()
     return 0

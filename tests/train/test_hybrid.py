@@ -197,6 +197,20 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path):
     assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
 
 
+def test_worker_leaves_nothing_frozen_so_its_model_and_pipeline_are_freed_before_shutdown(tmp_path):
+    # run_worker freezes the garbage collector while training. Left frozen, the DDP model (a reference cycle) keeps
+    # the process group alive past destroy_process_group, into interpreter shutdown, where gloo aborted a worker
+    # (SIGABRT) in CI. After run_worker returns, a collection must free the model and the pipeline.
+    import gc
+
+    data = write_dataset(str(tmp_path / "data"), rows=64)
+    cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=1)
+    _in_process(cfg, data, str(tmp_path / "out"))
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, HybridTrainPipeline)]
+
+
 def test_fp16_gradient_overflow_never_reaches_a_server():
     from persia_core.train.hybrid import grads_to_host
 
