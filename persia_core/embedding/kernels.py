@@ -335,14 +335,17 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
         _enqueue(qrow, qstep, qht, last_used, counters[0], r, step)
         rows[t] = r
     if fill:
+        d = out.shape[1]
         for t in range(n):
             if t + PR < n and rows[t + PR] >= 0:
                 prefetch(weights, rows[t + PR])
             r = rows[t]
             if r >= 0:
-                out[t, :] = weights[r]
+                for j in range(d):  # an element loop: a slice assignment builds two array views per row
+                    out[t, j] = weights[r, j]
             else:
-                out[t, :] = 0.0
+                for j in range(d):
+                    out[t, j] = 0.0
     return created[:nc]
 
 

@@ -378,7 +378,7 @@ def _index_slots(rows: int) -> int:
 
 
 def _build_index(keys: np.ndarray) -> np.ndarray:
-    index = np.full(_index_slots(len(keys)), -1, dtype=np.int32)
+    index = table_mod.aligned_array(_index_slots(len(keys)), np.int32, -1)
     K.rebuild_index(index, keys, K.shift_of(index), len(keys))
     return index
 
@@ -446,7 +446,7 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
             _read_exact(f, memoryview(gap), where)
             header = bytes(gap[m.start - pos :])
             futs.append(helper.submit(crc_part, memoryview(gap), None, None))
-            arr = np.empty(m.shape, dtype=m.dtype)
+            arr = table_mod.aligned_array(m.shape, m.dtype)  # may become a table's own array (restore_table)
             _read_exact(f, _flat_bytes(arr), where)
             futs.append(helper.submit(crc_part, _flat_bytes(arr), m, header))
             pos = m.data + m.nbytes
@@ -569,8 +569,8 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         with t.lock:
             t.keys, t.weights, t.last_used, t.index = a["keys"], a["weights"], a["last_used"], index
             t.state = {k: a[k] for k in t.state}
-            t.qrow = np.zeros(K.queue_size(n), dtype=np.int32)
-            t.qstep = np.zeros(K.queue_size(n), dtype=np.int32)
+            t.qrow = table_mod.aligned_array(K.queue_size(n), np.int32, 0)
+            t.qstep = table_mod.aligned_array(K.queue_size(n), np.int32, 0)
             K.queue_from_order(np.ascontiguousarray(order, dtype=np.int32), t.last_used, t.qrow, t.qstep, t.qht)
             t.counters[:] = a["counters"]
             t.counters[0] = n

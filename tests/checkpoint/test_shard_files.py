@@ -252,3 +252,26 @@ def test_shard_files_of_format_2_with_a_linked_recency_list_still_load(tmp_path,
     u = EmbeddingTable(4, OptimizerConfig(name="adagrad", lr=0.05), 3000, 0.1, 0)
     S.load_shard_file(path, {"default": u})
     _assert_same(sd, u.state_dict())
+
+
+def _misaligned(t: EmbeddingTable) -> list[str]:
+    arrays = {"keys": t.keys, "weights": t.weights, "last_used": t.last_used, "index": t.index, "qrow": t.qrow,
+              "qstep": t.qstep, **{f"state.{k}": v for k, v in t.state.items()}}
+    return [k for k, v in arrays.items() if v.ctypes.data % 64 or not v.flags.c_contiguous]
+
+
+def test_table_arrays_start_on_a_cache_line_when_made_grown_and_loaded(tmp_path):
+    # a 64-byte row (dim 16, fp32) must not straddle two cache lines: numpy alone aligns large arrays to 16 bytes
+    t = EmbeddingTable(16, OptimizerConfig(name="rowwise_adagrad", lr=0.05), 50_000, 0.1, 0)
+    assert _misaligned(t) == []
+    t.lookup(np.arange(20_000, dtype=np.uint64))  # grows past the initial 1024 rows
+    t.apply_gradients(np.arange(10, dtype=np.uint64), np.ones((10, 16), np.float32))
+    assert len(t.keys) > 1024 and _misaligned(t) == []
+    path = str(tmp_path / "s.npz")
+    nbytes, crc = S.write_shard_file(path, {"default": t})
+    for capacity in (50_000, 15_000):  # restored in place from the file; re-inserted (fewer rows fit)
+        u = EmbeddingTable(16, OptimizerConfig(name="rowwise_adagrad", lr=0.05), capacity, 0.1, 0)
+        S.load_shard_file(path, {"default": u}, nbytes, crc)
+        assert u.size == min(capacity, 20_000) and _misaligned(u) == []
+        ids = np.arange(19_990, 20_000, dtype=np.uint64)
+        np.testing.assert_array_equal(u.lookup_readonly(ids), t.lookup_readonly(ids))
