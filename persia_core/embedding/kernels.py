@@ -165,29 +165,58 @@ def queue_size(rows: int) -> int:
 
 @njit(nogil=True, cache=True)
 def _compact(qrow, qstep, qht, last_used, size):
-    """Keep only the live entries of the recency queue, in order (in place)."""
+    """Keep only the live entries of the recency queue, in order (in place). One sequential pass; the
+    ``last_used`` reads it checks entries against are prefetched ``PR`` entries ahead."""
     q = qrow.shape[0]
-    w = qht[0]
-    for i in range(qht[0], qht[1]):
-        p = i % q
+    total = qht[1] - qht[0]
+    p = qht[0] % q  # read position
+    o = p  # write position (never ahead of p)
+    ahead = p + PR
+    if ahead >= q:
+        ahead -= q
+    kept = 0
+    for _ in range(total):
+        prefetch(last_used, qrow[ahead] if qrow[ahead] < size and qrow[ahead] >= 0 else 0)
+        ahead += 1
+        if ahead == q:
+            ahead = 0
         r = qrow[p]
-        if r < size and last_used[r] == qstep[p]:
-            o = w % q
+        st = qstep[p]
+        if r < size and last_used[r] == st:
             qrow[o] = r
-            qstep[o] = qstep[p]
-            w += 1
-    qht[1] = w
+            qstep[o] = st
+            kept += 1
+            o += 1
+            if o == q:
+                o = 0
+        p += 1
+        if p == q:
+            p = 0
+    qht[1] = qht[0] + kept
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _enqueue(qrow, qstep, qht, last_used, size, r, step):
+@njit(nogil=True, cache=True)
+def _enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
+    """Append ``rows[:n]`` (in order) to the recency queue with entry step ``step``; compacts when full.
+
+    Equivalent to ``_enqueue`` of each row in turn, without a division per entry."""
     q = qrow.shape[0]
-    if qht[1] - qht[0] >= q:
-        _compact(qrow, qstep, qht, last_used, size)
-    p = qht[1] % q
-    qrow[p] = r
-    qstep[p] = step
-    qht[1] += 1
+    done = 0
+    while done < n:
+        free = q - (qht[1] - qht[0])
+        if free == 0:
+            _compact(qrow, qstep, qht, last_used, size)
+            free = q - (qht[1] - qht[0])
+        m = min(free, n - done)
+        p = qht[1] % q
+        for i in range(done, done + m):
+            qrow[p] = rows[i]
+            qstep[p] = step
+            p += 1
+            if p == q:
+                p = 0
+        qht[1] += m
+        done += m
 
 
 @njit(nogil=True, cache=True)
@@ -280,14 +309,17 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
     n = ids.shape[0]
     find_many(ids, index, keys, rows)
     # recency first, so that rows of this batch are not the least recent when new rows evict
+    created = np.empty(n, dtype=np.int32)  # first the rows touched (queued in one go), then the rows created
+    nt = 0
     for t in range(n):
         if t + PR < n and rows[t + PR] >= 0:
             prefetch(last_used, rows[t + PR])
         r = rows[t]
         if r >= 0 and last_used[r] != step:
             last_used[r] = step
-            _enqueue(qrow, qstep, qht, last_used, counters[0], r, step)
-    created = np.empty(n, dtype=np.int32)
+            created[nt] = r
+            nt += 1
+    _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nt, step)
     nc = 0
     for t in range(n):
         if rows[t] != -1:
@@ -332,8 +364,10 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
         created[nc] = r
         nc += 1
         last_used[r] = step
-        _enqueue(qrow, qstep, qht, last_used, counters[0], r, step)
         rows[t] = r
+    # queued after all evictions of this batch: a row created now must not be taken back by one of them (the
+    # head never reaches these entries before the batch ends, exactly as if each had been queued at once)
+    _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nc, step)
     if fill:
         d = out.shape[1]
         for t in range(n):
