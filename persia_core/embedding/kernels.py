@@ -527,11 +527,20 @@ def dedup(ids):
 def segment_sum(ids, grads):
     """Sum the gradient rows of repeated IDs: ``ids: uint64[N]``, ``grads: float32[N, D]`` ->
     (``uint64[U]`` unique IDs in first-seen order, ``float32[U, D]`` summed rows, whether every gradient value
-    was finite: checked in the same pass, so a push holding inf or NaN can be refused before anything applies)."""
+    was finite: checked in the same pass, so a push holding inf or NaN can be refused before anything applies).
+
+    When the IDs are already distinct (an embedding worker's push is deduplicated), ``grads`` itself is returned
+    as the summed rows: no copy."""
     uniq, inverse = dedup(ids)
     d = grads.shape[1]
-    out = np.zeros((uniq.shape[0], d), dtype=np.float32)
     finite = True
+    if uniq.shape[0] == ids.shape[0]:
+        bad = 0
+        for t in range(ids.shape[0]):
+            for j in range(d):
+                bad |= not np.isfinite(grads[t, j])
+        return uniq, grads, bad == 0
+    out = np.zeros((uniq.shape[0], d), dtype=np.float32)
     for t in range(ids.shape[0]):
         u = inverse[t]
         for j in range(d):

@@ -137,13 +137,17 @@ def test_memory_budget_fixes_capacity_and_bytes_per_row():
     assert bytes_per_row("rowwise_adagrad", 16, cap) <= 1.5 * raw
 
 
-def test_non_finite_gradient_is_refused():
+@pytest.mark.parametrize("ids", [(1, 2, 3), (1, 2, 1)], ids=["distinct", "repeated"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_gradient_is_refused_and_nothing_is_applied(ids, bad):
+    # distinct IDs take the no-copy path of the gradient sum, repeated ones the summing path: both check
     t = EmbeddingTable(D, OptimizerConfig(), capacity=1024)
-    t.lookup(_ids(1))
-    g = np.zeros((1, D), np.float32)
-    g[0, 0] = np.inf
+    before = t.lookup(_ids(1, 2, 3)).copy()
+    g = np.ones((3, D), np.float32)
+    g[2, D - 1] = bad
     with pytest.raises(ValueError, match="inf or NaN"):
-        t.apply_gradients(_ids(1), g)
+        t.apply_gradients(_ids(*ids), g)
+    np.testing.assert_array_equal(t.lookup_readonly(_ids(1, 2, 3)), before)
 
 
 def test_eviction_never_takes_a_row_looked_up_in_the_same_batch():
