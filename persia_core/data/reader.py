@@ -40,7 +40,7 @@ class ParquetExamples:
         slots: slot names to read (``slot_<name>`` columns).
 
     Attributes: ``labels float32[R]``, ``dense float32[R, F]``, ``ids[slot] = (uint64[n], int64[R+1])``,
-    ``ts int64[R]``.
+    ``ts int64[R]``; ``fixed uint64[S, R]`` when every slot has exactly one ID per row (else None).
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a missing column.
     """
 
@@ -74,6 +74,13 @@ class ParquetExamples:
         for s, (v, _) in self.ids.items():
             if v.dtype != np.uint64:
                 self.ids[s] = (v.astype(np.uint64), self.ids[s][1])
+        # one ID per row in every slot (Criteo-style one-hot features): the IDs are held as one matrix
+        # ``uint64[S, R]`` and a batch is a single gather (``ids[slot]`` become views of its rows)
+        self.fixed: np.ndarray | None = None
+        one = np.arange(self.num_rows + 1, dtype=np.int64)
+        if slots and all(np.array_equal(self.ids[s][1], one) for s in slots):
+            self.fixed = np.stack([self.ids[s][0] for s in slots])
+            self.ids = {s: (self.fixed[i], one) for i, s in enumerate(slots)}
 
     def __len__(self) -> int:
         return self.num_rows
@@ -81,6 +88,10 @@ class ParquetExamples:
     def batch(self, rows: np.ndarray) -> Batch:
         """The examples ``rows: int64[B]`` as a ``Batch`` (slots in ``self.slots`` order)."""
         rows = np.asarray(rows, dtype=np.int64)
+        if self.fixed is not None:
+            values = self.fixed[:, rows].reshape(-1)  # slot-major, as below
+            ids = IdBatch(self.slots, values, np.arange(len(values) + 1, dtype=np.int64), len(rows))
+            return Batch(ids, self.dense[rows], self.labels[rows])
         vals, offs, total = [], [np.zeros(1, dtype=np.int64)], 0
         for s in self.slots:
             v, o = jagged_take(*self.ids[s], rows)

@@ -211,6 +211,28 @@ def test_worker_leaves_nothing_frozen_so_its_model_and_pipeline_are_freed_before
     assert not [o for o in gc.get_objects() if isinstance(o, HybridTrainPipeline)]
 
 
+@pytest.mark.parametrize("slots", [["a", "b"], ["a", "tags", "b"]], ids=["one-hot", "multi-hot"])
+def test_parquet_batches_hold_each_rows_ids_slot_major_on_both_paths(tmp_path, slots):
+    # one-hot slots take the one-gather path (ids held as a matrix); a multi-hot slot the jagged path
+    import pyarrow.parquet as pq
+
+    from persia_core.data import schema as S
+
+    data = write_dataset(str(tmp_path / "data"), rows=120, shards=2)
+    files = shard_files(data, "train")
+    ex = ParquetExamples(files, slots)
+    assert (ex.fixed is not None) == ("tags" not in slots)
+    table = [r for f in files for r in pq.read_table(f).to_pylist()]
+    rows = np.array([5, 0, 119, 5, 64, 63])
+    b = ex.batch(rows)
+    assert b.ids.keys == slots and b.ids.batch_size == len(rows)
+    bags = [b.ids.values[b.ids.offsets[i]:b.ids.offsets[i + 1]].tolist() for i in range(len(slots) * len(rows))]
+    assert bags == [table[r][S.slot_column(s)] for s in slots for r in rows]
+    np.testing.assert_array_equal(b.labels, [table[r][S.LABEL] for r in rows])
+    np.testing.assert_array_equal(b.dense[:, 0], np.float32([table[r][S.DENSE][0] for r in rows]))
+    assert ex.batch(np.zeros(0, np.int64)).ids.values.shape == (0,)
+
+
 def test_fp16_gradient_overflow_never_reaches_a_server():
     from persia_core.train.hybrid import grads_to_host
 
