@@ -63,21 +63,54 @@ def prefetch(typingctx, arr, idx):
 def find_many(ids, index, keys, out):
     """``out[t]`` = row of ``ids[t]`` or -1, for ``ids: uint64[N]``, ``out: int32[N]``.
 
-    Two prefetched passes: read every ID's home slot (prefetched ``PF`` IDs ahead), then check the key of its
-    row (prefetched likewise) and fall back to a full probe only on a collision."""
+    Prefetched passes, so that the cache misses of independent IDs overlap: read every ID's home slot (prefetched
+    ``PF`` IDs ahead), then check the key of its row (prefetched likewise). The IDs whose home slot holds another
+    key (about 9% at the index's usual load of 0.6) go on a list that is walked one slot further per round, the
+    keys again prefetched ahead, instead of each probing on alone (two misses in a row per step)."""
     shift = shift_of(index)
+    mask = index.shape[0] - 1
     n = ids.shape[0]
     for t in range(n):
         if t + PF < n:
             prefetch(index, _home(ids[t + PF], shift))
         out[t] = index[_home(ids[t], shift)]
+    pend_t = np.empty(0, dtype=np.int32)
+    pend_i = np.empty(0, dtype=np.int64)
+    m = 0
     for t in range(n):
         if t + PF < n and out[t + PF] >= 0:
             prefetch(keys, out[t + PF])
         r = out[t]
-        if r >= 0 and keys[r] == ids[t]:
-            continue
-        out[t] = find(index, keys, shift, ids[t])
+        if r < 0 or keys[r] == ids[t]:
+            continue  # an empty home slot: absent
+        if m == pend_t.shape[0]:
+            grown = max(1024, 2 * m)
+            pt, pi = np.empty(grown, dtype=np.int32), np.empty(grown, dtype=np.int64)
+            pt[:m] = pend_t[:m]
+            pi[:m] = pend_i[:m]
+            pend_t, pend_i = pt, pi
+        pend_t[m] = t
+        pend_i[m] = (_home(ids[t], shift) + 1) & mask
+        m += 1
+    while m > 0:
+        k = 0
+        for j in range(m):
+            if j + PR < m:
+                ahead = index[pend_i[j + PR]]
+                if ahead >= 0:
+                    prefetch(keys, ahead)
+            t = pend_t[j]
+            i = pend_i[j]
+            r = index[i]
+            if r == -1:
+                out[t] = -1
+            elif keys[r] == ids[t]:
+                out[t] = r
+            else:  # still another key: one slot further next round (the list shrinks in place)
+                pend_t[k] = t
+                pend_i[k] = (i + 1) & mask
+                k += 1
+        m = k
 
 
 @njit(nogil=True, cache=True, inline="always")

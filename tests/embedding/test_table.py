@@ -309,3 +309,23 @@ def test_eviction_and_expiry_follow_a_reference_lru_over_many_batches():
     sd = t.state_dict()
     assert len(set(sd["keys"].tolist())) == len(sd["keys"])
     assert (sd["acc"] > 0).all()
+
+
+def test_find_rows_at_full_index_load_matches_a_dict_for_present_absent_and_repeated_ids():
+    # at the index's highest load (0.75) long probe runs are common: every ID that is not in its home slot goes
+    # through the kernel's round-by-round walk
+    from persia_core.embedding import kernels as K
+    from persia_core.embedding.table import aligned_array
+
+    rng = np.random.default_rng(3)
+    keys = np.unique(rng.integers(0, 2**64 - 1, 12_288, dtype=np.uint64, endpoint=True))
+    keys = np.concatenate([keys, _ids(0, 2**63, 2**64 - 1)])
+    index = aligned_array(16_384, np.int32, -1)
+    K.rebuild_index(index, keys, K.shift_of(index), len(keys))
+    absent = rng.integers(0, 2**64 - 1, 5_000, dtype=np.uint64, endpoint=True)
+    query = np.concatenate([keys, absent, keys[::7], keys[::-3]])
+    query = query[rng.permutation(len(query))]
+    row = {int(k): r for r, k in enumerate(keys)}
+    expected = np.array([row.get(int(q), -1) for q in query], np.int32)
+    np.testing.assert_array_equal(K.find_rows(query, index, keys), expected)
+    assert (expected >= 0).sum() > len(keys)  # repeats present
