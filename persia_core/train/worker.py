@@ -221,6 +221,10 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
         io.write_bytes(io.join(out_dir, "dense.pt"), buf.getvalue())
         io.write_text(io.join(out_dir, "train_metrics.json"), json.dumps(history))
+    # free the DDP model and the pipeline (reference cycles) now, so that the process group they hold can really be
+    # destroyed by the caller's destroy_process_group, whoever the caller is
+    del pipe, net
+    gc.collect()
     return history
 
 
