@@ -240,6 +240,8 @@ def _enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
         if free == 0:
             _compact(qrow, qstep, qht, last_used, size)
             free = q - (qht[1] - qht[0])
+            if free == 0:  # cannot happen (live entries <= rows < queue size); never loop forever
+                raise ValueError("recency queue full of live entries")
         m = min(free, n - done)
         p = qht[1] % q
         for i in range(done, done + m):
