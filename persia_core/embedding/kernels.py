@@ -232,7 +232,8 @@ def _compact(qrow, qstep, qht, last_used, size):
 def _enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
     """Append ``rows[:n]`` (in order) to the recency queue with entry step ``step``; compacts when full.
 
-    Equivalent to ``_enqueue`` of each row in turn, without a division per entry."""
+    One sequential write per entry (positions advance with a wrap check, no division per entry); the result is
+    the same as appending the rows one at a time, compacting whenever the ring is full."""
     q = qrow.shape[0]
     done = 0
     while done < n:
