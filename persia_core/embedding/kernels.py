@@ -60,6 +60,44 @@ def prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
+@intrinsic
+def stream64(typingctx, dst, i, src, r, c):
+    """``dst[i, 16c:16c+16] = src[r, 16c:16c+16]`` (float32) with one 64-byte non-temporal store.
+
+    ``dst[i, 16c]`` must be 64-byte aligned and all indices in range (no bounds checks). Non-temporal stores are
+    weakly ordered: end a pass of them with ``store_fence``."""
+    sig = types.void(dst, i, src, r, c)
+
+    def codegen(context, builder, signature, args):
+        dty, ity, sty, rty, cty = signature.args
+        d = context.make_array(dty)(context, builder, args[0])
+        s = context.make_array(sty)(context, builder, args[2])
+        col = builder.mul(context.cast(builder, args[4], cty, types.intp), ir.Constant(ir.IntType(64), 16))
+        ii = context.cast(builder, args[1], ity, types.intp)
+        rr = context.cast(builder, args[3], rty, types.intp)
+        dp = cgutils.get_item_pointer(context, builder, dty, d, [ii, col], wraparound=False, boundscheck=False)
+        sp = cgutils.get_item_pointer(context, builder, sty, s, [rr, col], wraparound=False, boundscheck=False)
+        vt = ir.VectorType(ir.FloatType(), 16)
+        v = builder.load(builder.bitcast(sp, vt.as_pointer()), align=4)
+        st = builder.store(v, builder.bitcast(dp, vt.as_pointer()), align=64)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """A full memory fence (orders earlier non-temporal stores before anything after it)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
 def find_many(ids, index, keys, out):
     """``out[t]`` = row of ``ids[t]`` or -1, for ``ids: uint64[N]``, ``out: int32[N]``.
@@ -320,7 +358,7 @@ def rebuild_index(index, keys, shift, size):
 
 @njit(nogil=True, cache=True)
 def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capacity, step, last_used,
-           seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows):
+           seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows, stream):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
@@ -330,7 +368,7 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
     ``counters``: int64[4] = [size, evictions, inserts, misses]. Returns the rows created (``int32[n]``),
     whose optimizer state the caller resets; ``rows: int32[N]`` receives each ID's row (-1: none).
     ``fill=False`` (16-bit storage): neither initialize created rows nor copy rows into ``out``; the caller
-    does both from ``rows`` (``weights`` is then unused).
+    does both from ``rows`` (``weights`` is then unused). ``stream``: as in ``gather_rows``.
 
     Feature admission (PERSIA's ``admit_probability``; sightings as in count-based admission): an unseen ID
     gets a row only if ``admit_after == 0`` or it has now been seen ``admit_after`` times (counted in ``sketch``,
@@ -407,18 +445,37 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
     # head never reaches these entries before the batch ends, exactly as if each had been queued at once)
     _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nc, step)
     if fill:
-        d = out.shape[1]
-        for t in range(n):
-            if t + PL < n and rows[t + PL] >= 0:
-                prefetch(weights, rows[t + PL])
-            r = rows[t]
-            if r >= 0:
+        gather_rows(weights, rows, out, stream)
+    return created[:nc]
+
+
+@njit(nogil=True, cache=True)
+def gather_rows(weights, rows, out, stream):
+    """``out[t] = weights[rows[t]]`` (zeros where ``rows[t] < 0``) for ``weights: float32[R, D]``,
+    ``rows: int32[N]``, ``out: float32[N, D]``; rows prefetched ``PL`` ahead.
+
+    ``stream=True`` (only when ``out`` starts on a 64-byte boundary and ``D`` is a multiple of 16): rows are written
+    with 64-byte non-temporal stores, so the output (64 MB for 1M IDs at dim 16, far beyond the caches) is not
+    first read into the cache only to be overwritten (measured: a 1M-row gather 4.9 -> 2.5 ms into an existing
+    output); a store fence ends the pass."""
+    n = rows.shape[0]
+    d = out.shape[1]
+    for t in range(n):
+        if t + PL < n and rows[t + PL] >= 0:
+            prefetch(weights, rows[t + PL])
+        r = rows[t]
+        if r >= 0:
+            if stream:
+                for c in range(d // 16):
+                    stream64(out, t, weights, r, c)
+            else:
                 for j in range(d):  # an element loop: a slice assignment builds two array views per row
                     out[t, j] = weights[r, j]
-            else:
-                for j in range(d):
-                    out[t, j] = 0.0
-    return created[:nc]
+        else:
+            for j in range(d):
+                out[t, j] = 0.0
+    if stream:
+        store_fence()
 
 
 @njit(nogil=True, cache=True)

@@ -129,6 +129,11 @@ def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: st
             / capacity)
 
 
+def _streamable(out: np.ndarray) -> bool:
+    """Whether ``out: float32[N, D]`` can take 64-byte non-temporal row stores (``kernels.gather_rows``)."""
+    return out.ctypes.data % CACHE_LINE == 0 and out.shape[1] % 16 == 0 and out.flags.c_contiguous
+
+
 class EmbeddingTable:
     """Feature ID -> embedding row and optimizer state, in contiguous arrays, with LRU eviction at capacity.
 
@@ -238,7 +243,7 @@ class EmbeddingTable:
             created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.qrow,
                                self.qstep, self.qht, self.counters, self.capacity, self.step, self.last_used,
                                self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
-                               self.sketch, self.refused, fill, rows)
+                               self.sketch, self.refused, fill, rows, _streamable(out))
             self._reset_state(created)
             if not fill:
                 if len(created):
@@ -275,12 +280,15 @@ class EmbeddingTable:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         with self.lock:
             rows = K.find_rows(ids, self.index, self.keys)
-            out = np.empty((len(ids), self.dim), dtype=np.float32)
+            out = aligned_array((len(ids), self.dim), np.float32)
             self._gather(rows, out)
         return out
 
     def _gather(self, rows: np.ndarray, out: np.ndarray) -> None:
-        """``out[t] = row rows[t]`` as float32, zeros where ``rows[t] < 0`` (vectorized)."""
+        """``out[t] = row rows[t]`` as float32, zeros where ``rows[t] < 0`` (compiled for fp32 storage)."""
+        if self.storage == "fp32":
+            K.gather_rows(self.weights, rows, out, _streamable(out))
+            return
         out[:] = decode(self.weights[np.maximum(rows, 0)], self.storage)
         out[rows < 0] = 0.0
 

@@ -329,3 +329,34 @@ def test_find_rows_at_full_index_load_matches_a_dict_for_present_absent_and_repe
     expected = np.array([row.get(int(q), -1) for q in query], np.int32)
     np.testing.assert_array_equal(K.find_rows(query, index, keys), expected)
     assert (expected >= 0).sum() > len(keys)  # repeats present
+
+
+@pytest.mark.parametrize("dim", [16, 48, 64])
+def test_lookups_copy_each_ids_own_row_on_the_streaming_store_path(dim):
+    # dims that are multiples of 16 are written with 64-byte non-temporal stores into a cache-line-aligned output;
+    # the reference is the table's own rows, fetched by row number in numpy
+    from persia_core.embedding import kernels as K
+    from persia_core.embedding.table import aligned_array
+
+    t = EmbeddingTable(dim, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 5_000, 0.5, 0)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 2**64 - 1, 3_000, dtype=np.uint64, endpoint=True)
+    ids = np.concatenate([ids, ids[::3], _ids(0, 2**63, 2**64 - 1)])
+    first = t.lookup(ids)
+    t.apply_gradients(ids[:500], np.ones((500, dim), np.float32))
+    rows = K.find_rows(ids, t.index, t.keys)
+    assert (rows >= 0).all()
+    np.testing.assert_array_equal(t.lookup(ids), t.weights[rows])
+    np.testing.assert_array_equal(first[-3:], t.weights[rows[-3:]])  # IDs 0, 2^63, 2^64-1: untouched since made
+    absent = rng.integers(0, 2**64 - 1, 100, dtype=np.uint64, endpoint=True)
+    ro = t.lookup_readonly(np.concatenate([ids[:50], absent]))
+    np.testing.assert_array_equal(ro[:50], t.weights[rows[:50]])
+    assert not ro[50:].any()
+    # the kernel itself: streamed and plain stores write the same bytes, zeros for rows < 0
+    probe = np.concatenate([rows[:200], np.full(7, -1, np.int32)])
+    streamed, plain = aligned_array((len(probe), dim), np.float32), np.full((len(probe), dim), np.nan, np.float32)
+    K.gather_rows(t.weights, probe, streamed, True)
+    K.gather_rows(t.weights, probe, plain, False)
+    np.testing.assert_array_equal(streamed, plain)
+    np.testing.assert_array_equal(plain[:200], t.weights[rows[:200]])
+    assert not plain[200:].any()
