@@ -26,6 +26,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 FIB = np.uint64(0x9E3779B97F4A7C15)
@@ -66,6 +67,8 @@ def stream64(typingctx, dst, i, src, r, c):
 
     ``dst[i, 16c]`` must be 64-byte aligned and all indices in range (no bounds checks). Non-temporal stores are
     weakly ordered: end a pass of them with ``store_fence``."""
+    if dst.dtype != types.float32 or src.dtype != types.float32 or dst.ndim != 2 or src.ndim != 2:
+        raise TypingError("stream64 copies between 2-D float32 arrays only")
     sig = types.void(dst, i, src, r, c)
 
     def codegen(context, builder, signature, args):
