@@ -339,6 +339,37 @@ def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
     return settings
 
 
+def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) -> None:
+    """Raise ``ValueError`` naming the slots of ``config`` that the preprocessed data in ``data_dir`` (its
+    ``schema``) does not hold, before any process starts."""
+    missing = [s.name for s in config.slots if s.name not in schema.get("slots", [])]
+    if missing:
+        raise ValueError(f"{io.join(data_dir, 'schema.json')}: the data has no slot(s) {missing} of the run "
+                         f"config; it holds {schema.get('slots', [])} (was it preprocessed with another config?)")
+
+
+def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> None:
+    """Raise ``ValueError`` when the shard plan of ``init_dir`` was made for another shard count or other
+    embedding tables than ``config`` has: its shard files route feature IDs by ``hash % num_shards`` and hold
+    rows of the planned dims, so serving them under another layout would misplace or lose rows."""
+    where = io.join(init_dir, "shard_plan.json")
+    n = config.embedding.num_shards
+    if int(plan.get("num_shards", n)) != n:
+        raise ValueError(f"{where}: the initial shards were planned for {plan['num_shards']} shards, but "
+                         f"embedding.num_shards is {n}; run init-shards again with embedding.num_shards={n} "
+                         f"(it re-shards a warm start), or train with embedding.num_shards={plan['num_shards']}")
+    planned = plan.get("tables", {})
+    for t in config.embedding.tables:
+        p = planned.get(t.name)
+        if p is None:
+            raise ValueError(f"{where}: no embedding table {t.name!r} in the plan (it has {sorted(planned)}); "
+                             f"run init-shards again with this config")
+        for field, have in (("dim", t.dim), ("optimizer", t.optimizer.name)):
+            if p.get(field, have) != have:
+                raise ValueError(f"{where}: table {t.name!r} was planned with {field} {p[field]!r}, but the config "
+                                 f"has {have!r}; run init-shards again with this config")
+
+
 def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", work_dir: str = "",
           checkpoint=None, resume_from: str = "auto", delta_every_s: float = 0.0, delta_dir: str = "") -> dict:
     """Run hybrid training with ``embedding.num_shards`` parameter servers and ``trainer.num_workers`` NN
@@ -353,12 +384,29 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
             config has it, else off) to ``delta_dir`` (default ``<model_dir>/deltas``).
 
     Returns the manifest. Raises ``TrainingFailed`` when a process fails, ``CheckpointError`` when the checkpoint
-    named by ``resume_from`` is refused or belongs to another run, ``FileNotFoundError`` for missing inputs."""
+    named by ``resume_from`` is refused or belongs to another run, ``FileNotFoundError`` for missing inputs
+    (``data_dir``'s schema, ``init_dir``, ``resume_from``), ``ValueError`` when the config does not match the data
+    or the shard plan of ``init_dir`` (checked before anything is written or started)."""
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
     from persia_core.train import checkpoint as ckpt
 
     schema = read_schema(data_dir)
+    check_config_matches_data(config, schema, data_dir)
+    settings = checkpoint_settings(config, model_dir, checkpoint)
+    if resume_from not in ("", "auto") and not io.exists(resume_from):
+        raise FileNotFoundError(f"resume_from {resume_from}: no such checkpoint folder")
+    plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
+    plan = {}
+    if init_dir:
+        if not io.exists(plan_path):
+            raise FileNotFoundError(f"init_dir {init_dir}: " + (
+                "not an init_shards output (no shard_plan.json)" if io.exists(init_dir) else "no such folder"))
+        plan = json.loads(io.read_text(plan_path))
+        # a checkpoint to resume from brings its own shards (re-sharded to any count); the init shards do not
+        resuming = resume_from not in ("", "auto") or (resume_from == "auto" and ckpt.list_checkpoints(settings.dir))
+        if not resuming:
+            check_plan_matches_config(plan, config, init_dir)
     io.makedirs(model_dir)
     own_work_dir = not work_dir
     work_dir = work_dir or tempfile.mkdtemp(prefix="persia-train-")
@@ -366,12 +414,7 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     cfg_path = os.path.join(work_dir, "run_config.yaml")
     with open(cfg_path, "w") as f:
         f.write(config.to_yaml())
-    plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
-    if plan_path and not io.exists(plan_path):
-        plan_path = ""
-    plan = json.loads(io.read_text(plan_path)) if plan_path else {}
     n, m = config.embedding.num_shards, config.trainer.num_workers
-    settings = checkpoint_settings(config, model_dir, checkpoint)
     info = ckpt.lineage(config, data_dir)
     lineage_path = os.path.join(work_dir, "lineage.json")
     with open(lineage_path, "w") as f:

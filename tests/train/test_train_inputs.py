@@ -1,0 +1,92 @@
+"""Training refuses inputs that do not fit together before it writes or starts anything."""
+
+import json
+import os
+import tempfile
+
+import pytest
+
+from persia_core.__main__ import main
+from persia_core.config import RunConfig
+from persia_core.embedding.plan import init_shards
+from persia_core.train.launcher import train
+from tests.support import tiny_config, write_dataset
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_dataset(str(tmp_path / "data"))
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch):
+    """Temporary folders go under tmp_path/tmp, so a test sees whether training left one behind."""
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def _refused(cfg, data, tmp_path, scratch, exc, **kw):
+    model = tmp_path / "model"
+    with pytest.raises(exc) as e:
+        train(cfg, data, str(model), **kw)
+    assert not model.exists()  # nothing written ...
+    assert not os.listdir(scratch)  # ... and no temporary work folder left behind
+    return str(e.value)
+
+
+def test_init_shards_planned_for_another_shard_count_are_refused_naming_both_counts(tmp_path, data, scratch):
+    init = str(tmp_path / "init3")
+    init_shards(tiny_config().with_overrides({"embedding.num_shards": 3}), data, init)
+    msg = _refused(tiny_config(), data, tmp_path, scratch, ValueError, init_dir=init)  # the config says 2
+    assert "shard_plan.json" in msg and "planned for 3 shards" in msg and "embedding.num_shards is 2" in msg
+
+
+def test_init_shards_of_another_embedding_dim_are_refused(tmp_path, data, scratch):
+    init = str(tmp_path / "init")
+    init_shards(tiny_config(), data, init)
+    cfg = tiny_config().with_overrides({"embedding.tables": [
+        {"name": "default", "dim": 8, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}]})
+    msg = _refused(cfg, data, tmp_path, scratch, ValueError, init_dir=init)
+    assert "table 'default' was planned with dim 4" in msg and "8" in msg
+
+
+def test_a_missing_init_folder_and_a_folder_that_is_no_init_output_are_refused(tmp_path, data, scratch):
+    msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError, init_dir=str(tmp_path / "nope"))
+    assert "nope" in msg and "no such folder" in msg
+    (tmp_path / "empty").mkdir()
+    msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError, init_dir=str(tmp_path / "empty"))
+    assert "not an init_shards output" in msg
+
+
+def test_a_config_whose_slots_the_data_lacks_is_refused_naming_them(tmp_path, data, scratch):
+    d = tiny_config().to_dict()  # a config for data with a column C1, which this data was not made from
+    d["layout"]["columns"].append("C1")
+    d["slots"] = [{"name": "a", "source": "a"}, {"name": "C1", "source": "C1"}]
+    cfg = RunConfig.from_dict(d)
+    msg = _refused(cfg, data, tmp_path, scratch, ValueError)
+    assert "schema.json" in msg and "['C1']" in msg and "'tags'" in msg
+
+
+def test_resuming_from_a_checkpoint_folder_that_does_not_exist_is_refused(tmp_path, data, scratch):
+    msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError,
+                   resume_from=str(tmp_path / "ckpt-none"))
+    assert "ckpt-none" in msg and "no such checkpoint folder" in msg
+
+
+def test_the_cli_exits_2_for_a_shard_count_mismatch_and_a_missing_init(tmp_path, data, scratch, capsys):
+    with open(os.path.join(data, "run_config.yaml"), "w") as f:  # as preprocess leaves it
+        f.write(tiny_config().to_yaml())
+    init = str(tmp_path / "init3")
+    assert main(["init-shards", "--data", data, "--output", init, "--set", "embedding.num_shards=3"]) == 0
+    capsys.readouterr()
+    out = str(tmp_path / "m")
+    assert main(["train", "--data", data, "--init", init, "--output", out, "--set", "embedding.num_shards=2"]) == 2
+    assert "planned for 3 shards" in capsys.readouterr().err
+    assert main(["train", "--data", data, "--init", str(tmp_path / "no-such"), "--output", out]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert not os.path.exists(out)
+    # the matching count trains, from the init folder's own config
+    assert main(["train", "--data", data, "--init", init, "--output", out]) == 0
+    assert len(json.loads(capsys.readouterr().out)["summary"]["rows"]) == 3
