@@ -153,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = the config's value)")
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
-    try:  # bad configs fail here, with the offending key, before any pipeline task starts
+    try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
         from persia_core.config import load_config
 
-        load_config(args.config)
+        cfg = load_config(args.config)
+        if "://" not in args.data:
+            from persia_core.preprocess.pipeline import resolve_inputs
+
+            resolve_inputs(cfg, os.path.abspath(args.data))
     except (ValueError, FileNotFoundError) as e:
         print(f"run_local: {e}", file=sys.stderr)
         return 2

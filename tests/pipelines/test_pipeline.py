@@ -57,16 +57,33 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capsys, mo
 @pytest.mark.timeout(120)
 def test_kfp_local_failure_names_the_error_and_keeps_the_whole_output_in_a_log(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
-    rc = run_local(["--data", str(tmp_path / "no-such-data"), "--pipeline-root", str(tmp_path / "out")])
+    data = tmp_path / "garbled"  # the files exist, so the run starts; every rating is malformed
+    data.mkdir()
+    (data / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "x,y,z\n" * 50)
+    (data / "movies.csv").write_text("movieId,title,genres\n1,Toy Story (1995),Animation\n")
+    (data / "tags.csv").write_text("userId,movieId,tag,timestamp\n")
+    rc = run_local(["--data", str(data), "--pipeline-root", str(tmp_path / "out")])
     assert rc == 1
     out, err = capfd.readouterr()
     assert "preprocess: running" in out and "preprocess: failure" in out  # one line per task on the terminal
     assert "Got executor_input" not in out  # kfp.local's own output is not (the tail on stderr has it)
-    assert "the pipeline failed" in err and "ratings file" in err and "not found" in err  # the task's own error
+    assert "the pipeline failed" in err and "malformed" in err and "ratings.csv" in err  # the task's own error
     logs = os.listdir(tmp_path / "out" / "logs")
     assert len(logs) == 1
     text = open(tmp_path / "out" / "logs" / logs[0]).read()
-    assert "Executing task" in text and "FileNotFoundError" in text  # kfp.local's output went to the log
+    assert "Executing task" in text and "malformed" in text  # kfp.local's output went to the log
+
+
+def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert run_local(["--data", str(tmp_path / "no-such-data"), "--pipeline-root", str(tmp_path / "out")]) == 2
+    out, err = capfd.readouterr()
+    assert "run_local: preprocess: MovieLens ratings file" in err and "no-such-data" in err and "not found" in err
+    assert len(err.strip().splitlines()) == 1 and not out  # one line, no task output, no traceback
+    assert not (tmp_path / "out").exists()
+    rc = run_local(["--data", str(tmp_path / "none-*.tsv"), "--config", "criteo", "--pipeline-root",
+                    str(tmp_path / "out")])
+    assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
 def test_run_local_reports_its_own_run_when_another_shares_the_pipeline_root(tmp_path):
