@@ -210,7 +210,8 @@ class LocalCluster:
             first = dead[0]
             others = "".join(f"; {p.name} (pid {p.popen.pid}) {p.how()}" for p in dead[1:])
             raise TrainingFailed(f"{first.name} (pid {first.popen.pid}) {first.how()}{others}; last log lines of "
-                                 f"{first.name}:\n{first.tail()}")
+                                 f"{first.name} (all logs kept in {os.path.dirname(first.log_path)}):\n"
+                                 f"{first.tail()}")
 
     def check(self) -> None:
         """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""

@@ -200,6 +200,7 @@ def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_t
     raised_at = time.monotonic()
     killer.join()
     assert "last log lines" in str(err.value)
+    assert f"all logs kept in {os.path.join(work, 'logs')}" in str(err.value)  # where to look, named
     assert raised_at - box["killed_at"] < 60
     assert _children(work) == []
 
