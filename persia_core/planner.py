@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 
@@ -146,15 +147,19 @@ class PlanInputs:
     image: str = "IMAGE_URI"
 
     def __post_init__(self) -> None:
-        checks = {"rows": self.rows >= 1, "dim": self.dim >= 1, "vm_ram_tb": self.vm_ram_tb > 0,
-                  "usable": 0 < self.usable <= 1, "process_overhead_gb": self.process_overhead_gb >= 0,
-                  "batch_size": self.batch_size >= 1, "throughput": self.throughput > 0,
-                  "samples_per_gpu": self.samples_per_gpu > 0, "gpus_per_vm": self.gpus_per_vm >= 1,
-                  "ids_per_sample": self.ids_per_sample > 0, "unique_fraction": 0 < self.unique_fraction <= 1,
-                  "dense_params": self.dense_params >= 0, "nic_gbps": self.nic_gbps > 0}
-        for name, ok in checks.items():
-            if not ok:
-                raise ValueError(f"planner: invalid {name}={getattr(self, name)!r}")
+        checks = {"rows": (self.rows >= 1, ">= 1"), "dim": (self.dim >= 1, ">= 1"),
+                  "vm_ram_tb": (self.vm_ram_tb > 0, "> 0"), "usable": (0 < self.usable <= 1, "in (0, 1]"),
+                  "process_overhead_gb": (self.process_overhead_gb >= 0, ">= 0"),
+                  "batch_size": (self.batch_size >= 1, ">= 1"), "throughput": (self.throughput > 0, "> 0"),
+                  "samples_per_gpu": (self.samples_per_gpu > 0, "> 0"), "gpus_per_vm": (self.gpus_per_vm >= 1, ">= 1"),
+                  "ids_per_sample": (self.ids_per_sample > 0, "> 0"),
+                  "unique_fraction": (0 < self.unique_fraction <= 1, "in (0, 1]"),
+                  "dense_params": (self.dense_params >= 0, ">= 0"), "nic_gbps": (self.nic_gbps > 0, "> 0")}
+        for name, (ok, need) in checks.items():
+            value = getattr(self, name)
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                flag = "" if name == "rows" else f" (--{name.replace('_', '-')})"
+                raise ValueError(f"planner: invalid {name}={value!r}{flag}: must be a finite number {need}")
         if self.weights not in WEIGHT_BYTES:
             raise ValueError(f"planner: weights must be one of {sorted(WEIGHT_BYTES)}, got {self.weights!r}")
         if self.optimizer not in OPTIMIZERS:
@@ -212,13 +217,27 @@ def _layouts(inp: PlanInputs) -> list[tuple[int, int, int, int]]:
 
 
 def _servers_needed(rows: int, k: int, cap: int) -> int:
-    """Servers of k shard processes of ``cap`` rows that hold ``rows`` with the routing headroom."""
-    servers = max(1, math.ceil(rows / (k * cap)))
-    while True:
+    """Servers of k shard processes of ``cap`` rows that hold ``rows`` with the routing headroom: the fewest
+    servers, from ``ceil(rows / (k cap))`` up, whose mean rows per shard plus ``SKEW_SIGMAS`` standard deviations
+    fit in ``cap``. Found by bisection (the test is monotone in the server count), so a huge ``rows`` takes
+    as long as a small one."""
+
+    def fits(servers: int) -> bool:
         mean = rows / (servers * k)
-        if mean * (1 + SKEW_SIGMAS / math.sqrt(max(mean, 1.0))) <= cap:
-            return servers
-        servers += 1
+        return mean * (1 + SKEW_SIGMAS / math.sqrt(max(mean, 1.0))) <= cap
+
+    lo = max(1, math.ceil(rows / (k * cap)))
+    if fits(lo):
+        return lo
+    # mean + s sqrt(mean) <= cap  <=>  sqrt(mean) <= (sqrt(s^2 + 4 cap) - s) / 2: a close upper estimate
+    best_mean = ((math.sqrt(SKEW_SIGMAS ** 2 + 4 * cap) - SKEW_SIGMAS) / 2) ** 2
+    hi = max(lo + 1, math.ceil(rows / (k * best_mean)))
+    while not fits(hi):
+        hi += hi - lo  # float rounding left the estimate short: widen
+    while hi - lo > 1:  # fits(hi), not fits(lo)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def plan(inp: PlanInputs) -> Plan:
@@ -315,12 +334,52 @@ def to_json(p: Plan) -> dict:
 
 
 def _count(text: str) -> float:
-    """``1e14``, ``100_000``, ``3.2T`` -> a number. ``ValueError`` otherwise."""
+    """``1e14``, ``100_000``, ``3.2T`` -> a finite number. ``ValueError`` otherwise (``inf``, ``nan`` too)."""
     s = text.strip().replace("_", "").replace(",", "")
     mult = {"k": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12, "P": 1e15}
-    if s and s[-1] in mult:
-        return float(s[:-1]) * mult[s[-1]]
-    return float(s)
+    try:
+        value = float(s[:-1]) * mult[s[-1]] if s and s[-1] in mult else float(s)
+    except ValueError:
+        raise ValueError(f"expected a number such as 1e14, 100_000 or 3.2T, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _count_arg(text: str) -> float:
+    """``_count`` for argparse: its error names the flag."""
+    try:
+        return _count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _finite_float(text: str) -> float:
+    """A finite float for argparse (``inf`` and ``nan`` refused, naming the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse a local output ``path`` that cannot be written: an existing folder, or one under a file.
+    ``ValueError`` naming ``flag`` and the path. (``gs://`` paths are not checked here.)"""
+    from persia_core import io
+
+    if io.is_gcs(path):
+        return
+    local = io.to_fuse(path) if io.is_fuse(path) else path
+    if os.path.isdir(local):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    parent = os.path.dirname(os.path.abspath(local))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: cannot create it, {parent} is a file, not a folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,28 +387,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="persia plan", description="Capacity plan: parameter servers, NN-worker "
                                 "GPUs, network bytes per step and the Vertex AI worker pools.")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=_count, help="embedding parameters (rows x dim), e.g. 1e14")
-    size.add_argument("--ids", type=_count, help="distinct feature IDs (rows) over all slots")
+    size.add_argument("--params", type=_count_arg, help="embedding parameters (rows x dim), e.g. 1e14")
+    size.add_argument("--ids", type=_count_arg, help="distinct feature IDs (rows) over all slots")
     size.add_argument("--slot", action="append", metavar="NAME=IDS",
                       help="expected distinct IDs of one slot (repeat per slot)")
     d = PlanInputs(rows=1)
     p.add_argument("--dim", type=int, default=d.dim, help="embedding dim D")
     p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default=d.weights, help="weight storage precision")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="server-side optimizer")
-    p.add_argument("--vm-ram-tb", type=float, default=d.vm_ram_tb, help="RAM of a parameter-server VM, TB")
-    p.add_argument("--usable", type=float, default=d.usable, help="share of that RAM the shards may use")
-    p.add_argument("--process-overhead-gb", type=float, default=d.process_overhead_gb,
+    p.add_argument("--vm-ram-tb", type=_finite_float, default=d.vm_ram_tb, help="RAM of a parameter-server VM, TB")
+    p.add_argument("--usable", type=_finite_float, default=d.usable, help="share of that RAM the shards may use")
+    p.add_argument("--process-overhead-gb", type=_finite_float, default=d.process_overhead_gb,
                    help="memory of a shard process besides its table, GB")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per GPU per step")
-    p.add_argument("--throughput", type=_count, default=d.throughput, help="target samples/s of the job")
-    p.add_argument("--samples-per-gpu", type=_count, default=d.samples_per_gpu, help="samples/s of one GPU")
+    p.add_argument("--throughput", type=_count_arg, default=d.throughput, help="target samples/s of the job")
+    p.add_argument("--samples-per-gpu", type=_count_arg, default=d.samples_per_gpu, help="samples/s of one GPU")
     p.add_argument("--gpus-per-vm", type=int, default=d.gpus_per_vm, help="GPUs of an NN-worker VM")
-    p.add_argument("--ids-per-sample", type=float, default=0.0,
+    p.add_argument("--ids-per-sample", type=_finite_float, default=0.0,
                    help="feature IDs per sample (default: the number of --slot, else 26 as Criteo's)")
-    p.add_argument("--unique-fraction", type=float, default=d.unique_fraction,
+    p.add_argument("--unique-fraction", type=_finite_float, default=d.unique_fraction,
                    help="share of a batch's IDs left after dedup")
-    p.add_argument("--dense-params", type=_count, default=d.dense_params, help="dense network parameters")
-    p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="network of a parameter-server VM, Gbit/s")
+    p.add_argument("--dense-params", type=_count_arg, default=d.dense_params, help="dense network parameters")
+    p.add_argument("--nic-gbps", type=_finite_float, default=d.nic_gbps,
+                   help="network of a parameter-server VM, Gbit/s")
     p.add_argument("--ps-machine-type", default=d.ps_machine_type, help="parameter-server machine type")
     p.add_argument("--gpu-machine-type", default=d.gpu_machine_type, help="NN-worker machine type")
     p.add_argument("--accelerator-type", default=d.accelerator_type, help="NN-worker accelerator")
@@ -360,9 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--dim must be >= 1, got {args.dim}")
     try:
         if args.params is not None:
+            if args.params < 1:
+                raise ValueError(f"--params must be >= 1, got {args.params:g}")
             rows = math.ceil(args.params / args.dim)
             ids_per_sample = args.ids_per_sample or 26.0
         elif args.ids is not None:
+            if args.ids < 1:
+                raise ValueError(f"--ids must be >= 1, got {args.ids:g}")
             rows = math.ceil(args.ids)
             ids_per_sample = args.ids_per_sample or 26.0
         else:
@@ -371,7 +435,12 @@ def main(argv: list[str] | None = None) -> int:
                 name, sep, value = item.partition("=")
                 if not sep or not name:
                     raise ValueError(f"--slot expects NAME=IDS, got {item!r}")
-                per_slot[name] = _count(value)
+                try:
+                    per_slot[name] = _count(value)
+                except ValueError as e:
+                    raise ValueError(f"--slot {item}: {e}") from None
+                if per_slot[name] < 1:
+                    raise ValueError(f"--slot {item}: IDS must be >= 1")
             rows = math.ceil(sum(per_slot.values()))
             ids_per_sample = args.ids_per_sample or float(len(per_slot))
         inp = PlanInputs(rows=rows, dim=args.dim, weights=args.weights, optimizer=args.optimizer,
@@ -382,13 +451,18 @@ def main(argv: list[str] | None = None) -> int:
                          nic_gbps=args.nic_gbps, ps_machine_type=args.ps_machine_type,
                          gpu_machine_type=args.gpu_machine_type, accelerator_type=args.accelerator_type,
                          image=args.image)
+        if args.json:
+            _check_writable("--json", args.json)
         result = plan(inp)
     except ValueError as e:
         p.error(str(e))
     if args.json:
         from persia_core import io
 
-        io.write_text(args.json, json.dumps(to_json(result), indent=1) + "\n")
+        try:
+            io.write_text(args.json, json.dumps(to_json(result), indent=1) + "\n")
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot write it: {e.strerror or e}")
     print(format_table(result))
     return 0
 

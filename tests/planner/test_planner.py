@@ -111,3 +111,49 @@ def test_planner_refuses_a_dim_below_one_naming_the_flag(dim, capsys):
     with pytest.raises(SystemExit) as e:
         planner.main(["--params", "1e14", "--dim", dim])
     assert e.value.code == 2 and "--dim must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, flag", [(["--params", "inf"], "--params"), (["--params", "nan"], "--params"),
+                                        (["--params", "-5"], "--params"), (["--ids", "-3"], "--ids"),
+                                        (["--slot", "user=inf"], "--slot"),
+                                        (["--params", "1e14", "--usable", "nan"], "--usable"),
+                                        (["--params", "1e14", "--vm-ram-tb", "inf"], "--vm-ram-tb"),
+                                        (["--params", "1e14", "--ids-per-sample", "-1"], "--ids-per-sample")])
+def test_planner_refuses_non_finite_or_non_positive_sizes_naming_the_flag(args, flag):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "persia_core", "plan", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    error = p.stderr.strip().splitlines()[-1]  # above it: the usage, which lists every flag
+    assert flag in error and "Traceback" not in p.stderr
+    assert "rows=" not in error  # the user gave no rows: the message speaks of the flag
+
+
+def test_planner_json_under_a_file_or_at_a_folder_exits_2_naming_the_path(tmp_path, capsys):
+    (tmp_path / "ro").write_text("a file, not a folder")
+    for target in (tmp_path / "ro" / "plan.json", tmp_path):
+        with pytest.raises(SystemExit) as e:
+            planner.main(["--params", "1e14", "--json", str(target)])
+        assert e.value.code == 2
+        assert f"--json {target}" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_planner_a_huge_model_plans_quickly_and_matches_the_linear_search():
+    import math
+    import time
+
+    t0 = time.perf_counter()
+    p = planner.plan(planner.PlanInputs(rows=10**29, dim=32))
+    assert time.perf_counter() - t0 < 10 and p.parameter_servers > 10**16
+
+    def linear(rows, k, cap):
+        servers = max(1, math.ceil(rows / (k * cap)))
+        while (m := rows / (servers * k)) * (1 + planner.SKEW_SIGMAS / math.sqrt(max(m, 1.0))) > cap:
+            servers += 1
+        return servers
+
+    for rows, k, cap in [(1, 1, 1024), (10**6, 3, 1024), (10**9, 7, 5000), (12345678901, 2, 2**20),
+                         (10**12, 1, 2**31 - 1)]:
+        assert planner._servers_needed(rows, k, cap) == linear(rows, k, cap)
