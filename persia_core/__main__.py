@@ -19,6 +19,7 @@ file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died)
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -94,12 +95,36 @@ def cmd_train(args, _extra) -> int:
     return EXIT_OK
 
 
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse a local output file ``path`` that cannot be created: an existing folder, or a path under a file.
+    ``ValueError`` naming ``flag`` and the path; ``gs://`` paths are not checked. Called before the work whose
+    result goes there."""
+    from persia_core import io
+
+    if not path or io.is_gcs(path):
+        return
+    local = io.to_fuse(path) if io.is_fuse(path) else path
+    if os.path.isdir(local):
+        raise ValueError(f"{flag} {path}: is a folder; give a file path")
+    parent = os.path.dirname(os.path.abspath(local))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: cannot be created, {parent} is a file, not a folder")
+
+
 def cmd_evaluate(args, _extra) -> int:
     from persia_core import io
-    from persia_core.evaluate.gate import bless, gate
+    from persia_core.evaluate.gate import bless, gate, read_marker
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate
 
+    # flag combinations and outputs first: the evaluation may take long
+    if args.bless and not args.blessed_dir:
+        raise ValueError("--bless needs --blessed-dir (the latest-blessed-model location to copy the model to)")
+    check_output_file("--report", args.report)
+    check_output_file("--metrics-json", args.metrics_json)
+    read_marker(args.blessed_dir)  # an unreadable BLESSED.json: refused now, naming it
     r = evaluate(args.model, args.data, batch_size=args.batch_size, user_slot=args.user_slot)
     m = r["metrics"]
     decision = gate(m, args.blessed_dir, args.min_auc, args.max_auc_drop, args.max_logloss_increase)
@@ -109,8 +134,6 @@ def cmd_evaluate(args, _extra) -> int:
     out = {"metrics": m, "user_split": r["user_split"], "coverage": r["coverage"], "report": args.report,
            "gate": {"decision": decision["decision"], "reasons": decision["reasons"]}}
     if args.bless:
-        if not args.blessed_dir:
-            raise ValueError("--bless needs --blessed-dir")
         if decision["bless"]:
             marker = bless(args.model, m, args.blessed_dir, decision)
             out["blessed_model"] = io.join(args.blessed_dir, marker["model"])
@@ -216,6 +239,21 @@ def _int_at_least(lo: int):
     return parse
 
 
+def _float_in(lo: float, hi: float | None = None):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], got {text}" if hi is not None
+                                             else f"must be a finite number >= {lo:g}, got {text}")
+        return v
+
+    parse.__name__ = f"number >= {lo:g}" if hi is None else f"number in [{lo:g}, {hi:g}]"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``persia`` and its subcommands."""
     from persia_core.evaluate import gate as G
@@ -278,15 +316,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--report", default="report.html", help="HTML report to write (default report.html)")
     sp.add_argument("--metrics-json", default="", help="also write the results as JSON to this file")
     sp.add_argument("--user-slot", default="user", help="slot that names the user, for GAUC and the "
-                                                        "seen/unseen-user split (default user; skipped if absent)")
+                                                        "seen/unseen-user split (default user, skipped when the "
+                                                        "model has no such slot; '' skips it; another name that "
+                                                        "is not a slot of the model is refused)")
     sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
     sp.add_argument("--blessed-dir", default="", help="latest-blessed-model location to compare with (local or "
                                                       "gs://); empty: only --min-auc applies")
-    sp.add_argument("--min-auc", type=float, default=G.DEFAULT_MIN_AUC,
+    sp.add_argument("--min-auc", type=_float_in(0.0, 1.0), default=G.DEFAULT_MIN_AUC,
                     help=f"gate: AUC needed at least (default {G.DEFAULT_MIN_AUC})")
-    sp.add_argument("--max-auc-drop", type=float, default=G.DEFAULT_MAX_AUC_DROP,
+    sp.add_argument("--max-auc-drop", type=_float_in(0.0), default=G.DEFAULT_MAX_AUC_DROP,
                     help=f"gate: allowed AUC drop below the blessed model's (default {G.DEFAULT_MAX_AUC_DROP})")
-    sp.add_argument("--max-logloss-increase", type=float, default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
+    sp.add_argument("--max-logloss-increase", type=_float_in(0.0), default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
                     help="gate: allowed logloss increase over the blessed model's, in nats "
                          f"(default {G.DEFAULT_MAX_LOGLOSS_INCREASE})")
     sp.add_argument("--bless", action="store_true", help="copy the model to --blessed-dir when the gate "

@@ -33,25 +33,52 @@ from persia_core.train.hybrid import model_slot_order, pool, prepare_ids, table_
 log = logging.getLogger("persia.evaluate")
 
 
+def read_manifest(model_dir: str) -> tuple[str, dict]:
+    """``(model folder, its manifest dict)`` of a Model artifact, without loading it; a blessed-model location
+    resolves to its latest blessed model. Raises ``FileNotFoundError`` when ``model_dir`` is neither, and
+    ``ValueError`` for an unknown model format."""
+    path = io.join(model_dir, "manifest.json")
+    if not io.exists(path):
+        from persia_core.evaluate.gate import MARKER, latest_blessed_model
+
+        if io.exists(io.join(model_dir, MARKER)):  # a blessed-model location: its latest blessed model
+            model_dir = latest_blessed_model(model_dir)
+            path = io.join(model_dir, "manifest.json")
+    if not io.exists(path):
+        raise FileNotFoundError(f"{path}: not a trained model (no manifest.json) nor a blessed-model location")
+    manifest = json.loads(io.read_text(path))
+    if manifest.get("format") != "persia-model/1":
+        raise ValueError(f"{path}: unknown model format {manifest.get('format')!r}")
+    return model_dir, manifest
+
+
+DEFAULT_USER_SLOT = "user"
+"""The user slot of the shipped MovieLens config; a model without it (Criteo) is evaluated without GAUC and
+the seen/unseen-user split."""
+
+
+def check_user_slot(user_slot: str, slots: list[str], model_dir: str = "") -> bool:
+    """Whether the GAUC / seen-unseen-user split runs on ``user_slot`` for a model with ``slots``.
+
+    ``""`` (no user slot) and the default ``DEFAULT_USER_SLOT`` absent from ``slots``: ``False`` (skipped).
+    Any other name that is not one of ``slots``: ``ValueError`` naming it and listing the model's slots."""
+    if user_slot in slots:
+        return True
+    if user_slot in ("", DEFAULT_USER_SLOT):
+        return False
+    where = f" of the model {model_dir}" if model_dir else ""
+    raise ValueError(f"user slot {user_slot!r} is not a slot{where}; its slots are {slots} (or give '' for "
+                     f"no user slot)")
+
+
 class LoadedModel:
     """A Model artifact in memory: dense network and embedding shards. ``predict(batch) -> float32[B]``.
 
     Raises ``FileNotFoundError`` for a missing artifact file, ``ValueError`` for an unknown format."""
 
     def __init__(self, model_dir: str):
-        path = io.join(model_dir, "manifest.json")
-        if not io.exists(path):
-            from persia_core.evaluate.gate import MARKER, latest_blessed_model
-
-            if io.exists(io.join(model_dir, MARKER)):  # a blessed-model location: its latest blessed model
-                model_dir = latest_blessed_model(model_dir)
-                path = io.join(model_dir, "manifest.json")
-        if not io.exists(path):
-            raise FileNotFoundError(f"{path}: not a trained model (no manifest.json) nor a blessed-model location")
-        self.model_dir = model_dir
-        self.manifest = json.loads(io.read_text(path))
-        if self.manifest.get("format") != "persia-model/1":
-            raise ValueError(f"{path}: unknown model format {self.manifest.get('format')!r}")
+        self.model_dir, self.manifest = read_manifest(model_dir)
+        model_dir = self.model_dir
         self.config = RunConfig.from_dict(self.manifest["config"])
         self.layouts = table_layouts(self.config)
         self.slots = model_slot_order(self.config)
@@ -137,8 +164,10 @@ def _gauc(labels: np.ndarray, preds: np.ndarray, user: np.ndarray, rows: np.ndar
 def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user") -> dict:
     """Score the evaluation split of ``data_dir`` with the model in ``model_dir``.
 
-    ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split); when the model has
-    no such slot both are skipped (``metrics`` has no ``gauc`` and ``user_split`` is None).
+    ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split). When it is ``""``,
+    or the default ``"user"`` and the model has no such slot, both are skipped (``metrics`` has no ``gauc`` and
+    ``user_split`` is None); any other name that is not a slot of the model is refused (``ValueError`` naming
+    it and the model's slots) before anything is loaded or scored.
 
     Returns::
 
@@ -150,16 +179,18 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
 
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
     for a missing model or dataset file, ``ValueError`` for invalid ones."""
-    model = LoadedModel(model_dir)
-    model_dir = model.model_dir  # a blessed-model location resolves to its latest blessed model
+    model_dir, manifest = read_manifest(model_dir)  # a blessed-model location resolves to its latest blessed model
+    use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest["config"])),
+                                    model_dir)
     read_schema(data_dir)
+    model = LoadedModel(model_dir)
     examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots)
     stream = StreamingMetrics()
     preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)
     metrics = stream.compute()
     labels = examples.labels
     user_split = None
-    if user_slot in model.slots:
+    if use_user_slot:
         seen, user = user_seen_rows(model, examples, user_slot)
         has_user = np.diff(examples.ids[user_slot][1]) > 0
         metrics["gauc"] = _gauc(labels, preds_all, user, has_user)
@@ -168,7 +199,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
             m = subset_metrics(labels, preds_all, rows)
             m["gauc"] = _gauc(labels, preds_all, user, rows & has_user)
             user_split[name] = m
-    else:
+    elif user_slot:
         log.info("no slot named %r: GAUC and the seen/unseen-user split are skipped", user_slot)
     coverage = slot_coverage(model, examples)
     history = None
