@@ -62,12 +62,33 @@ def _interleaved(ours, theirs, batches: int, rounds: int) -> tuple[float, float]
     return best[0], best[1]
 
 
+MIN_ROWS = 1024
+"""The fewest live IDs the benchmark takes: a table (and a parameter-server shard's budget, sized from the
+row count below) holds at least 1024 rows (``embedding.table.capacity_for_budget``)."""
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int, default=10_000_000, help="live IDs (rows)")
-    p.add_argument("--batch", type=int, default=1_000_000, help="raw IDs per batch")
-    p.add_argument("--repeats", type=int, default=6,
-                   help="timed rounds per figure, cycling over 3 batches (best is kept)")
+    """Run the benchmark (see the module docstring); returns 0. Bad arguments: argparse's usage error (exit 2)."""
+    p = argparse.ArgumentParser(prog="python -m persia_core.bench.ps", description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=_int_at_least(MIN_ROWS), default=10_000_000,
+                   help=f"live IDs (rows), at least {MIN_ROWS}")
+    p.add_argument("--batch", type=_int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=6,
+                   help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)")
     p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
     args = p.parse_args(argv)
     os.environ["NUMBA_NUM_THREADS"] = "1"
