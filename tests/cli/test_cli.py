@@ -199,3 +199,29 @@ def test_cli_serve_shards_refuses_a_model_of_another_shard_count(tmp_path, capsy
                "--work-dir", str(tmp_path / "work")])
     assert rc == 2
     assert "holds 2 shard files but 3 shards were asked" in capsys.readouterr().err
+
+
+def test_cli_shard_budget_below_1024_rows_exits_2_naming_the_field_and_value(tmp_path, capsys):
+    import yaml
+
+    from persia_core.config import RunConfig
+
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config().to_dict()
+    d["embedding"]["tables"][0]["dim"] = 16  # as the shipped configs
+    cfg = tmp_path / "dim16.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    out = tmp_path / "shards"
+    rc = main(["init-shards", "--data", data, "--output", str(out), "--config", str(cfg),
+               "--set", "embedding.shard_memory_bytes=70000"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "embedding.shard_memory_bytes" in err and "70000" in err and "Traceback" not in err
+    assert "give at least" in err and not out.exists()
+    # the least budget it names is enough
+    least = int(err.split("give at least")[1].split()[0])
+    d["embedding"]["shard_memory_bytes"] = least
+    assert RunConfig.from_dict(d).embedding.shard_memory_bytes == least
+    d["embedding"]["shard_memory_bytes"] = least - 1
+    with pytest.raises(ValueError, match=r"'embedding\.shard_memory_bytes': .*holds? fewer than 1024 rows"):
+        RunConfig.from_dict(d)
