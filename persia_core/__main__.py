@@ -60,7 +60,16 @@ def cmd_preprocess(args, beam_args: list[str]) -> int:
     from persia_core.preprocess.pipeline import run_preprocess
 
     config = _config(args.config, [], args.set)
-    schema = run_preprocess(config, args.data, args.output, beam_args or None)
+    # Beam logs at INFO per transform (e.g. ~130 apache_beam.typehints.native_type_compatibility lines on a tiny
+    # input): only its warnings unless --log-level DEBUG asks for everything
+    beam_log = logging.getLogger("apache_beam")
+    previous = beam_log.level
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):
+        beam_log.setLevel(logging.WARNING)
+    try:
+        schema = run_preprocess(config, args.data, args.output, beam_args or None)
+    finally:
+        beam_log.setLevel(previous)  # leave an embedding process (a test) as it was
     _print({"output": args.output, "rows": schema["rows"], "split": schema["split"]})
     return EXIT_OK
 

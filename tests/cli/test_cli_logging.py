@@ -80,3 +80,29 @@ def test_training_metrics_tensorboard_is_skipped_with_a_warning_without_the_pack
         assert write_tensorboard(HISTORY, str(tmp_path / "tb")) is None
     assert "tensorboard" in caplog.text
     assert not os.path.exists(tmp_path / "tb")
+
+
+def _tiny_movielens(folder) -> str:
+    folder.mkdir()
+    files = {"ratings.csv": ["userId,movieId,rating,timestamp", "1,1,4.0,1000", "1,2,3.0,1010", "2,1,5.0,1020",
+                             "3,2,1.0,1030"],
+             "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
+             "tags.csv": ["userId,movieId,tag,timestamp"]}
+    for name, lines in files.items():
+        (folder / name).write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+def test_cli_preprocess_keeps_beams_info_lines_out_unless_debug(tmp_path, capsys, root_logger):
+    from persia_core.__main__ import main
+
+    data = _tiny_movielens(tmp_path / "ml")
+    beam = logging.getLogger("apache_beam")
+    before = beam.level
+    assert main(["preprocess", "--data", data, "--output", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "native_type_compatibility" not in err and " INFO preprocess apache_beam" not in err
+    assert "INFO preprocess persia_core.preprocess.pipeline: preprocess:" in err  # our own INFO lines stay
+    assert beam.level == before  # the process's logging is left as it was
+    assert main(["--log-level", "DEBUG", "preprocess", "--data", data, "--output", str(tmp_path / "out2")]) == 0
+    assert "apache_beam.typehints.native_type_compatibility" in capsys.readouterr().err  # asked for everything
