@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from persia_core.argchecks import check_output_file, int_at_least
+
 log = logging.getLogger("persia.cli")
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
@@ -102,24 +104,6 @@ def cmd_train(args, _extra) -> int:
         out["tensorboard"] = write_tensorboard(history, args.tensorboard)
     _print(out)
     return EXIT_OK
-
-
-def check_output_file(flag: str, path: str) -> None:
-    """Refuse a local output file ``path`` that cannot be created: an existing folder, or a path under a file.
-    ``ValueError`` naming ``flag`` and the path; ``gs://`` paths are not checked. Called before the work whose
-    result goes there."""
-    from persia_core import io
-
-    if not path or io.is_gcs(path):
-        return
-    local = io.to_fuse(path) if io.is_fuse(path) else path
-    if os.path.isdir(local):
-        raise ValueError(f"{flag} {path}: is a folder; give a file path")
-    parent = os.path.dirname(os.path.abspath(local))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: cannot be created, {parent} is a file, not a folder")
 
 
 def cmd_evaluate(args, _extra) -> int:
@@ -234,20 +218,6 @@ def cmd_serve_shards(args, _extra) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
 def _float_in(lo: float, hi: float | None = None):
     def parse(text: str) -> float:
         try:
@@ -328,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "seen/unseen-user split (default user, skipped when the "
                                                         "model has no such slot; '' skips it; another name that "
                                                         "is not a slot of the model is refused)")
-    sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
+    sp.add_argument("--batch-size", type=int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
     sp.add_argument("--blessed-dir", default="", help="latest-blessed-model location to compare with (local or "
                                                       "gs://); empty: only --min-auc applies")
     sp.add_argument("--min-auc", type=_float_in(0.0, 1.0), default=G.DEFAULT_MIN_AUC,
@@ -348,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--output", required=True, help="predictions file: .parquet for Parquet, else CSV")
     sp.add_argument("--config", default=None, help="run config whose layout parses raw rows (default: the "
                                                    "model's own)")
-    sp.add_argument("--batch-size", type=_int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
+    sp.add_argument("--batch-size", type=int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
     sp.add_argument("--dead-letter", default="", help="JSON-lines file for raw rows that do not parse: they are "
                                                       "counted and set aside, the rest scored (default: the first "
                                                       "one stops the run, naming file:line)")
@@ -361,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--config", required=True, help="run config: a shipped name or a YAML path")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field "
                                                                                       "(repeatable)")
-    sp.add_argument("--num-shards", type=_int_at_least(0), default=0,
+    sp.add_argument("--num-shards", type=int_at_least(0), default=0,
                     help="shards to start (default: embedding.num_shards)")
     sp.add_argument("--plan", default="", help="shard_plan.json from init-shards (row capacities)")
     sp.add_argument("--init", default="", help="init-shards output or Model folder: shards/shard-*.npz to load")

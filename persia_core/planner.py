@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from persia_core.argchecks import check_output_file
 from persia_core.config import OPTIMIZERS
 from persia_core.embedding import table as T
 
@@ -365,23 +366,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _check_writable(flag: str, path: str) -> None:
-    """Refuse a local output ``path`` that cannot be written: an existing folder, or one under a file.
-    ``ValueError`` naming ``flag`` and the path. (``gs://`` paths are not checked here.)"""
-    from persia_core import io
-
-    if io.is_gcs(path):
-        return
-    local = io.to_fuse(path) if io.is_fuse(path) else path
-    if os.path.isdir(local):
-        raise ValueError(f"{flag} {path}: is a folder; give a file path")
-    parent = os.path.dirname(os.path.abspath(local))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: cannot create it, {parent} is a file, not a folder")
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI (``python -m persia_core.planner`` / ``python -m persia_core plan``). See ``--help``."""
     p = argparse.ArgumentParser(prog="persia plan", description="Capacity plan: parameter servers, NN-worker "
@@ -452,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                          gpu_machine_type=args.gpu_machine_type, accelerator_type=args.accelerator_type,
                          image=args.image)
         if args.json:
-            _check_writable("--json", args.json)
+            check_output_file("--json", args.json)
         result = plan(inp)
     except ValueError as e:
         p.error(str(e))

@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from persia_core.argchecks import int_at_least
+
 
 def _zipf_sampler(live, exponent: float, seed: int):
     import numpy as np
@@ -67,27 +69,13 @@ MIN_ROWS = 1024
 row count below) holds at least 1024 rows (``embedding.table.capacity_for_budget``)."""
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (see the module docstring); returns 0. Bad arguments: argparse's usage error (exit 2)."""
     p = argparse.ArgumentParser(prog="python -m persia_core.bench.ps", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=_int_at_least(MIN_ROWS), default=10_000_000,
+    p.add_argument("--rows", type=int_at_least(MIN_ROWS), default=10_000_000,
                    help=f"live IDs (rows), at least {MIN_ROWS}")
-    p.add_argument("--batch", type=_int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
-    p.add_argument("--repeats", type=_int_at_least(1), default=6,
+    p.add_argument("--batch", type=int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
+    p.add_argument("--repeats", type=int_at_least(1), default=6,
                    help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)")
     p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
     args = p.parse_args(argv)
