@@ -170,11 +170,6 @@ def cmd_serve_shards(args, _extra) -> int:
 
     config = _config(args.config, [], args.set)
     n = args.num_shards or config.embedding.num_shards
-    work_dir = args.work_dir or tempfile.mkdtemp(prefix="persia-serve-")
-    os.makedirs(work_dir, exist_ok=True)
-    cfg_path = os.path.join(work_dir, "run_config.yaml")
-    with open(cfg_path, "w") as f:
-        f.write(config.to_yaml())
     if args.plan and not os.path.exists(args.plan):
         raise FileNotFoundError(f"--plan {args.plan} not found")
     if args.init and not os.path.isdir(args.init):
@@ -187,14 +182,22 @@ def cmd_serve_shards(args, _extra) -> int:
             raise ValueError(f"--init {args.init} holds {have} shard files but {n} shards were asked: serve it with "
                              f"--num-shards {have}, or re-shard it first (init-shards warm-started from it)")
 
+    own_work_dir = not args.work_dir  # a temporary folder: removed on a clean stop, kept (and named) on a failure
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="persia-serve-")
+    os.makedirs(work_dir, exist_ok=True)
+    cfg_path = os.path.join(work_dir, "run_config.yaml")
+    with open(cfg_path, "w") as f:
+        f.write(config.to_yaml())
+    token_file = os.path.join(work_dir, "ps_token")
+
     def _stop(*_):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, _stop)
+    clean = False
     try:
         with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "") as cluster:
             addresses = cluster.start_servers()
-            token_file = os.path.join(work_dir, "ps_token")
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(cluster.token)
@@ -210,8 +213,18 @@ def cmd_serve_shards(args, _extra) -> int:
                     time.sleep(0.5)
             except KeyboardInterrupt:
                 log.info("stopping the parameter servers")
+                clean = True
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if os.path.exists(token_file):  # the servers are gone: their token opens nothing, and is not left lying
+            os.remove(token_file)
+        if own_work_dir and clean:
+            import shutil
+
+            shutil.rmtree(work_dir, ignore_errors=True)
+        elif own_work_dir:
+            print(f"persia serve-shards: the servers' logs are kept in {os.path.join(work_dir, 'logs')}",
+                  file=sys.stderr)
     return EXIT_OK
 
 

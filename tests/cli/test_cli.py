@@ -154,6 +154,34 @@ def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
             client.close()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert not os.path.exists(info["token_file"])  # the dead servers' token is not left behind
+        assert os.path.isdir(tmp_path / "work" / "logs")  # a folder the user named is kept
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serve_shards_leaves_no_temporary_folder_when_refused_or_stopped(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    refused = subprocess.run([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
+                              "--init", str(tmp_path / "no-such")], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "is not a folder" in refused.stderr
+    assert os.listdir(scratch) == []
+    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
+                             "--num-shards", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline() or proc.stderr.read())
+        assert info["token_file"].startswith(str(scratch))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert os.listdir(scratch) == []  # its own temporary folder (token, logs) is removed on a clean stop
     finally:
         if proc.poll() is None:
             proc.kill()
