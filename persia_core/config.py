@@ -17,6 +17,7 @@ Style follows TorchRec's ``EmbeddingBagConfig`` (typed dataclasses, validated on
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -456,19 +457,38 @@ class RunConfig:
         return _build(cls, data, "")
 
     def with_overrides(self, overrides: dict[str, Any]) -> "RunConfig":
-        """A copy with dotted-key overrides applied, e.g. ``{"trainer.epochs": 1}``; validated again."""
+        """A copy with dotted-key overrides applied; validated again. An item of a list of named sections
+        (``embedding.tables``, ``slots``) is reached by its name or its index: ``{"trainer.epochs": 1,
+        "embedding.tables.default.dim": 32, "embedding.tables[0].optimizer.lr": 0.05, "slots.user.id_dropout":
+        0.5}``. Raises ``ValueError`` naming the override and the unknown key or item."""
         d = self.to_dict()
         for key, value in overrides.items():
             node = d
-            parts = key.split(".")
+            parts = re.sub(r"\[([^\]]*)\]", r".\1", key).split(".")
             for p in parts[:-1]:
-                if not isinstance(node, dict) or p not in node:
-                    raise ValueError(f"config override '{key}': unknown key '{p}'")
-                node = node[p]
+                node = _override_child(node, p, key)
             if not isinstance(node, dict) or parts[-1] not in node:
                 raise ValueError(f"config override '{key}': unknown key '{parts[-1]}'")
             node[parts[-1]] = value
         return RunConfig.from_dict(d)
+
+
+def _override_child(node: Any, part: str, key: str) -> Any:
+    """``node[part]`` of a dict, or the item named (or indexed) ``part`` of a list of sections."""
+    if isinstance(node, dict):
+        if part not in node:
+            raise ValueError(f"config override '{key}': unknown key '{part}'")
+        return node[part]
+    if isinstance(node, list):
+        for item in node:
+            if isinstance(item, dict) and item.get("name") == part:
+                return item
+        if part.isdigit() and int(part) < len(node):
+            return node[int(part)]
+        names = [item.get("name") for item in node if isinstance(item, dict)]
+        raise ValueError(f"config override '{key}': no item '{part}' (by name: {names}; by index: 0 to "
+                         f"{len(node) - 1})")
+    raise ValueError(f"config override '{key}': unknown key '{part}'")
 
 
 def _build(tp: Any, value: Any, path: str) -> Any:

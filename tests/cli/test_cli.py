@@ -253,3 +253,20 @@ def test_cli_shard_budget_below_1024_rows_exits_2_naming_the_field_and_value(tmp
     d["embedding"]["shard_memory_bytes"] = least - 1
     with pytest.raises(ValueError, match=r"'embedding\.shard_memory_bytes': .*holds? fewer than 1024 rows"):
         RunConfig.from_dict(d)
+
+
+def test_set_reaches_a_table_or_slot_by_name_or_index(tmp_path, capsys):
+    from tests.support import write_dataset
+
+    data = write_dataset(str(tmp_path / "data"))
+    (tmp_path / "data" / "run_config.yaml").write_text(tiny_config().to_yaml())
+    out = str(tmp_path / "init")
+    assert main(["init-shards", "--data", data, "--output", out, "--set", "embedding.tables.default.dim=8",
+                 "--set", "embedding.tables[0].optimizer.lr=0.5", "--set", "slots.b.id_dropout=0.25"]) == 0
+    cfg = load_config(os.path.join(out, "run_config.yaml"))
+    assert (cfg.embedding.tables[0].dim, cfg.embedding.tables[0].optimizer.lr) == (8, 0.5)
+    assert [s.id_dropout for s in cfg.slots] == [0.0, 0.25, 0.0]
+    assert json.load(open(os.path.join(out, "shard_plan.json")))["tables"]["default"]["dim"] == 8
+    capsys.readouterr()
+    assert main(["init-shards", "--data", data, "--output", out, "--set", "embedding.tables.dflt.dim=8"]) == 2
+    assert "no item 'dflt' (by name: ['default']" in capsys.readouterr().err
