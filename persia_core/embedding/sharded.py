@@ -549,13 +549,8 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     Raises ``ShardFileError`` naming the table when the dim or the optimizer state do not match."""
     a, label = ta.arrays, f"{where}: table {name!r}"
     n = len(a["keys"])
-    if a["weights"].shape != (n, t.dim):
-        raise ShardFileError(f"{label}: rows have dim {a['weights'].shape[1:]} but the run config says {t.dim}")
+    _check_table_arrays(t, ta, label)
     expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
-    present = _state_names(a)
-    if present != expected:
-        raise ShardFileError(f"{label}: optimizer state {sorted(present)} (optimizer "
-                             f"{ta.meta.get('optimizer', '?')}) does not match {t.optimizer.name} {sorted(expected)}")
     fast = (ta.meta.get("layout") == "storage" and _has_internals(t) and n <= t.capacity and n >= 1024
             and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "last_used"))
             and all(a[k].dtype == t.state[k].dtype for k in expected))
@@ -600,12 +595,43 @@ def load_shard_file(path: str, tables: dict[str, EmbeddingTable], expect_size: i
     Raises ``FileNotFoundError``, or ``ShardFileError`` (a ``ValueError``) naming the file and the table that
     does not fit or the check that failed."""
     contents = read_shard_file(path, expect_size, expect_crc32c)
+    check_shard_contents(contents, tables, path)
+    restore_shard_contents(contents, tables, path)
+    return contents.server
+
+
+def check_shard_contents(contents: ShardContents, tables: dict[str, EmbeddingTable], path: str = "") -> None:
+    """Check every table of ``contents`` against ``tables`` before any is replaced, so that a file that does not
+    fit replaces nothing: tables the run config defines, rows of its dim, its optimizer's state, and, for a table
+    not in the ``storage`` layout (it goes in through ``load_state_dict``), no feature ID twice. A ``storage``
+    table keeps its fast path: its hash index is checked (``index_consistent``) or rebuilt, not its keys one by
+    one. Raises ``ShardFileError`` naming the file, table and check."""
     unknown = sorted(set(contents.tables) - set(tables))
     if unknown:
         raise ShardFileError(f"{path}: holds tables {unknown} that the run config does not define")
     for name, ta in contents.tables.items():
+        _check_table_arrays(tables[name], ta, f"{path}: table {name!r}",
+                            duplicates=ta.meta.get("layout") != "storage")
+
+
+def restore_shard_contents(contents: ShardContents, tables: dict[str, EmbeddingTable], path: str = "") -> None:
+    """Replace the tables of ``contents`` (checked by ``check_shard_contents``) with its rows."""
+    for name, ta in contents.tables.items():
         restore_table(tables[name], ta, path, name)
-    return contents.server
+
+
+def _check_table_arrays(t: EmbeddingTable, ta: TableArrays, label: str, duplicates: bool = False) -> None:
+    a = ta.arrays
+    n = len(a["keys"])
+    if a["weights"].shape != (n, t.dim):
+        raise ShardFileError(f"{label}: rows have dim {a['weights'].shape[1:]} but the run config says {t.dim}")
+    expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
+    present = _state_names(a)
+    if present != expected:
+        raise ShardFileError(f"{label}: optimizer state {sorted(present)} (optimizer "
+                             f"{ta.meta.get('optimizer', '?')}) does not match {t.optimizer.name} {sorted(expected)}")
+    if duplicates and n > 1 and len(K.dedup(np.ascontiguousarray(a["keys"], dtype=np.uint64))[0]) != n:
+        raise ShardFileError(f"{label}: a feature ID appears in more than one row")
 
 
 # ---- in-process backend -------------------------------------------------------------------------------------

@@ -393,6 +393,8 @@ class EmbeddingTable:
         if present != expected:
             raise ValueError(f"optimizer state arrays {sorted(present)} do not match {self.optimizer.name}: "
                              f"{sorted(expected)}")
+        if n > 1 and len(K.dedup(np.ascontiguousarray(keys))[0]) != n:  # checked before anything is replaced
+            raise ValueError("state has duplicate keys")
         with self.lock:
             self._alloc(max(min(self.capacity, _INITIAL_ROWS), n))
             self.keys[:n] = keys
@@ -406,6 +408,3 @@ class EmbeddingTable:
             self.counters[0] = n
             self.step = int(self.last_used[:n].max()) if n else 0
             K.rebuild_index(self.index, self.keys, K.shift_of(self.index), n)
-            srt = np.sort(keys)
-            if n > 1 and (srt[1:] == srt[:-1]).any():
-                raise ValueError("state has duplicate keys")

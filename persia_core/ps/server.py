@@ -27,8 +27,11 @@ corrupt: the log's last line says which check failed); other non-zero: a crash.
 Same-host transport: a client on this host may pass the arrays of a call in a shared-memory segment instead of
 the message (``persia_core.ps.shm``); the call, token check and answers are the same.
 
-Security: binds 127.0.0.1 unless ``--host`` says otherwise; when ``PERSIA_PS_TOKEN`` is set every call must
-carry it in the ``x-persia-token`` metadata, else it is refused with UNAUTHENTICATED.
+Security: binds 127.0.0.1 unless ``--host`` says otherwise, and refuses to bind any other address without a
+token; when ``PERSIA_PS_TOKEN`` is set every call must carry it in the ``x-persia-token`` metadata, else it is
+refused with UNAUTHENTICATED. Requests are checked before anything is applied: ids must be ``uint64[U]``, a push's
+gradients ``float32[U, D]`` and finite, its ``step_fraction`` in (0, 1]. A token holder can still make a server
+write its shard file to any path it can write (``Dump``): the token is the training job's own credential.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ import grpc
 import numpy as np
 
 from persia_core.config import RunConfig, load_config
-from persia_core.embedding.sharded import ShardFileError, load_shard_file, make_tables, write_shard_file
+from persia_core.embedding.sharded import (ShardFileError, check_shard_contents, make_tables, read_shard_file,
+                                          restore_shard_contents, write_shard_file)
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 
@@ -94,6 +98,25 @@ class _Applied:
 
     def to_json(self) -> list:
         return [self.low, sorted(self.above)]
+
+
+def check_push_arrays(table, ids: np.ndarray, grads: np.ndarray, finite: bool) -> None:
+    """Refuse a push whose arrays do not fit ``table`` before anything is applied or buffered: ``ids`` must be
+    ``uint64[U]``, ``grads`` ``float32[U, D]`` (D the table's dim), all finite when ``finite``. Raises
+    ``ValueError`` naming what is wrong."""
+    if ids.dtype != np.uint64 or ids.ndim != 1:
+        raise ValueError(f"push: ids must be uint64[U], got {ids.dtype}{list(ids.shape)}")
+    if grads.dtype != np.float32 or grads.shape != (len(ids), table.dim):
+        raise ValueError(f"push: grads must be float32[{len(ids)}, {table.dim}], got {grads.dtype}{list(grads.shape)}")
+    if finite and not np.isfinite(grads).all():
+        raise ValueError("push: gradients contain NaN or inf; nothing was applied")
+
+
+def check_ids(ids: np.ndarray) -> np.ndarray:
+    """``ids`` of a lookup as sent: ``uint64[U]``, else ``ValueError`` (no silent conversion of other dtypes)."""
+    if ids.dtype != np.uint64 or ids.ndim != 1:
+        raise ValueError(f"ids must be uint64[U], got {ids.dtype}{list(ids.shape)}")
+    return ids
 
 
 class ParameterServerShard:
@@ -158,8 +181,17 @@ class ParameterServerShard:
         """Apply (or buffer, in sync mode) one gradient push; see the module docstring. Raises
         ``TimeoutError`` when a sync step is not completed by the other workers within ``timeout`` seconds."""
         table = self.table(meta["table"])
-        client, seq = str(meta["client"]), int(meta["seq"])
-        step, m = int(meta.get("step", 0)), int(meta.get("sync_workers", 0))
+        client, seq = meta["client"], meta["seq"]
+        step, m = meta.get("step", 0), meta.get("sync_workers", 0)
+        fraction = meta.get("step_fraction", 1.0)
+        if not isinstance(client, str) or not client:
+            raise ValueError(f"push: client must be a non-empty string, got {client!r}")
+        for name, v in (("seq", seq), ("step", step), ("sync_workers", m)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"push: {name} must be an integer >= 0, got {v!r}")
+        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"push: step_fraction must be in (0, 1], got {fraction!r}")
+        check_push_arrays(table, ids, grads, finite=m > 1)  # async: apply_gradients checks finiteness itself
         with self.cond:
             rec = self.applied.setdefault(client, _Applied())
             if m <= 1:
@@ -167,7 +199,7 @@ class ParameterServerShard:
                     self.duplicates += 1
                     return {"applied": False, "duplicate": True, "dropped": 0}
                 t0 = time.thread_time()
-                dropped = table.apply_gradients(ids, grads, float(meta.get("step_fraction", 1.0)))
+                dropped = table.apply_gradients(ids, grads, float(fraction))
                 self.table_cpu_s += time.thread_time() - t0
                 rec.add(seq)
                 self.pushes += 1
@@ -176,6 +208,9 @@ class ParameterServerShard:
                 return {"applied": True, "duplicate": False, "dropped": dropped}
             key = (meta["table"], step)
             if not rec.seen(seq):
+                if client in self.pending.get(key, {}):
+                    raise ValueError(f"push: client {client!r} already pushed step {step} of table "
+                                     f"{meta['table']!r} (sequence numbers differ: not a retry)")
                 self.pending.setdefault(key, {})[client] = (ids.copy(), grads.copy())
                 rec.add(seq)
             else:
@@ -236,11 +271,22 @@ class ParameterServerShard:
             return write_shard_file(path, self.tables, self.server_state())
 
     def load(self, path: str, expect_size: int | None = None, expect_crc32c: int | None = None) -> None:
-        """Replace this shard's state with a shard file's. Raises ``ShardFileError`` when the file is partial,
-        corrupt (size or CRC-32C differ from the expected ones) or does not fit the run config."""
+        """Replace this shard's state with a shard file's. The file is read and checked before the shard's lock
+        is taken, so calls keep being served meanwhile, and nothing is replaced unless every table in it fits.
+        Raises ``ShardFileError`` when the file is partial, corrupt (size or CRC-32C differ from the expected
+        ones) or does not fit the run config, ``ValueError`` when a local path is not a regular file (a device,
+        a pipe or a folder), ``FileNotFoundError`` when it is missing."""
+        if "://" not in path:
+            import stat
+
+            mode = os.stat(path).st_mode  # FileNotFoundError when missing
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"load: {path} is not a regular file")
+        contents = read_shard_file(path, expect_size, expect_crc32c)
+        check_shard_contents(contents, self.tables, path)
         with self.cond:
-            state = load_shard_file(path, self.tables, expect_size, expect_crc32c)
-            self.restore_server_state(state)
+            restore_shard_contents(contents, self.tables, path)
+            self.restore_server_state(contents.server)
 
 
 class _Servicer:
@@ -274,7 +320,7 @@ class _Servicer:
                 return wire.encode(out_meta, out_arrays)
             except shm_mod.ShmUnavailable as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
-            except (ValueError, KeyError) as e:
+            except (ValueError, KeyError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
             except TimeoutError as e:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
@@ -288,17 +334,17 @@ class _Servicer:
         s = self.shard
 
         def lookup(meta, arrays, ctx):
-            return {}, {"rows": s.lookup(meta["table"], arrays["ids"])}
+            return {}, {"rows": s.lookup(meta["table"], check_ids(arrays["ids"]))}
 
         def lookup_readonly(meta, arrays, ctx):
-            return {}, {"rows": s.table(meta["table"]).lookup_readonly(arrays["ids"])}
+            return {}, {"rows": s.table(meta["table"]).lookup_readonly(check_ids(arrays["ids"]))}
 
         def push(meta, arrays, ctx):
             remaining = ctx.time_remaining()
             return s.push(meta, arrays["ids"], arrays["grads"], remaining), {}
 
         def contains(meta, arrays, ctx):
-            return {}, {"found": s.table(meta["table"]).contains(arrays["ids"]).astype(np.uint8)}
+            return {}, {"found": s.table(meta["table"]).contains(check_ids(arrays["ids"])).astype(np.uint8)}
 
         def dump(meta, arrays, ctx):
             nbytes, crc = s.dump(meta["path"])
@@ -373,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         shard.start_deltas(args.delta_dir, args.delta_every_s)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
     token = os.environ.get(TOKEN_ENV) or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.error("refusing to serve on %s without a token: set %s (remote calls need a shared token)",
+                  args.host, TOKEN_ENV)
+        return 2
     # the loaded tables live until the end: keep their objects out of the garbage collector's scans
     import gc
 

@@ -241,12 +241,20 @@ class SegmentCache:
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise ShmUnavailable(f"{name!r} is not a shared-memory segment name")
         size = int(size)
+        path = os.path.join(SHM_DIR, name)
         with self.lock:
             hit = self.maps.get(name)
             if hit is not None and len(hit[1]) == size:
-                self.maps.move_to_end(name)
-                return hit[1]
-        path = os.path.join(SHM_DIR, name)
+                # a segment truncated since it was mapped would kill this process (SIGBUS) on the first access
+                try:
+                    intact = os.stat(path, follow_symlinks=False).st_size >= size
+                except OSError:
+                    intact = False
+                if intact:
+                    self.maps.move_to_end(name)
+                    return hit[1]
+                del self.maps[name]
+                raise ShmUnavailable(f"shared-memory segment {name} is no longer {size} bytes")
         try:
             fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
         except OSError as e:

@@ -45,15 +45,28 @@ def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         header = json.loads(data[8 : 8 + hlen])
     except json.JSONDecodeError as e:
         raise ValueError(f"bad message header: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict) \
+            or not isinstance(header.get("arrays", []), list):
+        raise ValueError("bad message header: expected {\"meta\": {...}, \"arrays\": [...]}")
     base = 8 + hlen
     body = memoryview(data)[base:]
     arrays = {}
-    for name, dtype, shape, offset, nbytes in header.get("arrays", []):
-        if dtype not in ALLOWED:
+    for entry in header.get("arrays", []):
+        if not isinstance(entry, list) or len(entry) != 5:
+            raise ValueError(f"bad array entry {entry!r}: expected [name, dtype, shape, offset, nbytes]")
+        name, dtype, shape, offset, nbytes = entry
+        if not isinstance(name, str) or dtype not in ALLOWED:
             raise ValueError(f"array {name!r}: dtype {dtype!r} not allowed")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape) \
+                or not _count(offset) or not _count(nbytes):
+            raise ValueError(f"array {name!r}: shape, offset and size must be integers >= 0")
         dt = np.dtype(dtype).newbyteorder("<")
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if count * dt.itemsize != nbytes or offset < 0 or offset + nbytes > len(body):
+        if count * dt.itemsize != nbytes or offset + nbytes > len(body):
             raise ValueError(f"array {name!r}: size or bounds do not match")
         arrays[name] = np.frombuffer(body, dtype=dt, count=count, offset=offset).reshape(shape)
     return header.get("meta", {}), arrays
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62

@@ -1,0 +1,189 @@
+"""A token holder's malformed or hostile requests get an error status and change nothing (real gRPC servers)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from persia_core.ps import shm as shm_mod
+from persia_core.ps import wire
+from persia_core.ps.client import EmbeddingClient, ParameterServerError
+
+from support import tiny_config
+
+IDS = np.array([3, 11, 2**64 - 1], dtype=np.uint64)
+
+
+def _owner_and_client(cluster, **kw):
+    cfg, shards, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", retries=0, timeout_s=5.0, **kw)
+    ids = IDS[:1]
+    client.lookup("default", ids)
+    owner = int(np.argmax([sh.tables["default"].size for sh in shards]))
+    return client, owner, ids
+
+
+@pytest.mark.parametrize("fraction", [float("nan"), float("inf"), -1.0, 0.0, 1.5, "1"])
+def test_a_push_with_a_step_fraction_outside_0_1_is_refused_and_changes_nothing(cluster, fraction):
+    client, owner, ids = _owner_and_client(cluster)
+    before = client.lookup_readonly("default", ids)
+    meta = {"table": "default", "client": "c", "seq": 1, "step_fraction": fraction}
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*step_fraction"):
+        client.call("Push", owner, meta, {"ids": ids, "grads": np.ones((1, 4), np.float32)})
+    np.testing.assert_array_equal(client.lookup_readonly("default", ids), before)
+    client.close()
+
+
+@pytest.mark.parametrize("meta, arrays, match", [
+    ({"client": 7, "seq": 1}, None, "client must be a non-empty string"),
+    ({"client": "c", "seq": 1.9}, None, "seq must be an integer"),
+    ({"client": "c", "seq": True}, None, "seq must be an integer"),
+    ({"client": "c", "seq": -1}, None, "seq must be an integer"),
+    ({"client": "c", "seq": 1}, {"ids": np.array([3], np.int32), "grads": np.ones((1, 4), np.float32)},
+     "ids must be uint64"),
+    ({"client": "c", "seq": 1}, {"ids": IDS[:1], "grads": np.ones((1, 3), np.float32)}, r"grads must be float32\[1, 4\]"),
+    ({"client": "c", "seq": 1}, {"ids": IDS[:2], "grads": np.ones((1, 4), np.float32)}, r"grads must be float32\[2, 4\]"),
+])
+def test_a_malformed_push_is_refused_naming_the_field(cluster, meta, arrays, match):
+    client, owner, ids = _owner_and_client(cluster)
+    before = client.lookup_readonly("default", ids)
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*" + match):
+        client.call("Push", owner, {"table": "default", **meta},
+                    arrays or {"ids": ids, "grads": np.ones((1, 4), np.float32)})
+    np.testing.assert_array_equal(client.lookup_readonly("default", ids), before)
+    client.close()
+
+
+def test_lookups_of_ids_that_are_not_uint64_are_refused_not_converted(cluster):
+    client, owner, _ = _owner_and_client(cluster)
+    for method in ("Lookup", "LookupReadonly", "Contains"):
+        with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*ids must be uint64"):
+            client.call(method, owner, {"table": "default"}, {"ids": np.array([1.0, 2.0], np.float32)})
+    client.close()
+
+
+def test_in_sync_mode_a_bad_push_is_refused_at_once_and_the_step_still_completes(cluster):
+    cfg, _, addrs = cluster
+    a, b = (EmbeddingClient(addrs, cfg.embedding, token="s3cret", client_id=w, retries=0, timeout_s=10.0)
+            for w in ("wa", "wb"))
+    a.lookup("default", IDS)
+    before = a.lookup_readonly("default", IDS)
+    bad = np.full((3, 4), np.nan, np.float32)
+    t0 = time.monotonic()
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*NaN"):
+        b.push("default", IDS, bad, step=5, sync_workers=2).result(timeout=30)
+    assert time.monotonic() - t0 < 5  # refused on arrival, not after waiting out the step
+    good = [np.full((3, 4), 0.25, np.float32), np.full((3, 4), 0.5, np.float32)]
+    futs = [a.push("default", IDS, good[0], step=5, sync_workers=2),
+            b.push("default", IDS, good[1], step=5, sync_workers=2)]  # b's corrected push, a new sequence number
+    for f in futs:
+        f.result(timeout=30)
+    after = a.lookup_readonly("default", IDS)
+    assert np.isfinite(after).all() and not np.array_equal(after, before)
+    from persia_core.embedding.sharded import LocalEmbedding
+
+    ref = LocalEmbedding(cfg.embedding, 1)
+    ref.lookup("default", IDS)
+    ref.push("default", IDS, good[0] + good[1])
+    np.testing.assert_allclose(after, ref.lookup_readonly("default", IDS), atol=1e-7)
+    a.close()
+    b.close()
+
+
+def test_a_second_push_of_one_client_to_the_same_sync_step_is_refused(cluster):
+    client, owner, ids = _owner_and_client(cluster)
+    meta = {"table": "default", "client": "w0", "step": 9, "sync_workers": 2}
+    arrays = {"ids": ids, "grads": np.ones((1, 4), np.float32)}
+    import threading
+
+    first = threading.Thread(target=lambda: pytest.raises(ParameterServerError, client.call, "Push", owner,
+                                                          {**meta, "seq": 1}, arrays), daemon=True)
+    first.start()  # waits for the second worker of step 9 (and times out: there is none)
+    time.sleep(0.5)
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*already pushed step 9"):
+        client.call("Push", owner, {**meta, "seq": 2}, arrays)
+    first.join(timeout=15)
+    client.close()
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "fifo", "folder"])
+def test_load_refuses_anything_but_a_regular_file_at_once(cluster, tmp_path, target):
+    client, owner, _ = _owner_and_client(cluster)
+    path = {"/dev/zero": "/dev/zero", "fifo": str(tmp_path / "fifo"), "folder": str(tmp_path)}[target]
+    if target == "fifo":
+        os.mkfifo(path)
+    t0 = time.monotonic()
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*not a regular file"):
+        client.call("Load", owner, {"path": path})
+    assert time.monotonic() - t0 < 5
+    assert client.stats()[owner]["shard"] == owner  # still serving
+    client.close()
+
+
+def test_a_refused_load_leaves_the_shard_as_it_was(cluster, tmp_path):
+    import zipfile
+
+    client, owner, _ = _owner_and_client(cluster)
+    many = np.arange(1, 200, dtype=np.uint64)
+    client.lookup("default", many)
+    good = str(tmp_path / "good.npz")
+    client.call("Dump", owner, {"path": good})
+    arrays = {}
+    with zipfile.ZipFile(good) as z:
+        for member in z.namelist():
+            with z.open(member) as f:
+                arrays[member[: -len(".npy")]] = np.lib.format.read_array(f, allow_pickle=False)
+    assert len(arrays["default.keys"]) >= 2
+    arrays["default.keys"][1] = arrays["default.keys"][0]  # one feature ID in two rows
+    arrays["default.weights"] += 100.0
+    bad = str(tmp_path / "bad.npz")
+    np.savez(bad, **arrays)
+    before = client.lookup_readonly("default", many)
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*duplicate"):
+        client.call("Load", owner, {"path": bad})
+    np.testing.assert_array_equal(client.lookup_readonly("default", many), before)
+    assert client.stats()[owner]["tables"]["default"]["rows"] == len(arrays["default.keys"])
+    client.close()
+
+
+@pytest.mark.skipif(not shm_mod.available(), reason="no writable /dev/shm")
+def test_a_segment_truncated_after_it_was_mapped_is_refused_not_a_crash():
+    seg = shm_mod.Segment(1 << 16)
+    cache = shm_mod.SegmentCache()
+    try:
+        assert len(cache.get(seg.name, seg.size)) == seg.size
+        os.truncate(seg.path, 0)
+        with pytest.raises(shm_mod.ShmUnavailable, match="no longer"):
+            cache.get(seg.name, seg.size)
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("header", [
+    b'[1, 2]',
+    b'{"meta": [], "arrays": []}',
+    b'{"meta": {}, "arrays": [["ids", "uint64", [-1], 0, -8]]}',
+    b'{"meta": {}, "arrays": [["ids", "uint64", ["2"], 0, 16]]}',
+    b'{"meta": {}, "arrays": [["ids", "uint64", [2], 0]]}',
+])
+def test_wire_decode_refuses_malformed_headers_with_value_error(header):
+    import struct
+
+    msg = wire.MAGIC + struct.pack("<I", len(header)) + header + bytes(16)
+    with pytest.raises(ValueError):
+        wire.decode(msg)
+
+
+def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    env = {k: v for k, v in os.environ.items() if k != "PERSIA_PS_TOKEN"}
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    r = subprocess.run([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
+                        "--num-shards", "1", "--host", "0.0.0.0"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    assert "without a token" in r.stderr + r.stdout
