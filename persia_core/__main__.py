@@ -198,13 +198,13 @@ def cmd_serve_shards(args, _extra) -> int:
     try:
         with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "") as cluster:
             addresses = cluster.start_servers()
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(cluster.token)
-            _print({"addresses": addresses, "token_file": token_file, "logs": os.path.join(work_dir, "logs")})
-            sys.stdout.flush()
-            log.info("serving %d shard(s); Ctrl-C stops them", n)
-            try:
+            try:  # from here on a stop signal is a clean stop, even one that comes as the addresses are printed
+                fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(cluster.token)
+                _print({"addresses": addresses, "token_file": token_file, "logs": os.path.join(work_dir, "logs")})
+                sys.stdout.flush()
+                log.info("serving %d shard(s); Ctrl-C stops them", n)
                 while True:
                     for p in cluster.servers:
                         rc = p.popen.poll()
