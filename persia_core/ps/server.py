@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 
 from persia_core.config import RunConfig, load_config
-from persia_core.embedding.sharded import (ShardFileError, check_shard_contents, make_tables, read_shard_file,
+from persia_core.embedding.sharded import (check_shard_contents, make_tables, read_shard_file,
                                           restore_shard_contents, write_shard_file)
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
@@ -398,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     from persia_core.logging_utils import setup_logging
 
     setup_logging("ps", args.shard)
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.error("refusing to serve on %s without a token: set %s (remote calls need a shared token)",
+                  args.host, TOKEN_ENV)
+        return 2
     config = load_config(args.config)
     capacities = None
     if args.plan:
@@ -410,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             shard.load(args.init, args.init_size, args.init_crc32c)
-        except (ShardFileError, FileNotFoundError) as e:
+        except (ValueError, FileNotFoundError) as e:  # ShardFileError, or a path that is no regular file
             log.error("refused the state to start from: %s", e)
             return EXIT_BAD_INIT
         log.info("loaded %s in %.2f s (%s rows)", args.init, time.perf_counter() - t0,
@@ -418,11 +423,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.delta_dir and args.delta_every_s > 0:
         shard.start_deltas(args.delta_dir, args.delta_every_s)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
-    token = os.environ.get(TOKEN_ENV) or None
-    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.error("refusing to serve on %s without a token: set %s (remote calls need a shared token)",
-                  args.host, TOKEN_ENV)
-        return 2
     # the loaded tables live until the end: keep their objects out of the garbage collector's scans
     import gc
 

@@ -187,3 +187,16 @@ def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_pat
                        text=True, timeout=120)
     assert r.returncode == 2
     assert "without a token" in r.stderr + r.stdout
+
+
+def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    r = subprocess.run([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
+                        "--num-shards", "1", "--init", "/dev/zero"], cwd=root, capture_output=True, text=True,
+                       timeout=120)
+    from persia_core.ps.server import EXIT_BAD_INIT
+
+    assert r.returncode == EXIT_BAD_INIT
+    assert "not a regular file" in r.stderr + r.stdout
