@@ -129,9 +129,12 @@ def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: st
             / capacity)
 
 
-def _streamable(out: np.ndarray) -> bool:
-    """Whether ``out: float32[N, D]`` can take 64-byte non-temporal row stores (``kernels.gather_rows``)."""
-    return out.ctypes.data % CACHE_LINE == 0 and out.shape[1] % 16 == 0 and out.flags.c_contiguous
+def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
+    """Whether rows of ``weights: float32[R, D]`` can be copied into ``out: float32[N, D]`` with 64-byte
+    non-temporal row stores (``kernels.gather_rows``): both C-contiguous, ``out`` 64-byte aligned, D a multiple
+    of 16."""
+    return (out.ctypes.data % CACHE_LINE == 0 and out.shape[1] % 16 == 0 and out.flags.c_contiguous
+            and weights.flags.c_contiguous and weights.dtype == np.float32)
 
 
 class EmbeddingTable:
@@ -243,7 +246,7 @@ class EmbeddingTable:
             created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.qrow,
                                self.qstep, self.qht, self.counters, self.capacity, self.step, self.last_used,
                                self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
-                               self.sketch, self.refused, fill, rows, _streamable(out))
+                               self.sketch, self.refused, fill, rows, _streamable(out, self.weights))
             self._reset_state(created)
             if not fill:
                 if len(created):
@@ -287,7 +290,7 @@ class EmbeddingTable:
     def _gather(self, rows: np.ndarray, out: np.ndarray) -> None:
         """``out[t] = row rows[t]`` as float32, zeros where ``rows[t] < 0`` (compiled for fp32 storage)."""
         if self.storage == "fp32":
-            K.gather_rows(self.weights, rows, out, _streamable(out))
+            K.gather_rows(self.weights, rows, out, _streamable(out, self.weights))
             return
         out[:] = decode(self.weights[np.maximum(rows, 0)], self.storage)
         out[rows < 0] = 0.0

@@ -360,3 +360,8 @@ def test_lookups_copy_each_ids_own_row_on_the_streaming_store_path(dim):
     np.testing.assert_array_equal(streamed, plain)
     np.testing.assert_array_equal(plain[:200], t.weights[rows[:200]])
     assert not plain[200:].any()
+    # rows held column-major (as a crafted shard file could give them) are never streamed as 64-byte vectors
+    expected = t.weights[rows].copy()
+    t.weights = np.asfortranarray(t.weights)
+    np.testing.assert_array_equal(t.lookup_readonly(ids), expected)
+    np.testing.assert_array_equal(t.lookup(ids), expected)
