@@ -19,14 +19,13 @@ file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died)
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import time
 from typing import Any
 
-from persia_core.argchecks import check_output_file, int_at_least
+from persia_core.argchecks import check_output_file, float_in, int_at_least
 
 log = logging.getLogger("persia.cli")
 
@@ -231,21 +230,6 @@ def cmd_serve_shards(args, _extra) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 
-def _float_in(lo: float, hi: float | None = None):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], got {text}" if hi is not None
-                                             else f"must be a finite number >= {lo:g}, got {text}")
-        return v
-
-    parse.__name__ = f"number >= {lo:g}" if hi is None else f"number in [{lo:g}, {hi:g}]"
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``persia`` and its subcommands."""
     from persia_core.evaluate import gate as G
@@ -314,11 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", type=int_at_least(1), default=4096, help="rows scored per batch (default 4096)")
     sp.add_argument("--blessed-dir", default="", help="latest-blessed-model location to compare with (local or "
                                                       "gs://); empty: only --min-auc applies")
-    sp.add_argument("--min-auc", type=_float_in(0.0, 1.0), default=G.DEFAULT_MIN_AUC,
+    sp.add_argument("--min-auc", type=float_in(0.0, 1.0), default=G.DEFAULT_MIN_AUC,
                     help=f"gate: AUC needed at least (default {G.DEFAULT_MIN_AUC})")
-    sp.add_argument("--max-auc-drop", type=_float_in(0.0), default=G.DEFAULT_MAX_AUC_DROP,
+    sp.add_argument("--max-auc-drop", type=float_in(0.0), default=G.DEFAULT_MAX_AUC_DROP,
                     help=f"gate: allowed AUC drop below the blessed model's (default {G.DEFAULT_MAX_AUC_DROP})")
-    sp.add_argument("--max-logloss-increase", type=_float_in(0.0), default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
+    sp.add_argument("--max-logloss-increase", type=float_in(0.0), default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
                     help="gate: allowed logloss increase over the blessed model's, in nats "
                          f"(default {G.DEFAULT_MAX_LOGLOSS_INCREASE})")
     sp.add_argument("--bless", action="store_true", help="copy the model to --blessed-dir when the gate "

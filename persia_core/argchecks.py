@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 
@@ -18,6 +19,29 @@ def int_at_least(lo: int):
         return v
 
     parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def float_in(lo: float = -math.inf, hi: float | None = None):
+    """An argparse ``type`` accepting finite numbers in [``lo``, ``hi``] (no bounds given: any finite number);
+    ``inf``, ``nan`` and anything else are argparse's usage error (exit 2), naming the flag."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
+            if hi is not None:
+                msg = f"must be in [{lo:g}, {hi:g}], got {text}"
+            elif lo > -math.inf:
+                msg = f"must be a finite number >= {lo:g}, got {text}"
+            else:
+                msg = f"expected a finite number, got {text!r}"
+            raise argparse.ArgumentTypeError(msg)
+        return v
+
+    parse.__name__ = ("finite number" if lo == -math.inf and hi is None else
+                      f"number >= {lo:g}" if hi is None else f"number in [{lo:g}, {hi:g}]")
     return parse
 
 

@@ -283,37 +283,19 @@ class EmbeddingConfig:
         ``ValueError`` naming ``embedding.shard_memory_bytes``, its value and the least budget that works.
         Skipped where the embedding package cannot be imported (a client that only compiles pipelines)."""
         try:
-            from persia_core.embedding.table import capacity_for_budget
+            from persia_core.embedding.table import min_budget_bytes
         except ImportError:
             return
-
-        def fits(budget: int, t: TableConfig) -> bool:
-            try:
-                capacity_for_budget(budget, t.optimizer.name, t.dim, self.storage)
-                return True
-            except ValueError:
-                return False
-
         per_table = self.shard_memory_bytes // len(self.tables)
-        short = [t for t in self.tables if not fits(per_table, t)]
-        if not short:
+        least = {t.name: min_budget_bytes(t.optimizer.name, t.dim, self.storage) for t in self.tables}
+        worst = max(self.tables, key=lambda t: least[t.name])
+        if per_table >= least[worst.name]:
             return
-
-        def least(t: TableConfig) -> int:  # the smallest budget that fits (bisection: fits is monotone)
-            lo, hi = per_table, max(2 * per_table, 1 << 16)
-            while not fits(hi, t):
-                lo, hi = hi, 2 * hi
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits(mid, t) else (mid, hi)
-            return hi
-
-        worst = max(short, key=least)
         split = f" split over {len(self.tables)} tables ({per_table} bytes each)" if len(self.tables) > 1 else ""
         raise _fail("embedding.shard_memory_bytes",
                     f"{self.shard_memory_bytes} bytes per shard{split} hold fewer than 1024 rows of table "
                     f"{worst.name!r} (dim {worst.dim}, {worst.optimizer.name}, {self.storage}); give at least "
-                    f"{least(worst) * len(self.tables)}")
+                    f"{least[worst.name] * len(self.tables)}")
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from persia_core.argchecks import check_output_file
+from persia_core.argchecks import check_output_file, float_in
 from persia_core.config import OPTIMIZERS
 from persia_core.embedding import table as T
 
@@ -355,17 +355,6 @@ def _count_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _finite_float(text: str) -> float:
-    """A finite float for argparse (``inf`` and ``nan`` refused, naming the flag)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI (``python -m persia_core.planner`` / ``python -m persia_core plan``). See ``--help``."""
     p = argparse.ArgumentParser(prog="persia plan", description="Capacity plan: parameter servers, NN-worker "
@@ -379,20 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=d.dim, help="embedding dim D")
     p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default=d.weights, help="weight storage precision")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="server-side optimizer")
-    p.add_argument("--vm-ram-tb", type=_finite_float, default=d.vm_ram_tb, help="RAM of a parameter-server VM, TB")
-    p.add_argument("--usable", type=_finite_float, default=d.usable, help="share of that RAM the shards may use")
-    p.add_argument("--process-overhead-gb", type=_finite_float, default=d.process_overhead_gb,
+    p.add_argument("--vm-ram-tb", type=float_in(), default=d.vm_ram_tb, help="RAM of a parameter-server VM, TB")
+    p.add_argument("--usable", type=float_in(), default=d.usable, help="share of that RAM the shards may use")
+    p.add_argument("--process-overhead-gb", type=float_in(), default=d.process_overhead_gb,
                    help="memory of a shard process besides its table, GB")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per GPU per step")
     p.add_argument("--throughput", type=_count_arg, default=d.throughput, help="target samples/s of the job")
     p.add_argument("--samples-per-gpu", type=_count_arg, default=d.samples_per_gpu, help="samples/s of one GPU")
     p.add_argument("--gpus-per-vm", type=int, default=d.gpus_per_vm, help="GPUs of an NN-worker VM")
-    p.add_argument("--ids-per-sample", type=_finite_float, default=0.0,
+    p.add_argument("--ids-per-sample", type=float_in(), default=0.0,
                    help="feature IDs per sample (default: the number of --slot, else 26 as Criteo's)")
-    p.add_argument("--unique-fraction", type=_finite_float, default=d.unique_fraction,
+    p.add_argument("--unique-fraction", type=float_in(), default=d.unique_fraction,
                    help="share of a batch's IDs left after dedup")
     p.add_argument("--dense-params", type=_count_arg, default=d.dense_params, help="dense network parameters")
-    p.add_argument("--nic-gbps", type=_finite_float, default=d.nic_gbps,
+    p.add_argument("--nic-gbps", type=float_in(), default=d.nic_gbps,
                    help="network of a parameter-server VM, Gbit/s")
     p.add_argument("--ps-machine-type", default=d.ps_machine_type, help="parameter-server machine type")
     p.add_argument("--gpu-machine-type", default=d.gpu_machine_type, help="NN-worker machine type")

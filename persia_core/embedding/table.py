@@ -123,6 +123,12 @@ def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: st
     return int(best)
 
 
+def min_budget_bytes(optimizer: str, dim: int, storage: str = "fp32") -> int:
+    """The smallest ``budget_bytes`` for which ``capacity_for_budget`` holds 1024 rows (bytes): 1024 rows, the
+    index of 2048 slots their load of at most 0.75 needs, and the queue's fixed part."""
+    return 1024 * row_bytes_without_index(optimizer, dim, storage) + 4 * _index_slots(1024) + QUEUE_FIXED_BYTES
+
+
 def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: str = "fp32") -> float:
     """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
     return (row_bytes_without_index(optimizer, dim, storage) + (4 * _index_slots(capacity) + QUEUE_FIXED_BYTES)

@@ -104,18 +104,18 @@ def check_push_arrays(table, ids: np.ndarray, grads: np.ndarray, finite: bool) -
     """Refuse a push whose arrays do not fit ``table`` before anything is applied or buffered: ``ids`` must be
     ``uint64[U]``, ``grads`` ``float32[U, D]`` (D the table's dim), all finite when ``finite``. Raises
     ``ValueError`` naming what is wrong."""
-    if ids.dtype != np.uint64 or ids.ndim != 1:
-        raise ValueError(f"push: ids must be uint64[U], got {ids.dtype}{list(ids.shape)}")
+    check_ids(ids, "push: ")
     if grads.dtype != np.float32 or grads.shape != (len(ids), table.dim):
         raise ValueError(f"push: grads must be float32[{len(ids)}, {table.dim}], got {grads.dtype}{list(grads.shape)}")
     if finite and not np.isfinite(grads).all():
         raise ValueError("push: gradients contain NaN or inf; nothing was applied")
 
 
-def check_ids(ids: np.ndarray) -> np.ndarray:
-    """``ids`` of a lookup as sent: ``uint64[U]``, else ``ValueError`` (no silent conversion of other dtypes)."""
+def check_ids(ids: np.ndarray, what: str = "") -> np.ndarray:
+    """``ids`` as sent: ``uint64[U]``, else ``ValueError`` (prefixed ``what``; no silent conversion of other
+    dtypes)."""
     if ids.dtype != np.uint64 or ids.ndim != 1:
-        raise ValueError(f"ids must be uint64[U], got {ids.dtype}{list(ids.shape)}")
+        raise ValueError(f"{what}ids must be uint64[U], got {ids.dtype}{list(ids.shape)}")
     return ids
 
 
