@@ -196,10 +196,17 @@ class LocalCluster:
         return self.addresses
 
     def start_workers(self, data_dir: str, out_dir: str, extra_args: list[str] | None = None) -> None:
-        port = free_port()
+        """Start the NN workers (DDP ranks 0..M-1). On one machine their rendezvous is a file in the work dir
+        (``PERSIA_DIST_FILE_STORE``) rather than torch's TCP store, which listens on every interface; gloo's own
+        sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the caller set one.
+        So a local job listens on 127.0.0.1 only."""
+        store = os.path.join(self.work_dir, f"dist-store-{secrets.token_hex(8)}")
+        extra = {"MASTER_ADDR": "127.0.0.1", "PERSIA_DIST_FILE_STORE": store}
+        if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+            extra["GLOO_SOCKET_IFNAME"] = "lo"
         for r in range(self.num_workers):
-            env = self._env(RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=port, PERSIA_PS_ADDRESSES=",".join(self.addresses))
+            env = self._env(RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r,
+                            PERSIA_PS_ADDRESSES=",".join(self.addresses), **extra)
             args = ["-m", "persia_core.train.worker", "--config", self.config_path, "--data", data_dir,
                     "--out", out_dir, *(extra_args or [])]
             self.workers.append(self._spawn(f"nn_worker-{r}", args, env))

@@ -1,8 +1,8 @@
 """NN worker process: one torch DDP rank running ``HybridTrainPipeline`` against the parameter servers.
 
 Started by ``persia_core.train.launcher`` (or by a Vertex AI worker pool) with the torch.distributed environment
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and ``PERSIA_PS_ADDRESSES`` (comma-separated
-``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or, on one machine, ``PERSIA_DIST_FILE_STORE``: a
+file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
 
 Checkpoints (``persia_core.train.checkpoint``): every N steps and/or T seconds and at the end, all ranks stop at
 the same step boundary and write one. Resuming (``--resume``) restores the dense model, its Adam state, the RNG
@@ -270,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         backend = "nccl" if resolve_device(config.trainer.device, local_rank).type == "cuda" else "gloo"
         # long enough for a checkpoint of big shards; a dead peer is handled by the launcher, which kills all
         timeout = float(os.environ.get("PERSIA_DIST_TIMEOUT_S", "1800"))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        store_path = os.environ.get("PERSIA_DIST_FILE_STORE", "")
+        # one machine (the local launcher): a file rendezvous, so nothing listens beyond 127.0.0.1; a cluster:
+        # torch's env:// rendezvous at MASTER_ADDR:MASTER_PORT
+        store = dist.FileStore(store_path, world) if store_path else None
+        dist.init_process_group(backend, rank=rank, world_size=world, store=store,
+                                timeout=datetime.timedelta(seconds=timeout))
     from persia_core.ps.client import EmbeddingClient
 
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
