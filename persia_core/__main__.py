@@ -195,7 +195,8 @@ def cmd_serve_shards(args, _extra) -> int:
     previous = signal.signal(signal.SIGTERM, _stop)
     clean = False
     try:
-        with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "") as cluster:
+        with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "",
+                          storage_roots=args.storage_root or [work_dir]) as cluster:
             addresses = cluster.start_servers()
             try:  # from here on a stop signal is a clean stop, even one that comes as the addresses are printed
                 fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", default="", help="shard_plan.json from init-shards (row capacities)")
     sp.add_argument("--init", default="", help="init-shards output or Model folder: shards/shard-*.npz to load")
     sp.add_argument("--work-dir", default="", help="folder for logs, port files and the token file")
+    sp.add_argument("--storage-root", action="append", default=[], metavar="DIR",
+                    help="a folder (or URL prefix) where the servers' Dump and Load may write and read; repeatable "
+                         "(default: the work dir)")
     return p
 
 

@@ -351,6 +351,14 @@ def _flag(argv: list[str], name: str) -> str | None:
     return value
 
 
+def checkpoint_folder(args, config) -> str:
+    """The run's checkpoint folder: ``--checkpoint-dir`` among the NN worker flags, else ``trainer.checkpoint_dir``,
+    else ``<out>/checkpoints``."""
+    from persia_core.train.launcher import checkpoint_settings
+
+    return _flag(args.worker_args, "--checkpoint-dir") or checkpoint_settings(config, args.out).dir
+
+
 def resume_point(args, config) -> tuple[str, dict] | None:
     """The checkpoint a (re)started job continues from, the same for every replica.
 
@@ -360,15 +368,13 @@ def resume_point(args, config) -> tuple[str, dict] | None:
     when the checkpoint belongs to another run (config or data lineage) or holds another number of shards than
     the run config (re-shard it with ``persia_core.embedding.plan`` first)."""
     from persia_core.train import checkpoint as ckpt
-    from persia_core.train.launcher import checkpoint_settings
 
     explicit = _flag(args.worker_args, "--resume")
     where = explicit if explicit is not None else args.resume
     if not where:
         return None
     if where == "auto":
-        folder = _flag(args.worker_args, "--checkpoint-dir") or checkpoint_settings(config, args.out).dir
-        chosen = ckpt.find_latest(folder)
+        chosen = ckpt.find_latest(checkpoint_folder(args, config))
         if chosen is None:
             return None
     else:
@@ -453,6 +459,8 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
             if e.get("role") == "shard":
                 from_ckpt[int(e["shard"])] = e
         log.info("parameter servers resume from %s (step %d)", resume[0], resume[1]["step"])
+    # Dump and Load reach only the run's model folder and checkpoint folder
+    storage_roots = list(dict.fromkeys([args.out, checkpoint_folder(args, config)]))
     started = time.time()
     procs = []
     for shard, port in zip(place.shards, place.ports):
@@ -460,6 +468,8 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
                "--num-shards", str(n), "--host", args.host, "--port", str(port)]
         if plan and io.exists(plan):
             cmd += ["--plan", plan]
+        for root in storage_roots:
+            cmd += ["--storage-root", root]
         init = io.join(args.init, shard_file_name(shard)) if args.init else ""
         if shard in from_ckpt:
             e = from_ckpt[shard]

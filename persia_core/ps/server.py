@@ -30,8 +30,10 @@ the message (``persia_core.ps.shm``); the call, token check and answers are the 
 Security: binds 127.0.0.1 unless ``--host`` says otherwise, and refuses to bind any other address without a
 token; when ``PERSIA_PS_TOKEN`` is set every call must carry it in the ``x-persia-token`` metadata, else it is
 refused with UNAUTHENTICATED. Requests are checked before anything is applied: ids must be ``uint64[U]``, a push's
-gradients ``float32[U, D]`` and finite, its ``step_fraction`` in (0, 1]. A token holder can still make a server
-write its shard file to any path it can write (``Dump``): the token is the training job's own credential.
+gradients ``float32[U, D]`` and finite, its ``step_fraction`` in (0, 1]. ``Dump`` and ``Load`` reach only paths
+under the server's storage roots (``--storage-root``, repeatable, or ``PERSIA_PS_STORAGE_ROOTS``, comma-separated;
+the launchers pass the run's model and checkpoint folders): any other path is refused with PERMISSION_DENIED. A
+server started without roots writes and reads any path it can (the token is then the only guard).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from persia_core.ps import wire
 
 SERVICE = "persia.ParameterServer"
 TOKEN_ENV = "PERSIA_PS_TOKEN"
+STORAGE_ROOTS_ENV = "PERSIA_PS_STORAGE_ROOTS"
 TOKEN_HEADER = "x-persia-token"
 MAX_MESSAGE_BYTES = 1 << 30
 GRPC_OPTIONS = [
@@ -289,10 +292,33 @@ class ParameterServerShard:
             self.restore_server_state(contents.server)
 
 
+def check_storage_path(path: str, roots: list[str]) -> str:
+    """The path a ``Dump`` or ``Load`` request may use: ``path`` itself (a URL such as ``gs://b/p``) or, for a local
+    path, its resolved form (symbolic links followed), provided it lies under one of ``roots`` (local folders or
+    URL prefixes). No roots: any path. Raises ``PermissionError`` naming the path and the roots otherwise, and for
+    a URL with ``.`` or ``..`` segments."""
+    if not roots:
+        return path
+    if "://" in path:
+        if any(seg in (".", "..") for seg in path.split("://", 1)[1].split("/")):
+            raise PermissionError(f"storage path {path!r} has '.' or '..' segments")
+        if any("://" in r and path.startswith(r.rstrip("/") + "/") for r in roots):
+            return path
+    else:
+        real = os.path.realpath(path)
+        for r in roots:
+            if "://" not in r:
+                root = os.path.realpath(r)
+                if os.path.commonpath([real, root]) == root:
+                    return real
+    raise PermissionError(f"storage path {path!r} is outside this server's storage roots ({', '.join(roots)})")
+
+
 class _Servicer:
-    def __init__(self, shard: ParameterServerShard, token: str | None):
+    def __init__(self, shard: ParameterServerShard, token: str | None, storage_roots: list[str] | None = None):
         self.shard = shard
         self.token = token
+        self.storage_roots = list(storage_roots or [])
         self.segments = shm_mod.SegmentCache()
 
     def _check(self, context) -> None:
@@ -320,6 +346,8 @@ class _Servicer:
                 return wire.encode(out_meta, out_arrays)
             except shm_mod.ShmUnavailable as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
+            except PermissionError as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"shard {self.shard.shard}: {e}")
             except (ValueError, KeyError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
             except TimeoutError as e:
@@ -347,11 +375,11 @@ class _Servicer:
             return {}, {"found": s.table(meta["table"]).contains(check_ids(arrays["ids"])).astype(np.uint8)}
 
         def dump(meta, arrays, ctx):
-            nbytes, crc = s.dump(meta["path"])
+            nbytes, crc = s.dump(check_storage_path(str(meta["path"]), self.storage_roots))
             return {"bytes": nbytes, "crc32c": crc}, {}
 
         def load(meta, arrays, ctx):
-            s.load(meta["path"], meta.get("size"), meta.get("crc32c"))
+            s.load(check_storage_path(str(meta["path"]), self.storage_roots), meta.get("size"), meta.get("crc32c"))
             return {"ok": True}, {}
 
         def stats(meta, arrays, ctx):
@@ -366,12 +394,13 @@ class _Servicer:
 
 
 def serve(shard: ParameterServerShard, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-          max_workers: int = 32) -> tuple[grpc.Server, int]:
+          max_workers: int = 32, storage_roots: list[str] | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
+    ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
 
     Raises ``RuntimeError`` if the port cannot be bound."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((_Servicer(shard, token).handlers(),))
+    server.add_generic_rpc_handlers((_Servicer(shard, token, storage_roots).handlers(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"parameter server could not bind {host}:{port}")
@@ -394,7 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
     p.add_argument("--port-file", default="", help="write the bound port here once serving")
+    p.add_argument("--storage-root", action="append", default=None,
+                   help="a folder (or URL prefix such as gs://bucket/run) under which Dump and Load may write and "
+                        f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)")
     args = p.parse_args(argv)
+    roots = args.storage_root if args.storage_root is not None else [
+        r for r in os.environ.get(STORAGE_ROOTS_ENV, "").split(",") if r]
     from persia_core.logging_utils import setup_logging
 
     setup_logging("ps", args.shard)
@@ -428,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
 
     gc.collect()
     gc.freeze()
-    server, port = serve(shard, args.host, args.port, token)
+    server, port = serve(shard, args.host, args.port, token, storage_roots=roots)
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)
-    log.info("serving shard %d/%d on %s:%d (token %s)", args.shard, args.num_shards, args.host, port,
-             "required" if token else "off")
+    log.info("serving shard %d/%d on %s:%d (token %s; Dump/Load %s)", args.shard, args.num_shards, args.host, port,
+             "required" if token else "off", f"under {', '.join(roots)}" if roots else "anywhere")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())

@@ -110,10 +110,13 @@ class LocalCluster:
         config_path: run config YAML every process loads. num_shards, num_workers: N and M.
         work_dir: logs and port files. plan_path / init_dir: shard plan and initial shard files (optional).
         delta_dir, delta_every_s: incremental export of every server (off when empty / 0).
+        storage_roots: the folders (or URL prefixes) under which the servers' ``Dump`` and ``Load`` calls may
+            write and read (``persia_core.ps.server.check_storage_path``); None: any path.
     """
 
     def __init__(self, config_path: str, num_shards: int, num_workers: int, work_dir: str, plan_path: str = "",
-                 init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0):
+                 init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0,
+                 storage_roots: list[str] | None = None):
         self.config_path = config_path
         self.num_shards = num_shards
         self.num_workers = num_workers
@@ -122,6 +125,7 @@ class LocalCluster:
         self.init_dir = init_dir
         self.delta_dir = delta_dir
         self.delta_every_s = delta_every_s
+        self.storage_roots = [r for r in dict.fromkeys(storage_roots or []) if r]
         self.token = secrets.token_hex(16)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
@@ -178,6 +182,8 @@ class LocalCluster:
                     args += ["--init-crc32c", str(init["crc32c"])]
             if self.delta_dir and self.delta_every_s > 0:
                 args += ["--delta-dir", self.delta_dir, "--delta-every-s", str(self.delta_every_s)]
+            for root in self.storage_roots:
+                args += ["--storage-root", root]
             self.servers.append(self._spawn(f"ps-{s}", args, self._env()))
         deadline = time.monotonic() + timeout_s
         for proc, pf in zip(self.servers, port_files):
@@ -453,7 +459,9 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
         elif plan.get("warm_start", {}).get("dense_file"):
             worker_args += ["--init-dense", io.join(init_dir, plan["warm_start"]["dense_file"])]
         try:
-            with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir, delta_dir, delta_every_s) as cluster:
+            # the servers write their shards only into this run's model and checkpoint folders
+            with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir, delta_dir, delta_every_s,
+                              storage_roots=[model_dir, settings.dir]) as cluster:
                 addresses = cluster.start_servers(inits=inits)
                 cluster.start_workers(data_dir, model_dir, worker_args)
                 cluster.wait_workers()

@@ -200,3 +200,48 @@ def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused
 
     assert r.returncode == EXIT_BAD_INIT
     assert "not a regular file" in r.stderr + r.stdout
+
+
+def test_storage_paths_must_lie_under_a_root(tmp_path):
+    from persia_core.ps.server import check_storage_path
+
+    root = tmp_path / "run"
+    (root / "ckpt").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", root / "link")
+    roots = [str(root), "gs://bucket/run"]
+    assert check_storage_path(str(root / "ckpt" / "s.npz"), roots) == os.path.realpath(root / "ckpt" / "s.npz")
+    assert check_storage_path("gs://bucket/run/ckpt/s.npz", roots) == "gs://bucket/run/ckpt/s.npz"
+    assert check_storage_path("/anything/at/all", []) == "/anything/at/all"  # no roots: any path
+    for bad in [str(root / ".." / "elsewhere" / "s.npz"), str(root / "link" / "s.npz"), str(tmp_path / "run2"),
+                "/etc/cron.d/x", "gs://bucket/run2/s.npz", "gs://bucket/run/../other/s.npz", "gs://other/run/s"]:
+        with pytest.raises(PermissionError, match="storage"):
+            check_storage_path(bad, roots)
+
+
+def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(tmp_path):
+    from persia_core.ps.server import ParameterServerShard, serve
+
+    cfg = tiny_config()
+    allowed = tmp_path / "model"
+    allowed.mkdir()
+    shard = ParameterServerShard(cfg, 0, 1)
+    srv, port = serve(shard, "127.0.0.1", 0, token="s3cret", storage_roots=[str(allowed)])
+    try:
+        client = EmbeddingClient([f"127.0.0.1:{port}"], cfg.embedding, token="s3cret", retries=0, timeout_s=5.0)
+        client.lookup("default", IDS)
+        inside = allowed / "shard-0.npz"
+        meta, _ = client.call("Dump", 0, {"path": str(inside)}, {})
+        assert inside.stat().st_size == meta["bytes"] > 0
+        outside = tmp_path / "outside.npz"
+        for path in (str(outside), str(allowed / ".." / "outside.npz")):
+            with pytest.raises(ParameterServerError, match="PERMISSION_DENIED.*outside this server's storage"):
+                client.call("Dump", 0, {"path": path}, {})
+        assert not outside.exists()
+        outside.write_bytes(inside.read_bytes())  # a valid shard file, but not under the roots
+        with pytest.raises(ParameterServerError, match="PERMISSION_DENIED"):
+            client.call("Load", 0, {"path": str(outside)}, {})
+        client.call("Load", 0, {"path": str(inside)}, {})  # under the root: accepted
+        client.close()
+    finally:
+        srv.stop(0)
