@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from persia_core.argchecks import check_output_file, float_in, int_at_least
+from persia_core.argchecks import check_output_file, float_in, int_at_least, storage_root
 
 log = logging.getLogger("persia.cli")
 
@@ -195,14 +195,18 @@ def cmd_serve_shards(args, _extra) -> int:
     previous = signal.signal(signal.SIGTERM, _stop)
     clean = False
     try:
+        dumps = os.path.join(work_dir, "dumps")  # default storage root: beside, not over, the token and config
+        if not args.storage_root:
+            os.makedirs(dumps, exist_ok=True)
         with LocalCluster(cfg_path, n, 0, work_dir, args.plan or "", args.init or "",
-                          storage_roots=args.storage_root or [work_dir]) as cluster:
+                          storage_roots=args.storage_root or [dumps]) as cluster:
             addresses = cluster.start_servers()
             try:  # from here on a stop signal is a clean stop, even one that comes as the addresses are printed
                 fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(cluster.token)
-                _print({"addresses": addresses, "token_file": token_file, "logs": os.path.join(work_dir, "logs")})
+                _print({"addresses": addresses, "token_file": token_file, "logs": os.path.join(work_dir, "logs"),
+                        "storage_roots": cluster.storage_roots})
                 sys.stdout.flush()
                 log.info("serving %d shard(s); Ctrl-C stops them", n)
                 while True:
@@ -218,10 +222,13 @@ def cmd_serve_shards(args, _extra) -> int:
         signal.signal(signal.SIGTERM, previous)
         if os.path.exists(token_file):  # the servers are gone: their token opens nothing, and is not left lying
             os.remove(token_file)
-        if own_work_dir and clean:
+        kept_dumps = os.path.isdir(dumps) and bool(os.listdir(dumps))
+        if own_work_dir and clean and not kept_dumps:
             import shutil
 
             shutil.rmtree(work_dir, ignore_errors=True)
+        elif own_work_dir and clean:
+            print(f"persia serve-shards: the shard files dumped are kept in {dumps}", file=sys.stderr)
         elif own_work_dir:
             print(f"persia serve-shards: the servers' logs are kept in {os.path.join(work_dir, 'logs')}",
                   file=sys.stderr)
@@ -334,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--plan", default="", help="shard_plan.json from init-shards (row capacities)")
     sp.add_argument("--init", default="", help="init-shards output or Model folder: shards/shard-*.npz to load")
     sp.add_argument("--work-dir", default="", help="folder for logs, port files and the token file")
-    sp.add_argument("--storage-root", action="append", default=[], metavar="DIR",
-                    help="a folder (or URL prefix) where the servers' Dump and Load may write and read; repeatable "
-                         "(default: the work dir)")
+    sp.add_argument("--storage-root", action="append", default=[], metavar="DIR", type=storage_root,
+                    help="a folder (or gs:// prefix) under which the servers' Dump and Load may write and read; "
+                         "repeatable (default: <work dir>/dumps, kept after a stop when it holds files)")
     return p
 
 

@@ -22,6 +22,22 @@ def int_at_least(lo: int):
     return parse
 
 
+def storage_root(text: str) -> str:
+    """An argparse ``type`` for a parameter server's storage root: a local folder or a ``gs://bucket[/prefix]``;
+    an empty value (an unset shell variable) or another URL scheme is argparse's usage error (exit 2), never
+    "no root"."""
+    from persia_core.ps.server import resolve_storage_roots
+
+    try:
+        resolve_storage_roots([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+storage_root.__name__ = "storage root"
+
+
 def float_in(lo: float = -math.inf, hi: float | None = None):
     """An argparse ``type`` accepting finite numbers in [``lo``, ``hi``] (no bounds given: any finite number);
     ``inf``, ``nan`` and anything else are argparse's usage error (exit 2), naming the flag."""

@@ -198,6 +198,18 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
+def create_temp_beside(path: str):
+    """A new local file next to ``path`` to write and then rename onto it: ``(temporary path, binary file open for
+    writing)``. The name has a random part and is created exclusively, never through a symbolic link (``O_EXCL |
+    O_NOFOLLOW``), so a file or link planted under a predictable name cannot redirect the bytes elsewhere.
+    Raises ``FileExistsError`` in the (astronomically unlikely) case the random name exists."""
+    import secrets
+
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    return tmp, os.fdopen(fd, "wb")
+
+
 def write_bytes(path: str, data: bytes) -> None:
     """Write a whole file (parent folders are created); atomic (see module docstring)."""
     uri = _remote(path)
@@ -205,10 +217,15 @@ def write_bytes(path: str, data: bytes) -> None:
         _blob(uri).upload_from_string(bytes(data), content_type="application/octet-stream")
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp, f = create_temp_beside(path)
+    try:
+        with f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_text(path: str, text: str) -> None:

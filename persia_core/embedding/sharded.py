@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import struct
-import threading
 import zipfile
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -281,9 +280,9 @@ def write_shard_arrays(path: str, tables: dict[str, TableArrays], server: dict |
         io.write_bytes(path, buf.getbuffer())
         return w.pos, w.crc
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    tmp, raw = io.create_temp_beside(path)
     try:
-        with open(tmp, "wb") as raw:
+        with raw:
             w = _CrcWriter(raw)
             _write_npz(w, members)
             raw.flush()
@@ -291,7 +290,7 @@ def write_shard_arrays(path: str, tables: dict[str, TableArrays], server: dict |
                 os.fsync(raw.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
     return w.pos, w.crc
 

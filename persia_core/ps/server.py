@@ -52,6 +52,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from persia_core.argchecks import storage_root
 from persia_core.config import RunConfig, load_config
 from persia_core.embedding.sharded import (check_shard_contents, make_tables, read_shard_file,
                                           restore_shard_contents, write_shard_file)
@@ -292,33 +293,62 @@ class ParameterServerShard:
             self.restore_server_state(contents.server)
 
 
-def check_storage_path(path: str, roots: list[str]) -> str:
-    """The path a ``Dump`` or ``Load`` request may use: ``path`` itself (a URL such as ``gs://b/p``) or, for a local
-    path, its resolved form (symbolic links followed), provided it lies under one of ``roots`` (local folders or
-    URL prefixes). No roots: any path. Raises ``PermissionError`` naming the path and the roots otherwise, and for
-    a URL with ``.`` or ``..`` segments."""
+def resolve_storage_roots(roots: list[str] | None) -> list[str]:
+    """The storage roots a server checks against, resolved once at start: local folders with symbolic links
+    followed (``os.path.realpath``; a root created later as a link leads nowhere new), ``gs://`` prefixes as
+    given without a trailing slash. None or []: no roots (any path).
+
+    Raises ``TypeError`` for a single string instead of a list, ``ValueError`` for an empty root or a URL of any
+    other scheme (the storage layer writes only local paths and ``gs://``)."""
+    if roots is None:
+        return []
+    if isinstance(roots, (str, bytes)):
+        raise TypeError(f"storage roots must be a list of paths, not one string ({roots!r})")
+    out = []
+    for r in roots:
+        if not isinstance(r, str) or not r.strip():
+            raise ValueError(f"storage root {r!r}: give a folder or a gs:// prefix, not an empty value")
+        if "://" in r:
+            if not r.startswith("gs://") or len(r.rstrip("/")) <= len("gs://"):
+                raise ValueError(f"storage root {r!r}: only local folders and gs://bucket[/prefix] are supported")
+            out.append(r.rstrip("/"))
+        else:
+            out.append(os.path.realpath(r))
+    return list(dict.fromkeys(out))
+
+
+def check_storage_path(path, roots: list[str]) -> str:
+    """The path a ``Dump`` or ``Load`` request may use, given ``roots`` from ``resolve_storage_roots``: ``path``
+    itself (a ``gs://`` URL) or, for a local path, its resolved form (symbolic links followed), provided it lies
+    strictly under one of the roots. No roots: any path.
+
+    Raises ``ValueError`` when ``path`` is not a non-empty string; ``PermissionError`` naming the path (and what
+    it resolves to) and the roots when it is outside them, is a root itself, or is a URL with ``.`` or ``..``
+    segments."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
     if not roots:
         return path
+    where = path
     if "://" in path:
         if any(seg in (".", "..") for seg in path.split("://", 1)[1].split("/")):
             raise PermissionError(f"storage path {path!r} has '.' or '..' segments")
-        if any("://" in r and path.startswith(r.rstrip("/") + "/") for r in roots):
+        if any("://" in r and path.startswith(r + "/") and path.rstrip("/") != r for r in roots):
             return path
     else:
-        real = os.path.realpath(path)
-        for r in roots:
-            if "://" not in r:
-                root = os.path.realpath(r)
-                if os.path.commonpath([real, root]) == root:
-                    return real
-    raise PermissionError(f"storage path {path!r} is outside this server's storage roots ({', '.join(roots)})")
+        where = os.path.realpath(path)
+        for root in roots:
+            if "://" not in root and where != root and os.path.commonpath([where, root]) == root:
+                return where
+    shown = f"{path!r}" + (f" (resolves to {where!r})" if where != path else "")
+    raise PermissionError(f"storage path {shown} is not inside this server's storage roots ({', '.join(roots)})")
 
 
 class _Servicer:
     def __init__(self, shard: ParameterServerShard, token: str | None, storage_roots: list[str] | None = None):
         self.shard = shard
         self.token = token
-        self.storage_roots = list(storage_roots or [])
+        self.storage_roots = resolve_storage_roots(storage_roots)
         self.segments = shm_mod.SegmentCache()
 
     def _check(self, context) -> None:
@@ -375,11 +405,11 @@ class _Servicer:
             return {}, {"found": s.table(meta["table"]).contains(check_ids(arrays["ids"])).astype(np.uint8)}
 
         def dump(meta, arrays, ctx):
-            nbytes, crc = s.dump(check_storage_path(str(meta["path"]), self.storage_roots))
+            nbytes, crc = s.dump(check_storage_path(meta.get("path"), self.storage_roots))
             return {"bytes": nbytes, "crc32c": crc}, {}
 
         def load(meta, arrays, ctx):
-            s.load(check_storage_path(str(meta["path"]), self.storage_roots), meta.get("size"), meta.get("crc32c"))
+            s.load(check_storage_path(meta.get("path"), self.storage_roots), meta.get("size"), meta.get("crc32c"))
             return {"ok": True}, {}
 
         def stats(meta, arrays, ctx):
@@ -398,7 +428,8 @@ def serve(shard: ParameterServerShard, host: str = "127.0.0.1", port: int = 0, t
     """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
     ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
 
-    Raises ``RuntimeError`` if the port cannot be bound."""
+    Raises ``RuntimeError`` if the port cannot be bound, ``TypeError``/``ValueError`` for bad storage roots
+    (``resolve_storage_roots``)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((_Servicer(shard, token, storage_roots).handlers(),))
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -423,12 +454,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
     p.add_argument("--port-file", default="", help="write the bound port here once serving")
-    p.add_argument("--storage-root", action="append", default=None,
+    p.add_argument("--storage-root", action="append", default=None, type=storage_root,
                    help="a folder (or URL prefix such as gs://bucket/run) under which Dump and Load may write and "
                         f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)")
     args = p.parse_args(argv)
     roots = args.storage_root if args.storage_root is not None else [
-        r for r in os.environ.get(STORAGE_ROOTS_ENV, "").split(",") if r]
+        r for r in os.environ.get(STORAGE_ROOTS_ENV, "").split(",") if r.strip()]
+    try:
+        roots = resolve_storage_roots(roots)
+    except ValueError as e:  # from the environment variable (the flag's values were checked by argparse)
+        p.error(f"{STORAGE_ROOTS_ENV}: {e}")
     from persia_core.logging_utils import setup_logging
 
     setup_logging("ps", args.shard)

@@ -209,12 +209,17 @@ def write_durable(path: str, data: bytes) -> tuple[int, int]:
         return len(data), crc32c(data)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp, f = io.create_temp_beside(path)
+    try:
+        with f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -125,7 +125,9 @@ class LocalCluster:
         self.init_dir = init_dir
         self.delta_dir = delta_dir
         self.delta_every_s = delta_every_s
-        self.storage_roots = [r for r in dict.fromkeys(storage_roots or []) if r]
+        from persia_core.ps.server import resolve_storage_roots
+
+        self.storage_roots = resolve_storage_roots(storage_roots)  # TypeError/ValueError for a bad root
         self.token = secrets.token_hex(16)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
@@ -203,13 +205,16 @@ class LocalCluster:
 
     def start_workers(self, data_dir: str, out_dir: str, extra_args: list[str] | None = None) -> None:
         """Start the NN workers (DDP ranks 0..M-1). On one machine their rendezvous is a file in the work dir
-        (``PERSIA_DIST_FILE_STORE``) rather than torch's TCP store, which listens on every interface; gloo's own
-        sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME=lo``) unless the caller set one.
+        (``PERSIA_DIST_FILE_STORE``) rather than torch's TCP store, which listens on every interface; gloo's and
+        NCCL's own sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``
+        = ``lo``) unless the caller set them.
         So a local job listens on 127.0.0.1 only."""
         store = os.path.join(self.work_dir, f"dist-store-{secrets.token_hex(8)}")
         extra = {"MASTER_ADDR": "127.0.0.1", "PERSIA_DIST_FILE_STORE": store}
-        if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-            extra["GLOO_SOCKET_IFNAME"] = "lo"
+        if os.path.exists("/sys/class/net/lo"):
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # gloo's pairs, NCCL's bootstrap sockets
+                if var not in os.environ:
+                    extra[var] = "lo"
         for r in range(self.num_workers):
             env = self._env(RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r,
                             PERSIA_PS_ADDRESSES=",".join(self.addresses), **extra)
@@ -461,7 +466,7 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
         try:
             # the servers write their shards only into this run's model and checkpoint folders
             with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir, delta_dir, delta_every_s,
-                              storage_roots=[model_dir, settings.dir]) as cluster:
+                              storage_roots=[r for r in (model_dir, settings.dir) if r]) as cluster:
                 addresses = cluster.start_servers(inits=inits)
                 cluster.start_workers(data_dir, model_dir, worker_args)
                 cluster.wait_workers()

@@ -202,21 +202,59 @@ def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused
     assert "not a regular file" in r.stderr + r.stdout
 
 
-def test_storage_paths_must_lie_under_a_root(tmp_path):
-    from persia_core.ps.server import check_storage_path
+def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
+    from persia_core.ps.server import check_storage_path, resolve_storage_roots
 
     root = tmp_path / "run"
     (root / "ckpt").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     os.symlink(tmp_path / "elsewhere", root / "link")
-    roots = [str(root), "gs://bucket/run"]
+    roots = resolve_storage_roots([str(root), "gs://bucket/run/"])
     assert check_storage_path(str(root / "ckpt" / "s.npz"), roots) == os.path.realpath(root / "ckpt" / "s.npz")
     assert check_storage_path("gs://bucket/run/ckpt/s.npz", roots) == "gs://bucket/run/ckpt/s.npz"
     assert check_storage_path("/anything/at/all", []) == "/anything/at/all"  # no roots: any path
     for bad in [str(root / ".." / "elsewhere" / "s.npz"), str(root / "link" / "s.npz"), str(tmp_path / "run2"),
-                "/etc/cron.d/x", "gs://bucket/run2/s.npz", "gs://bucket/run/../other/s.npz", "gs://other/run/s"]:
-        with pytest.raises(PermissionError, match="storage"):
+                str(root), str(root) + "/", "/etc/cron.d/x", "gs://bucket/run2/s.npz", "gs://bucket/run/",
+                "gs://bucket/run/../other/s.npz", "gs://other/run/s"]:
+        with pytest.raises(PermissionError, match="storage path"):
             check_storage_path(bad, roots)
+    with pytest.raises(PermissionError, match="resolves to"):
+        check_storage_path(str(root / "link" / "s.npz"), roots)
+    for bad in [None, 123, ["x"], ""]:
+        with pytest.raises(ValueError, match="path must be a non-empty string"):
+            check_storage_path(bad, roots)
+
+
+@pytest.mark.parametrize("roots, error", [
+    ("/some/run", TypeError), ([""], ValueError), (["  "], ValueError), (["s3://b/run"], ValueError),
+    (["file:///data/run"], ValueError), (["GS://b/run"], ValueError), (["gs://"], ValueError)])
+def test_storage_roots_that_would_open_everything_or_write_elsewhere_are_refused(roots, error):
+    from persia_core.ps.server import resolve_storage_roots
+
+    with pytest.raises(error, match="storage root"):
+        resolve_storage_roots(roots)
+
+
+def test_a_root_is_resolved_once_so_a_link_created_there_later_leads_nowhere_new(tmp_path):
+    from persia_core.ps.server import check_storage_path, resolve_storage_roots
+
+    roots = resolve_storage_roots([str(tmp_path / "ckpt")])  # not created yet
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "ckpt")
+    with pytest.raises(PermissionError, match="resolves to"):
+        check_storage_path(str(tmp_path / "ckpt" / "s.npz"), roots)
+
+
+def test_a_server_or_serve_shards_given_an_empty_storage_root_refuses_to_start(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    for cmd in (["-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0", "--num-shards", "1"],
+                ["-m", "persia_core", "serve-shards", "--config", str(cfg)]):
+        r = subprocess.run([sys.executable, *cmd, "--storage-root", ""], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "--storage-root" in r.stderr and "empty" in r.stderr
 
 
 def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(tmp_path):
@@ -235,9 +273,13 @@ def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(t
         assert inside.stat().st_size == meta["bytes"] > 0
         outside = tmp_path / "outside.npz"
         for path in (str(outside), str(allowed / ".." / "outside.npz")):
-            with pytest.raises(ParameterServerError, match="PERMISSION_DENIED.*outside this server's storage"):
+            with pytest.raises(ParameterServerError, match="PERMISSION_DENIED.*not inside this server's storage roots"):
                 client.call("Dump", 0, {"path": path}, {})
         assert not outside.exists()
+        for path in (None, 123, ["x"]):  # refused as malformed, not written under a made-up name
+            with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*path must be a non-empty string"):
+                client.call("Dump", 0, {"path": path}, {})
+        assert sorted(os.listdir(allowed)) == ["shard-0.npz"]  # and no temporary file is left beside it
         outside.write_bytes(inside.read_bytes())  # a valid shard file, but not under the roots
         with pytest.raises(ParameterServerError, match="PERMISSION_DENIED"):
             client.call("Load", 0, {"path": str(outside)}, {})
