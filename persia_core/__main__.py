@@ -13,7 +13,7 @@ Commands call the same ``persia_core`` functions as the KFP components:
     serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.launcher.LocalCluster
 
 Exit codes: 0 success; 2 bad input (a usage error, an invalid config or argument: ``ValueError``, a missing
-file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died).
+file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died); 130 interrupted (Ctrl-C).
 """
 
 import argparse
@@ -29,7 +29,7 @@ from persia_core.argchecks import check_output_file, float_in, int_at_least, sto
 
 log = logging.getLogger("persia.cli")
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -176,8 +176,16 @@ def cmd_serve_shards(args, _extra) -> int:
     if args.init:
         import glob
 
+        from persia_core.evaluate.gate import MARKER, latest_blessed_model
+
+        if os.path.exists(os.path.join(args.init, MARKER)):  # a blessed-model location: its latest blessed model
+            args.init = latest_blessed_model(args.init)
+            log.info("serving the latest blessed model, %s", args.init)
         have = len(glob.glob(os.path.join(args.init, "shards", "shard-*.npz")))
-        if have and have != n:  # each server loads the file of its own shard number: the others would be lost
+        if have == 0:  # every server would start empty, and nothing would say so
+            raise FileNotFoundError(f"--init {args.init}: no shard files (shards/shard-*.npz); give an init-shards "
+                                    f"output, a Model folder or a blessed-model location")
+        if have != n:  # each server loads the file of its own shard number: the others would be lost
             raise ValueError(f"--init {args.init} holds {have} shard files but {n} shards were asked: serve it with "
                              f"--num-shards {have}, or re-shard it first (init-shards warm-started from it)")
 
@@ -244,15 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="persia", description="Run the persia-kfp steps outside KFP on local (or gs://) files.",
-        epilog="Exit codes: 0 success, 2 bad input (usage, invalid config, missing file), 1 other failures.",
+        epilog="Exit codes: 0 success, 2 bad input (usage, invalid config, missing file), 1 other failures, "
+               "130 interrupted (Ctrl-C).",
         allow_abbrev=False)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of the messages on stderr (default INFO)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p.commands = {}  # name -> its parser, so that a command's usage error shows the command's own usage
 
     def add(name: str, help_: str, func, **kw) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_, allow_abbrev=False, **kw)
         sp.set_defaults(func=func)
+        p.commands[name] = sp
         return sp
 
     def config_flags(sp, default_help: str, default: str | None = None) -> None:
@@ -368,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if passthrough is not None:
             extra = passthrough
         elif extra and args.command != "preprocess":
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_BAD_INPUT)
     from persia_core.logging_utils import setup_logging
@@ -380,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("bad input", exc_info=True)
         print(f"persia {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT
         print(f"persia {args.command}: interrupted", file=sys.stderr)
-        return EXIT_FAILURE
+        return EXIT_INTERRUPTED
     except Exception as e:  # any other failure: exit 1 with the message (traceback with --log-level DEBUG)
         log.debug("failure", exc_info=True)
         print(f"persia {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)

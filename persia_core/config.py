@@ -450,16 +450,26 @@ class RunConfig:
             for p in parts[:-1]:
                 node = _override_child(node, p, key)
             if not isinstance(node, dict) or parts[-1] not in node:
-                raise ValueError(f"config override '{key}': unknown key '{parts[-1]}'")
+                raise ValueError(f"config override '{key}': unknown key '{parts[-1]}'{_known(node, parts[-1])}")
             node[parts[-1]] = value
         return RunConfig.from_dict(d)
+
+
+def _known(node: Any, part: str) -> str:
+    """`` (did you mean ...? known: [...])`` for an unknown key ``part`` of section ``node``; "" for a non-section."""
+    if not isinstance(node, dict):
+        return ""
+    import difflib
+
+    close = difflib.get_close_matches(part, list(node), n=1, cutoff=0.6)
+    return (f" (did you mean '{close[0]}'? " if close else " (") + f"known: {sorted(node)})"
 
 
 def _override_child(node: Any, part: str, key: str) -> Any:
     """``node[part]`` of a dict, or the item named (or indexed) ``part`` of a list of sections."""
     if isinstance(node, dict):
         if part not in node:
-            raise ValueError(f"config override '{key}': unknown key '{part}'")
+            raise ValueError(f"config override '{key}': unknown key '{part}'{_known(node, part)}")
         return node[part]
     if isinstance(node, list):
         for item in node:

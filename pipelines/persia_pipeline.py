@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--cuda-image", help="image of the NN pools ($PERSIA_CUDA_IMAGE; default --image)")
     v.add_argument("--region", help="region of the training CustomJob ($PERSIA_VERTEX_REGION)")
     v.add_argument("--nn-machine-type", help="machine of NN pools 0 and 1")
-    v.add_argument("--accelerator-type", help="GPU of an NN machine ('' for none)")
+    v.add_argument("--accelerator-type", help="GPU of an NN machine ('none' for CPU-only NN machines)")
     v.add_argument("--accelerator-count", type=int, help="GPUs per NN machine")
     v.add_argument("--ps-machine-type", help="high-memory machine of the parameter-server pool 2")
     v.add_argument("--shards-per-server", type=int, help="parameter-server shards per pool-2 replica")

@@ -39,6 +39,11 @@ GPU_MACHINE_FAMILIES = (("NVIDIA_TESLA_A100", "a2-"), ("NVIDIA_A100_80GB", "a2-"
                         ("NVIDIA_H200", "a3-"), ("NVIDIA_L4", "g2-"), ("NVIDIA_TESLA_T4", "n1-"),
                         ("NVIDIA_TESLA_V100", "n1-"), ("NVIDIA_TESLA_P100", "n1-"), ("NVIDIA_TESLA_P4", "n1-"))
 """GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
+GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
+"""Machine families that exist only with their GPUs attached (Vertex AI refuses them without an accelerator)."""
+GPU_NN_MACHINE_TYPE = "a2-highgpu-1g"
+CPU_NN_MACHINE_TYPE = "n2-standard-16"
+"""The NN pools' default machines: with the default GPU (one A100), and CPU-only."""
 
 
 @dataclass
@@ -51,8 +56,9 @@ class VertexSettings:
     """Image of the NN pools 0 and 1, e.g. the CUDA build ($PERSIA_CUDA_IMAGE; default: ``image``)."""
     region: str = "us-central1"
     """Where the CustomJob runs ($PERSIA_VERTEX_REGION); the pipeline's own region is chosen at submission."""
-    nn_machine_type: str = "a2-highgpu-1g"
-    """Machine of the NN pools 0 and 1 ($PERSIA_NN_MACHINE_TYPE)."""
+    nn_machine_type: str = ""
+    """Machine of the NN pools 0 and 1 ($PERSIA_NN_MACHINE_TYPE; default ``a2-highgpu-1g`` with a GPU,
+    ``CPU_NN_MACHINE_TYPE`` for CPU-only NN pools)."""
     accelerator_type: str = "NVIDIA_TESLA_A100"
     """GPU of an NN machine ($PERSIA_ACCELERATOR_TYPE; ``none`` or empty with count 0: CPU-only)."""
     accelerator_count: int = 1
@@ -100,6 +106,12 @@ class VertexSettings:
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
             raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither; "
                              "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)")
+        if not self.nn_machine_type:
+            self.nn_machine_type = GPU_NN_MACHINE_TYPE if self.accelerator_count else CPU_NN_MACHINE_TYPE
+        if not self.accelerator_count and self.nn_machine_type.startswith(GPU_ONLY_FAMILIES):
+            raise ValueError(f"vertex settings: nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE) "
+                             f"carries GPUs, but the NN pools are CPU-only: name its GPU (PERSIA_ACCELERATOR_TYPE "
+                             f"and _COUNT), or a CPU machine such as {CPU_NN_MACHINE_TYPE}")
         family = next((f for prefix, f in GPU_MACHINE_FAMILIES if self.accelerator_type.startswith(prefix)), None)
         if family and not self.nn_machine_type.startswith(family):
             raise ValueError(f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "

@@ -537,6 +537,9 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
     """
     layout = config.layout
     if layout.kind == "movielens":
+        if FileSystems.exists(data) and not io.isdir(data):
+            raise FileNotFoundError(f"preprocess: --data {data!r} is a file, but the MovieLens layout reads a folder "
+                                    f"holding {layout.ratings_file}, {layout.movies_file} and {layout.tags_file}")
         out = {}
         files = {"ratings": layout.ratings_file, "movies": layout.movies_file, "tags": layout.tags_file}
         for name, file in files.items():
@@ -572,14 +575,18 @@ def _clear_outputs(output_dir: str) -> None:
             FileSystems.delete(paths)
 
 
-def check_malformed(stats: dict[str, Any], max_fraction: float, dead_letter_dir: str) -> None:
-    """Raise ``ValueError`` when malformed rows / rows read > ``max_fraction`` (or no rows were read).
+def check_malformed(stats: dict[str, Any], max_fraction: float, dead_letter_dir: str,
+                    inputs: list[str] | None = None) -> None:
+    """Raise ``ValueError`` when malformed rows / rows read > ``max_fraction`` (or no rows were read from
+    ``inputs``, the example files, which the message then names).
 
     The message names the counts, the file with the most malformed lines and the commonest reason.
     """
     read, mal = stats["read"], stats["malformed"]
     if read == 0:
-        raise ValueError("preprocess: no data rows were read (empty input files?)")
+        files = sorted(inputs or [])
+        named = f" from {', '.join(files[:5])}{' ...' if len(files) > 5 else ''}" if files else ""
+        raise ValueError(f"preprocess: no data rows were read{named} (empty input files?)")
     fraction = mal["examples"] / read
     if fraction <= max_fraction:
         return
@@ -658,7 +665,8 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     plan = stats["plan"]
     if plan["train"] + plan["eval"] + stats["malformed"]["examples"] != stats["read"]:
         raise RuntimeError(f"preprocess: rows do not add up (train + eval + malformed != read): {stats}")
-    check_malformed(stats, config.split.max_malformed_fraction, FileSystems.join(output_dir, schema.DEAD_LETTER_DIR))
+    check_malformed(stats, config.split.max_malformed_fraction, FileSystems.join(output_dir, schema.DEAD_LETTER_DIR),
+                    inputs.get("ratings") or inputs.get("files"))
     result = build_schema(config, stats)
     io.write_text(io.join(output_dir, schema.SCHEMA_FILE), json.dumps(result, indent=1) + "\n")
     io.write_text(io.join(output_dir, RUN_CONFIG_FILE), config.to_yaml())

@@ -296,7 +296,8 @@ class ParameterServerShard:
 def resolve_storage_roots(roots: list[str] | None) -> list[str]:
     """The storage roots a server checks against, resolved once at start: local folders with symbolic links
     followed (``os.path.realpath``; a root created later as a link leads nowhere new), ``gs://`` prefixes as
-    given without a trailing slash. None or []: no roots (any path).
+    given without a trailing slash; ``gs://b/p`` and ``/gcs/b/p`` (Cloud Storage FUSE) each bring the other form.
+    None or []: no roots (any path).
 
     Raises ``TypeError`` for a single string instead of a list, ``ValueError`` for an empty root or a URL of any
     other scheme (the storage layer writes only local paths and ``gs://``)."""
@@ -311,9 +312,13 @@ def resolve_storage_roots(roots: list[str] | None) -> list[str]:
         if "://" in r:
             if not r.startswith("gs://") or len(r.rstrip("/")) <= len("gs://"):
                 raise ValueError(f"storage root {r!r}: only local folders and gs://bucket[/prefix] are supported")
-            out.append(r.rstrip("/"))
+            r = r.rstrip("/")
+            out += [r, "/gcs/" + r[len("gs://"):]]  # the same objects through Cloud Storage FUSE (persia_core.io)
         else:
-            out.append(os.path.realpath(r))
+            real = os.path.realpath(r)
+            out.append(real)
+            if real.startswith("/gcs/") and len(real) > len("/gcs/"):
+                out.append("gs://" + real[len("/gcs/"):])
     return list(dict.fromkeys(out))
 
 

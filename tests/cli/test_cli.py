@@ -270,3 +270,30 @@ def test_set_reaches_a_table_or_slot_by_name_or_index(tmp_path, capsys):
     capsys.readouterr()
     assert main(["init-shards", "--data", data, "--output", out, "--set", "embedding.tables.dflt.dim=8"]) == 2
     assert "no item 'dflt' (by name: ['default']" in capsys.readouterr().err
+    assert main(["init-shards", "--data", data, "--output", out, "--set", "trainer.num_nn_workers=2"]) == 2
+    assert "unknown key 'num_nn_workers' (did you mean 'num_workers'? known: [" in capsys.readouterr().err
+
+
+def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_without_shards(tmp_path, capsys):
+    """A blessed-model location (as evaluate and predict take) serves its latest blessed model; a folder with no
+    shard files is refused instead of starting empty servers that nothing reports."""
+    from persia_core.evaluate.gate import FORMAT, MARKER
+
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    blessed = tmp_path / "blessed"
+    shards = blessed / "models" / "m1" / "shards"
+    shards.mkdir(parents=True)
+    for s in range(2):
+        (shards / f"shard-{s:05d}.npz").write_bytes(b"")
+    (blessed / MARKER).write_text(json.dumps({"format": FORMAT, "model": "models/m1", "metrics": {"auc": 0.7}}))
+    rc = main(["serve-shards", "--config", str(cfg), "--num-shards", "3", "--init", str(blessed),
+               "--work-dir", str(tmp_path / "work")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "models/m1 holds 2 shard files but 3 shards were asked" in err  # the blessed model's own shards
+    (tmp_path / "empty").mkdir()
+    rc = main(["serve-shards", "--config", str(cfg), "--init", str(tmp_path / "empty"),
+               "--work-dir", str(tmp_path / "work")])
+    assert rc == 2
+    assert "no shard files" in capsys.readouterr().err

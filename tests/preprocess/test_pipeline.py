@@ -397,3 +397,14 @@ def test_distinct_ids_estimate_is_within_three_percent():
     out = fn.extract_output(fn.merge_accumulators([acc, fn.create_accumulator()]))
     assert abs(out["big"] - 30000) <= 900
     assert out["small"] == 100
+
+
+def test_an_empty_input_is_refused_naming_the_file_and_a_movielens_file_for_its_folder(movielens_dir, tmp_path,
+                                                                                        helpers):
+    empty = tmp_path / "day_9.tsv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=f"no data rows were read from {empty}"):
+        helpers.run(helpers.config_with("criteo"), str(empty), str(tmp_path / "out"))
+    ratings = os.path.join(movielens_dir, "ratings.csv")
+    with pytest.raises(FileNotFoundError, match="is a file, but the MovieLens layout reads a folder holding ratings"):
+        pipeline.resolve_inputs(load_config("movielens"), ratings)

@@ -212,6 +212,8 @@ def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
     roots = resolve_storage_roots([str(root), "gs://bucket/run/"])
     assert check_storage_path(str(root / "ckpt" / "s.npz"), roots) == os.path.realpath(root / "ckpt" / "s.npz")
     assert check_storage_path("gs://bucket/run/ckpt/s.npz", roots) == "gs://bucket/run/ckpt/s.npz"
+    assert check_storage_path("/gcs/bucket/run/ckpt/s.npz", roots) == "/gcs/bucket/run/ckpt/s.npz"  # FUSE form
+    assert check_storage_path("gs://b2/r/s.npz", resolve_storage_roots(["/gcs/b2/r"])) == "gs://b2/r/s.npz"
     assert check_storage_path("/anything/at/all", []) == "/anything/at/all"  # no roots: any path
     for bad in [str(root / ".." / "elsewhere" / "s.npz"), str(root / "link" / "s.npz"), str(tmp_path / "run2"),
                 str(root), str(root) + "/", "/etc/cron.d/x", "gs://bucket/run2/s.npz", "gs://bucket/run/",

@@ -246,6 +246,13 @@ def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn
                                           "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
     assert (cpu.accelerator_type, cpu.accelerator_count) == ("", 0)
     assert "acceleratorType" not in cpu.worker_pool_specs()[0]["machineSpec"]
+    # CPU-only with the default machine: a CPU machine, not the GPU default; a GPU-only family named: refused
+    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img"}, accelerator_type="", accelerator_count=0)
+    assert cpu.worker_pool_specs()[0]["machineSpec"] == {"machineType": vertex.CPU_NN_MACHINE_TYPE}
+    assert vertex.VertexSettings(image="img").nn_machine_type == "a2-highgpu-1g"
+    with pytest.raises(ValueError, match="carries GPUs, but the NN pools are CPU-only"):
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_ACCELERATOR_TYPE": "none",
+                                        "PERSIA_NN_MACHINE_TYPE": "a2-highgpu-1g"})
     eight = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
                                             "PERSIA_ACCELERATOR_TYPE": "NVIDIA_H100_80GB",
                                             "PERSIA_ACCELERATOR_COUNT": "8", "PERSIA_RANKS_PER_REPLICA": "8"})
