@@ -58,13 +58,15 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
     Args:
         new_metrics: the new model's evaluation metrics (``auc``, ``logloss``; ``None`` = undefined).
         baseline: the latest blessed model's metrics (:func:`read_baseline`), or ``None`` when there is none;
-            then only ``min_auc`` applies.
+            then only ``min_auc`` (and the normalized-entropy check) applies.
         min_auc: the AUC a model needs at least (an absolute threshold).
         max_auc_drop: how much lower than the baseline's AUC the new AUC may be (0: not lower).
         max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
 
     Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
-    saying whether it passed. A model whose AUC is undefined is rejected. A baseline AUC or logloss that is
+    saying whether it passed. A model whose AUC is undefined is rejected, and so is one whose normalized entropy
+    (``ne``: logloss / the entropy of the base rate; He et al., ADKDD 2014) is >= 1, i.e. that predicts no better
+    than the base rate, even when nothing is blessed yet. A baseline AUC or logloss that is
     undefined skips that comparison (said in the reasons).
 
     Raises ``ValueError`` for a negative tolerance or a ``min_auc`` outside [0, 1].
@@ -87,8 +89,13 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
     else:
         ok = False
         reasons.append(f"rejected: AUC {auc:.6f} < min_auc {min_auc:.6f}")
+    ne = _num(new_metrics.get("ne"))
+    if ne is not None and ne >= 1.0:
+        ok = False
+        reasons.append(f"rejected: normalized entropy {ne:.6f} >= 1 (logloss no better than predicting the base "
+                       f"rate for every example)")
     if baseline is None:
-        reasons.append("no blessed baseline yet: only the min_auc threshold applies")
+        reasons.append("no blessed baseline yet: only the min_auc and normalized-entropy checks apply")
     else:
         base_auc = _num(baseline.get("auc"))
         base_ll = _num(baseline.get("logloss"))

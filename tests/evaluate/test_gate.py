@@ -47,6 +47,12 @@ def test_gate_without_baseline_uses_the_threshold_and_never_blesses_undefined_au
     assert not undefined["bless"] and "undefined" in undefined["reasons"][0]
     with pytest.raises(ValueError, match="max_auc_drop"):
         decide({"auc": 0.7}, None, 0.5, -0.1)
+    # AUC above the threshold but logloss no better than the base rate: never blessed, with or without a baseline
+    for base in (None, {"auc": 0.5, "logloss": 0.9}):
+        worse = decide({"auc": 0.62, "logloss": 0.7, "ne": 1.006}, base, min_auc=0.5, max_auc_drop=0.0,
+                       max_logloss_increase=1.0)
+        assert not worse["bless"] and any("normalized entropy 1.006000 >= 1" in r for r in worse["reasons"])
+    assert decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5)["bless"]
 
 
 def test_gate_bless_copies_the_model_and_writes_the_marker_last(tmp_path, monkeypatch):
