@@ -18,6 +18,7 @@ def evaluate(
     min_auc: float = 0.5,
     max_auc_drop: float = 0.0,
     max_logloss_increase: float = 0.01,
+    max_ne: float = 1.0,
 ) -> str:
     """AUC (sklearn), GAUC over ``user_slot``, logloss, normalized entropy and calibration on the eval split
     (read-only lookups), also split by whether the row's user was seen in training, and per-slot coverage.
@@ -40,7 +41,7 @@ def evaluate(
         roc.log_roc_curve(r["roc"]["fpr"], r["roc"]["tpr"], r["roc"]["thresholds"])
     from persia_core.preprocess.pipeline import malformed_summary
 
-    decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase)
+    decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
     bad = malformed_summary(dataset.path)
     if bad is not None:

@@ -22,6 +22,7 @@ def gate(
     min_auc: float = 0.5,
     max_auc_drop: float = 0.0,
     max_logloss_increase: float = 0.01,
+    max_ne: float = 1.0,
 ) -> str:
     """Compare the new model's metrics (``metrics_json``, the evaluate component's output) with the latest
     blessed model in ``blessed_dir`` (local, /gcs/ or gs://; empty or none blessed yet: ``min_auc`` only).
@@ -31,7 +32,7 @@ def gate(
 
     from persia_core.evaluate.gate import gate as run
 
-    d = run(json.loads(metrics_json), blessed_dir, min_auc, max_auc_drop, max_logloss_increase)
+    d = run(json.loads(metrics_json), blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     lines = [f"# Model gate: **{d['decision']}**", ""] + [f"- {r}" for r in d["reasons"]]
     with open(decision.path, "w") as f:
         f.write("\n".join(lines) + "\n")

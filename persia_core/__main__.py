@@ -119,7 +119,7 @@ def cmd_evaluate(args, _extra) -> int:
     read_marker(args.blessed_dir)  # an unreadable BLESSED.json: refused now, naming it
     r = evaluate(args.model, args.data, batch_size=args.batch_size, user_slot=args.user_slot)
     m = r["metrics"]
-    decision = gate(m, args.blessed_dir, args.min_auc, args.max_auc_drop, args.max_logloss_increase)
+    decision = gate(m, args.blessed_dir, args.min_auc, args.max_auc_drop, args.max_logloss_increase, args.max_ne)
     write_report(args.report, m, r["labels"], r["preds"], r["train_history"], r["config"],
                  {"model": args.model, "dataset": args.data, "blessed_dir": args.blessed_dir or "(none)"},
                  user_split=r["user_split"], coverage=r["coverage"], gate=decision)
@@ -324,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-logloss-increase", type=float_in(0.0), default=G.DEFAULT_MAX_LOGLOSS_INCREASE,
                     help="gate: allowed logloss increase over the blessed model's, in nats "
                          f"(default {G.DEFAULT_MAX_LOGLOSS_INCREASE})")
+    sp.add_argument("--max-ne", type=float_in(1e-9), default=G.DEFAULT_MAX_NE,
+                    help="gate: normalized entropy the model must stay below, baseline or not (default "
+                         f"{G.DEFAULT_MAX_NE:g}: better than predicting the base rate)")
     sp.add_argument("--bless", action="store_true", help="copy the model to --blessed-dir when the gate "
                                                          "blesses it")
 

@@ -37,6 +37,8 @@ FORMAT = "persia-blessed/1"
 DEFAULT_MIN_AUC = 0.5
 DEFAULT_MAX_AUC_DROP = 0.0
 DEFAULT_MAX_LOGLOSS_INCREASE = 0.01
+DEFAULT_MAX_NE = 1.0
+"""A model whose normalized entropy reaches this is not blessed (1: no better than predicting the base rate)."""
 
 log = logging.getLogger("persia.gate")
 
@@ -52,7 +54,7 @@ def _num(v) -> float | None:
 
 def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MIN_AUC,
            max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-           max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE) -> dict:
+           max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
     """Decide whether a newly evaluated model is blessed.
 
     Args:
@@ -62,15 +64,18 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
         min_auc: the AUC a model needs at least (an absolute threshold).
         max_auc_drop: how much lower than the baseline's AUC the new AUC may be (0: not lower).
         max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
+        max_ne: the new model's normalized entropy must be below this (an absolute threshold, baseline or not).
 
     Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
     saying whether it passed. A model whose AUC is undefined is rejected, and so is one whose normalized entropy
-    (``ne``: logloss / the entropy of the base rate; He et al., ADKDD 2014) is >= 1, i.e. that predicts no better
-    than the base rate, even when nothing is blessed yet. A baseline AUC or logloss that is
+    (``ne``: logloss / the entropy of the base rate; He et al., ADKDD 2014) is >= ``max_ne`` (default 1: no
+    better than predicting the base rate), even when nothing is blessed yet. A baseline AUC or logloss that is
     undefined skips that comparison (said in the reasons).
 
-    Raises ``ValueError`` for a negative tolerance or a ``min_auc`` outside [0, 1].
+    Raises ``ValueError`` for a negative tolerance, a ``min_auc`` outside [0, 1] or a ``max_ne`` <= 0.
     """
+    if not max_ne > 0:
+        raise ValueError(f"max_ne must be > 0, got {max_ne}")
     if not 0.0 <= min_auc <= 1.0:
         raise ValueError(f"min_auc must be in [0, 1], got {min_auc}")
     if max_auc_drop < 0:
@@ -90,10 +95,10 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
         ok = False
         reasons.append(f"rejected: AUC {auc:.6f} < min_auc {min_auc:.6f}")
     ne = _num(new_metrics.get("ne"))
-    if ne is not None and ne >= 1.0:
+    if ne is not None and ne >= max_ne:
         ok = False
-        reasons.append(f"rejected: normalized entropy {ne:.6f} >= 1 (logloss no better than predicting the base "
-                       f"rate for every example)")
+        reasons.append(f"rejected: normalized entropy {ne:.6f} >= max_ne {max_ne:g}"
+                       + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else ""))
     if baseline is None:
         reasons.append("no blessed baseline yet: only the min_auc and normalized-entropy checks apply")
     else:
@@ -155,12 +160,12 @@ def latest_blessed_model(blessed_dir: str) -> str | None:
 
 def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
          max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-         max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE) -> dict:
+         max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
     """:func:`decide` against the latest blessed model in ``blessed_dir`` (none when it is empty or holds no
     marker). Returns the decision with ``"baseline"`` (the baseline metrics or None) and ``"blessed_dir"``
     added."""
     baseline = read_baseline(blessed_dir)
-    out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase)
+    out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     out["baseline"] = baseline
     out["blessed_dir"] = blessed_dir
     return out

@@ -107,7 +107,7 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
 
     report, blessed = str(tmp_path / "report.html"), str(tmp_path / "blessed")
     rc = main(["evaluate", "--model", model, "--data", data, "--report", report, "--user-slot", "a",
-               "--blessed-dir", blessed, "--min-auc", "0", "--bless", "--metrics-json", str(tmp_path / "m.json")])
+               "--blessed-dir", blessed, "--min-auc", "0", "--max-ne", "100", "--bless", "--metrics-json", str(tmp_path / "m.json")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gate"]["decision"] == "bless" and os.path.exists(os.path.join(out["blessed_model"], "dense.pt"))

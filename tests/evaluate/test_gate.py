@@ -51,8 +51,13 @@ def test_gate_without_baseline_uses_the_threshold_and_never_blesses_undefined_au
     for base in (None, {"auc": 0.5, "logloss": 0.9}):
         worse = decide({"auc": 0.62, "logloss": 0.7, "ne": 1.006}, base, min_auc=0.5, max_auc_drop=0.0,
                        max_logloss_increase=1.0)
-        assert not worse["bless"] and any("normalized entropy 1.006000 >= 1" in r for r in worse["reasons"])
+        assert not worse["bless"] and any("normalized entropy 1.006000 >= max_ne 1 (logloss no better than "
+                                          "predicting the base rate)" in r for r in worse["reasons"])
     assert decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5)["bless"]
+    assert not decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5, max_ne=0.9)["bless"]
+    assert decide({"auc": 0.62, "logloss": 0.7, "ne": 1.006}, None, min_auc=0.5, max_ne=2.0)["bless"]  # opted out
+    with pytest.raises(ValueError, match="max_ne"):
+        decide({"auc": 0.7}, None, 0.5, max_ne=0.0)
 
 
 def test_gate_bless_copies_the_model_and_writes_the_marker_last(tmp_path, monkeypatch):
