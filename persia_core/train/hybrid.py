@@ -220,7 +220,11 @@ class HybridTrainPipeline:
         self.error: BaseException | None = None
         self.max_staleness = 0
         # seconds of the main thread per phase of progress() (wait: for the prepared batch)
-        self.phase_s = {"wait": 0.0, "forward": 0.0, "backward": 0.0, "push": 0.0, "optimizer": 0.0}
+        # seconds per phase of a step; the first batch's wait (opening the data, the first lookups: start-up)
+        # is kept apart, so that "wait" says how long steady-state steps wait on the prepared batch
+        self.phase_s = {"first_batch_wait": 0.0, "wait": 0.0, "forward": 0.0, "backward": 0.0, "push": 0.0,
+                        "optimizer": 0.0}
+        self._waited_first = False
         self.queue: queue.Queue = queue.Queue()
         # batches handed to the preparation pool and not yet trained on: at most one per preparation thread
         # (and at most K, or 1 when K = 0), so lookups run no further ahead than overlap needs: the bound K is
@@ -368,7 +372,8 @@ class HybridTrainPipeline:
         self.optimizer.step()
         t5 = time.perf_counter()
         ph = self.phase_s
-        ph["wait"] += wait_s
+        ph["wait" if self._waited_first else "first_batch_wait"] += wait_s
+        self._waited_first = True
         ph["forward"] += t2 - t1
         ph["backward"] += t3 - t2
         ph["push"] += t4 - t3

@@ -108,8 +108,12 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     if world > 1:
         # the model's buffers (dense-feature normalization, index tables) are constants built identically on every
         # rank, so DDP need not broadcast them before each forward (one collective and sync point less per step)
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                                        broadcast_buffers=False)
+        import warnings
+
+        with warnings.catch_warnings():  # torch's own advice: keep broadcast_buffers=False until init_sync_buffers
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            net = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False)
     else:
         net = model
     dropout = {s.name: s.id_dropout for s in config.slots}

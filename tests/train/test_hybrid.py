@@ -280,3 +280,16 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path):
     assert max(hist["staleness"]) <= 2
     assert hist["max_staleness"] == 2  # the slow server makes the worker use its whole budget
     assert len(backend.applied) == len(hist["loss"]) == 20
+
+
+def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wait(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=16)
+    one = tiny_config(num_workers=1, embedding_staleness=1, epochs=1)  # batch 16: a single step
+    hist, _ = _in_process(one, data, str(tmp_path / "one"))
+    ph = hist["phase_seconds"]
+    assert len(hist["loss"]) == 1
+    assert ph["first_batch_wait"] > 0 and ph["wait"] == 0  # the only wait is the first batch's
+    data = write_dataset(str(tmp_path / "data2"), rows=64)
+    hist, _ = _in_process(one, data, str(tmp_path / "four"))
+    assert len(hist["loss"]) == 4 and hist["phase_seconds"]["wait"] >= 0
+    assert set(hist["phase_seconds"]) >= {"first_batch_wait", "wait", "forward", "backward", "push", "optimizer"}
