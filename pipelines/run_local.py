@@ -175,12 +175,19 @@ def main(argv: list[str] | None = None) -> int:
         return path if not path or "://" in path else os.path.abspath(path)
 
     data = absolute(args.data)
-    config = args.config
-    if config.endswith((".yaml", ".yml")) and "://" not in config:
-        config = os.path.abspath(config)
     root = os.path.abspath(args.pipeline_root)
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
+    try:
+        from persia_core.embedding.plan import check_warm_start_location
+
+        check_warm_start_location(absolute(args.warm_start_from), blessed_dir)
+    except FileNotFoundError as e:
+        print(f"run_local: {e}", file=sys.stderr)
+        return 2
+    config = args.config
+    if config.endswith((".yaml", ".yml")) and "://" not in config:
+        config = os.path.abspath(config)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=True)
     t0 = time.time()
     log_path = os.path.join(root, "logs", time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}.log")

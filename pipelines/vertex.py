@@ -235,10 +235,14 @@ def resolve_data(template: str, schedule_time: str, blessed_dir: str = "", warm_
     current time for a run that was not scheduled). First step of the Vertex AI pipeline, so it also fails the
     run at once (not after training) when ``blessed_dir`` or ``warm_start_from`` is not on Cloud Storage: a
     folder inside the step's container is gone when the step ends (runs started from the UI are not checked
-    by ``pipelines.submit``)."""
+    by ``pipelines.submit``), or when ``warm_start_from`` names nothing and is not ``blessed_dir`` (a typo that
+    would start every scheduled run cold: ``check_warm_start_location``)."""
     from pipelines.vertex import check_cloud_folders, resolve_data_path
 
     check_cloud_folders(blessed_dir, warm_start_from)
+    from persia_core.embedding.plan import check_warm_start_location
+
+    check_warm_start_location(warm_start_from, blessed_dir)
     path = resolve_data_path(template, schedule_time)
     print(f"data: {path}")
     return path

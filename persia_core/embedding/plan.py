@@ -155,6 +155,27 @@ def resolve_warm_start(path: str) -> str:
                             f"location (no manifest.json or {gate.MARKER})")
 
 
+def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
+    """Before a pipeline run: a ``warm_start_from`` where nothing exists is a cold start only when it is this
+    run's own ``blessed_dir`` (the first day of a daily schedule, before anything was blessed). Any other
+    missing location is most likely a typo that would cold-start every run of a schedule: raises
+    ``FileNotFoundError`` naming both. (``gs://b/p`` and ``/gcs/b/p`` are the same location.)"""
+    if not warm_start_from:
+        return
+
+    def norm(p: str) -> str:
+        p = p.rstrip("/")
+        return "gs://" + p[len("/gcs/"):] if p.startswith("/gcs/") else p
+
+    if norm(warm_start_from) == norm(blessed_dir or ""):
+        return
+    if io.exists(warm_start_from) or io.isdir(warm_start_from):
+        return
+    raise FileNotFoundError(f"warm_start_from {warm_start_from!r}: nothing there, and it is not this run's "
+                            f"blessed_dir {blessed_dir!r} (which may be empty before its first model); a typo "
+                            f"would start every scheduled run cold")
+
+
 def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
     """What the previous model's state depends on and this run changed (``key: before -> now``)."""
     out = []

@@ -86,6 +86,26 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
+def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refused_before_any_task(tmp_path, capfd,
+                                                                                                   monkeypatch):
+    """Day one of a schedule warm-starts from its own, still empty, blessed_dir: a cold start. Any other location
+    where nothing exists is a typo that would cold-start every run: refused."""
+    from persia_core.embedding.plan import check_warm_start_location
+
+    blessed = str(tmp_path / "blessed" / "movielens")
+    check_warm_start_location(blessed + "/", blessed)  # nothing there yet: fine
+    check_warm_start_location("/gcs/b/blessed", "gs://b/blessed/")  # the same location in its two forms
+    (tmp_path / "old-model").mkdir()
+    check_warm_start_location(str(tmp_path / "old-model"), blessed)  # exists: init-shards judges its contents
+    with pytest.raises(FileNotFoundError, match="nothing there, and it is not this run's blessed_dir"):
+        check_warm_start_location(str(tmp_path / "blesed" / "movielens"), blessed)
+    monkeypatch.chdir(ROOT)
+    rc = run_local(["--pipeline-root", str(tmp_path / "out"), "--blessed-dir", blessed,
+                    "--warm-start-from", str(tmp_path / "blesed" / "movielens")])
+    assert rc == 2 and "blesed" in capfd.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_local_reports_its_own_run_when_another_shares_the_pipeline_root(tmp_path):
     """Two runs in one pipeline root: each finds its own folder by what its evaluate step returned, never the
     newest one."""
