@@ -25,7 +25,8 @@ def gate(
     max_ne: float = 1.0,
 ) -> str:
     """Compare the new model's metrics (``metrics_json``, the evaluate component's output) with the latest
-    blessed model in ``blessed_dir`` (local, /gcs/ or gs://; empty or none blessed yet: ``min_auc`` only).
+    blessed model in ``blessed_dir`` (local, /gcs/ or gs://; empty or none blessed yet: ``min_auc`` only), and
+    with ``max_ne``: a normalized entropy at or above it is never blessed.
     Writes the decision and its reasons to ``decision`` (Markdown) and ``gate_metrics`` (``blessed`` 1/0 and
     the compared values); returns ``"bless"`` or ``"reject"``."""
     import json
@@ -38,7 +39,8 @@ def gate(
         f.write("\n".join(lines) + "\n")
     gate_metrics.log_metric("blessed", 1.0 if d["bless"] else 0.0)
     new = json.loads(metrics_json)
-    for name, src in (("auc", new), ("logloss", new), ("baseline_auc", d["baseline"] or {}),
+    gate_metrics.log_metric("max_ne", float(max_ne))
+    for name, src in (("auc", new), ("logloss", new), ("ne", new), ("baseline_auc", d["baseline"] or {}),
                       ("baseline_logloss", d["baseline"] or {})):
         v = src.get(name.replace("baseline_", ""))
         if isinstance(v, (int, float)) and not isinstance(v, bool):

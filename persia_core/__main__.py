@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-shards", type=int_at_least(0), default=0,
                     help="shards to start (default: embedding.num_shards)")
     sp.add_argument("--plan", default="", help="shard_plan.json from init-shards (row capacities)")
-    sp.add_argument("--init", default="", help="init-shards output or Model folder: shards/shard-*.npz to load")
+    sp.add_argument("--init", default="", help="init-shards output, Model folder or blessed-model location: the "
+                                               "shards/shard-*.npz to load")
     sp.add_argument("--work-dir", default="", help="folder for logs, port files and the token file")
     sp.add_argument("--storage-root", action="append", default=[], metavar="DIR", type=storage_root,
                     help="a folder (or gs:// prefix) under which the servers' Dump and Load may write and read; "

@@ -206,7 +206,7 @@ def create_temp_beside(path: str):
     import secrets
 
     tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # less umask
     return tmp, os.fdopen(fd, "wb")
 
 

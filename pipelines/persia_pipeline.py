@@ -5,7 +5,8 @@ Steps:
   2. init_shards  shard plan, memory estimate and initial state of the embedding parameter servers
   3. train        hybrid training: N parameter servers (async embeddings, staleness K) + M NN workers (DDP)
   4. evaluate     AUC, logloss, normalized entropy, calibration, ROC curve, HTML report
-  5. gate         compare with the latest blessed model (or ``min_auc``) and, only if better, bless the model:
+  5. gate         compare with the latest blessed model (or ``min_auc``; never a normalized entropy >= ``max_ne``)
+                 and, only if better, bless the model:
                   copy it to ``blessed_dir``, the location the next run warm-starts from (``warm_start_from``)
 
 One pipeline, two compile-time targets (``--target``):
@@ -57,6 +58,7 @@ def persia_pipeline(
     warm_start_from: str = "",
     min_auc: float = 0.5,
     max_auc_drop: float = 0.0,
+    max_ne: float = 1.0,
     checkpoint_every_s: float = 600.0,
     checkpoint_every_steps: int = 0,
 ) -> str:
@@ -76,6 +78,7 @@ def persia_pipeline(
         (daily retraining: the same value as ``blessed_dir``; nothing blessed yet = cold start); empty = cold.
     min_auc: the gate blesses only a model with at least this eval AUC ...
     max_auc_drop: ... and, when a model is already blessed, at most this much below its AUC.
+    max_ne: ... and never one whose normalized entropy is at or above this (1: no better than the base rate).
     checkpoint_every_s, checkpoint_every_steps: periodic checkpoints of training (0 = off); the train task is
         retried on failure and resumes from the newest complete checkpoint.
     Returns the evaluation metrics as a JSON string.
@@ -106,9 +109,9 @@ def persia_pipeline(
             checkpoint_every_s=checkpoint_every_s, checkpoint_every_steps=checkpoint_every_steps)
     trained.set_display_name("train (hybrid)").set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
     ev = evaluate(dataset=pre.outputs["dataset"], model=trained.outputs["model"], blessed_dir=blessed_dir,
-                  min_auc=min_auc, max_auc_drop=max_auc_drop).set_display_name("evaluate")
+                  min_auc=min_auc, max_auc_drop=max_auc_drop, max_ne=max_ne).set_display_name("evaluate")
     decision = gate(metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir, min_auc=min_auc,
-                    max_auc_drop=max_auc_drop).set_display_name("model gate")
+                    max_auc_drop=max_auc_drop, max_ne=max_ne).set_display_name("model gate")
     tasks += [pre, plan, trained, ev, decision]
     with dsl.If(decision.outputs["Output"] == "bless", name="better-than-blessed"):
         blessed = bless_model(model=trained.outputs["model"], metrics_json=ev.outputs["Output"],

@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-start-from", default="",
                    help="start from a previous model, checkpoint or blessed-model location (empty = cold start)")
     p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
+    p.add_argument("--max-ne", type=float, default=1.0,
+                   help="... and never one whose normalized entropy is at or above this (1: the base rate)")
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
@@ -200,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
                                      num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
                                      epochs=args.epochs, max_rows=args.max_rows, blessed_dir=blessed_dir,
-                                     warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc)
+                                     warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc,
+                                     max_ne=args.max_ne)
         except RuntimeError as e:
             failure = (e, last_lines(80))
         except KeyboardInterrupt:

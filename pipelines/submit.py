@@ -166,6 +166,8 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
             raise ValueError(f"{name} must be >= 0 (0 = the run config's value), got {value(name)}")
     if "min_auc" in specs and not 0.0 <= float(value("min_auc") or 0) <= 1.0:
         raise ValueError(f"min_auc must be in [0, 1], got {value('min_auc')}")
+    if "max_ne" in specs and value("max_ne") not in (None, "") and not float(value("max_ne")) > 0:
+        raise ValueError(f"max_ne must be > 0, got {value('max_ne')}")
     resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
     left = re.findall(r"\{[^}]*\}", resolved)
     if left:

@@ -95,7 +95,11 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
         ok = False
         reasons.append(f"rejected: AUC {auc:.6f} < min_auc {min_auc:.6f}")
     ne = _num(new_metrics.get("ne"))
-    if ne is not None and ne >= max_ne:
+    if ne is None or ne != ne:
+        reasons.append("normalized entropy undefined (one class in the evaluation split): max_ne not checked")
+    elif ne < max_ne:
+        reasons.append(f"passed: normalized entropy {ne:.6f} < max_ne {max_ne:g}")
+    else:
         ok = False
         reasons.append(f"rejected: normalized entropy {ne:.6f} >= max_ne {max_ne:g}"
                        + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else ""))
@@ -141,6 +145,8 @@ def read_marker(blessed_dir: str) -> dict | None:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
         raise ValueError(f"{path}: not a blessed-model marker of format {FORMAT!r}")
+    if not isinstance(marker.get("model"), str) or not marker["model"] or not isinstance(marker.get("metrics"), dict):
+        raise ValueError(f"{path}: a blessed-model marker needs 'model' (the blessed model's folder) and 'metrics'")
     return marker
 
 

@@ -382,6 +382,8 @@ class _Servicer:
             except shm_mod.ShmUnavailable as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
             except PermissionError as e:
+                if e.errno is not None:  # the operating system refused (not the storage-root check): log it
+                    log.exception("request refused by the operating system")
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, f"shard {self.shard.shard}: {e}")
             except (ValueError, KeyError, TypeError) as e:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
@@ -463,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a folder (or URL prefix such as gs://bucket/run) under which Dump and Load may write and "
                         f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)")
     args = p.parse_args(argv)
-    roots = args.storage_root if args.storage_root is not None else [
-        r for r in os.environ.get(STORAGE_ROOTS_ENV, "").split(",") if r.strip()]
+    env_roots = os.environ.get(STORAGE_ROOTS_ENV, "")
+    roots = args.storage_root if args.storage_root is not None else (
+        [r.strip() for r in env_roots.split(",")] if env_roots else [])  # a blank entry is refused below
     try:
         roots = resolve_storage_roots(roots)
     except ValueError as e:  # from the environment variable (the flag's values were checked by argparse)

@@ -292,6 +292,9 @@ def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_witho
     assert rc == 2
     err = capsys.readouterr().err
     assert "models/m1 holds 2 shard files but 3 shards were asked" in err  # the blessed model's own shards
+    (blessed / MARKER).write_text(json.dumps({"format": FORMAT, "metrics": {"auc": 0.7}}))  # no "model"
+    rc = main(["serve-shards", "--config", str(cfg), "--init", str(blessed), "--work-dir", str(tmp_path / "work")])
+    assert rc == 2 and f"{blessed / MARKER}: a blessed-model marker needs 'model'" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     rc = main(["serve-shards", "--config", str(cfg), "--init", str(tmp_path / "empty"),
                "--work-dir", str(tmp_path / "work")])

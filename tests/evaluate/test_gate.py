@@ -27,7 +27,7 @@ BASE = {"auc": 0.75, "logloss": 0.50}
 
 
 def test_gate_blesses_a_better_model_and_rejects_a_worse_one():
-    better = decide({"auc": 0.76, "logloss": 0.49}, BASE, min_auc=0.6, max_auc_drop=0.0)
+    better = decide({"auc": 0.76, "logloss": 0.49, "ne": 0.8}, BASE, min_auc=0.6, max_auc_drop=0.0)
     assert better["bless"] and better["decision"] == "bless"
     assert all(r.startswith("passed") for r in better["reasons"])
     worse_auc = decide({"auc": 0.74, "logloss": 0.49}, BASE, min_auc=0.6, max_auc_drop=0.0)
@@ -53,7 +53,10 @@ def test_gate_without_baseline_uses_the_threshold_and_never_blesses_undefined_au
                        max_logloss_increase=1.0)
         assert not worse["bless"] and any("normalized entropy 1.006000 >= max_ne 1 (logloss no better than "
                                           "predicting the base rate)" in r for r in worse["reasons"])
-    assert decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5)["bless"]
+    passed = decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5)
+    assert passed["bless"] and "passed: normalized entropy 0.950000 < max_ne 1" in passed["reasons"]
+    for ne in (None, float("nan")):  # one class in the eval split: said, not silently skipped
+        assert any("normalized entropy undefined" in r for r in decide({"auc": 0.6, "ne": ne}, None)["reasons"])
     assert not decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5, max_ne=0.9)["bless"]
     assert decide({"auc": 0.62, "logloss": 0.7, "ne": 1.006}, None, min_auc=0.5, max_ne=2.0)["bless"]  # opted out
     with pytest.raises(ValueError, match="max_ne"):

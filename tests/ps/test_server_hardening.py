@@ -289,3 +289,28 @@ def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(t
         client.close()
     finally:
         srv.stop(0)
+
+
+@pytest.mark.parametrize("value, ok", [("/data/run, /data/ckpt", True), (" ", False), ("/data/run,,/x", False)])
+def test_storage_roots_from_the_environment_are_stripped_and_a_blank_one_is_refused(tmp_path, value, ok):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = {**os.environ, "PERSIA_PS_STORAGE_ROOTS": value}
+    proc = subprocess.Popen([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
+                             "--num-shards", "1", "--port-file", str(tmp_path / "port")], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if not ok:
+            assert proc.wait(timeout=120) == 2
+            assert "PERSIA_PS_STORAGE_ROOTS" in proc.stdout.read() and not (tmp_path / "port").exists()
+            return
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "port").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "port").exists()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            out = proc.communicate(timeout=30)[0]
+            assert "under /data/run, /data/ckpt" in out  # both roots, the second without its leading space

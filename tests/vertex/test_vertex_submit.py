@@ -153,6 +153,7 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
     ([*BLESSED, "--param", "data=gs://b/dt={data}/"], "{data} is not a token"),
     ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
     ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
+    ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
 ])
 def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
     with pytest.raises(SystemExit) as e:
