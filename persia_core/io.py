@@ -17,6 +17,7 @@ Cloud Storage uploads replace the object in one step.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import threading
@@ -198,16 +199,27 @@ def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 
 
-def create_temp_beside(path: str):
-    """A new local file next to ``path`` to write and then rename onto it: ``(temporary path, binary file open for
-    writing)``. The name has a random part and is created exclusively, never through a symbolic link (``O_EXCL |
-    O_NOFOLLOW``), so a file or link planted under a predictable name cannot redirect the bytes elsewhere.
-    Raises ``FileExistsError`` in the (astronomically unlikely) case the random name exists."""
+@contextlib.contextmanager
+def atomic_local_file(path: str, fsync: bool = False):
+    """Write the local file ``path`` atomically: yields a binary file open for writing under a temporary name
+    beside ``path``, which replaces ``path`` when the block ends without error (after an ``fsync`` when asked)
+    and is removed when it raises. The temporary name has a random part and is created exclusively, never
+    through a symbolic link (``O_EXCL | O_NOFOLLOW``; mode 0o666 less the umask), so a file or link planted
+    under a predictable name cannot redirect the bytes elsewhere. The parent folder must exist."""
     import secrets
 
     tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)  # less umask
-    return tmp, os.fdopen(fd, "wb")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -217,15 +229,8 @@ def write_bytes(path: str, data: bytes) -> None:
         _blob(uri).upload_from_string(bytes(data), content_type="application/octet-stream")
         return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp, f = create_temp_beside(path)
-    try:
-        with f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_local_file(path) as f:
+        f.write(data)
 
 
 def write_text(path: str, text: str) -> None:

@@ -163,11 +163,7 @@ def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
     if not warm_start_from:
         return
 
-    def norm(p: str) -> str:
-        p = p.rstrip("/")
-        return "gs://" + p[len("/gcs/"):] if p.startswith("/gcs/") else p
-
-    if norm(warm_start_from) == norm(blessed_dir or ""):
+    if io.to_uri(warm_start_from.rstrip("/")) == io.to_uri((blessed_dir or "").rstrip("/")):
         return
     if io.exists(warm_start_from) or io.isdir(warm_start_from):
         return

@@ -280,18 +280,9 @@ def write_shard_arrays(path: str, tables: dict[str, TableArrays], server: dict |
         io.write_bytes(path, buf.getbuffer())
         return w.pos, w.crc
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp, raw = io.create_temp_beside(path)
-    try:
-        with raw:
-            w = _CrcWriter(raw)
-            _write_npz(w, members)
-            raw.flush()
-            if fsync:
-                os.fsync(raw.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+    with io.atomic_local_file(path, fsync) as raw:
+        w = _CrcWriter(raw)
+        _write_npz(w, members)
     return w.pos, w.crc
 
 

@@ -52,6 +52,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
+from persia_core import io
 from persia_core.argchecks import storage_root
 from persia_core.config import RunConfig, load_config
 from persia_core.embedding.sharded import (check_shard_contents, make_tables, read_shard_file,
@@ -313,12 +314,12 @@ def resolve_storage_roots(roots: list[str] | None) -> list[str]:
             if not r.startswith("gs://") or len(r.rstrip("/")) <= len("gs://"):
                 raise ValueError(f"storage root {r!r}: only local folders and gs://bucket[/prefix] are supported")
             r = r.rstrip("/")
-            out += [r, "/gcs/" + r[len("gs://"):]]  # the same objects through Cloud Storage FUSE (persia_core.io)
+            out += [r, io.to_fuse(r)]  # the same objects through Cloud Storage FUSE
         else:
             real = os.path.realpath(r)
             out.append(real)
-            if real.startswith("/gcs/") and len(real) > len("/gcs/"):
-                out.append("gs://" + real[len("/gcs/"):])
+            if io.is_fuse(real) and len(real) > len(io.FUSE_ROOT):
+                out.append(io.to_uri(real))
     return list(dict.fromkeys(out))
 
 
@@ -483,8 +484,6 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     capacities = None
     if args.plan:
-        from persia_core import io
-
         plan = json.loads(io.read_text(args.plan))
         capacities = {n: t["capacity_rows_per_shard"] for n, t in plan["tables"].items()}
     shard = ParameterServerShard(config, args.shard, args.num_shards, capacities)

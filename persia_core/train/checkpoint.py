@@ -209,17 +209,8 @@ def write_durable(path: str, data: bytes) -> tuple[int, int]:
         return len(data), crc32c(data)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp, f = io.create_temp_beside(path)
-    try:
-        with f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
+    with io.atomic_local_file(path, fsync=True) as f:
+        f.write(data)
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
