@@ -15,7 +15,9 @@ numba and torch on one thread. Measured in the same run:
   hashing; its gather alone (rows hashed beforehand) is reported as ``torch_static_gather_only_per_s_per_core``.
 
 The in-process table and the PyTorch table are timed alternately, batch by batch, so that what else the shared
-machine runs meanwhile falls on both alike; each figure is the best of ``--repeats`` rounds.
+machine runs meanwhile falls on both alike; each figure is the best of ``--repeats`` rounds, and each round's paired
+ratio (the static table's seconds over ours, on the same batch a moment apart) is summarized by its median and
+quartiles (``lookup_speed_ratio_paired``, ``update_speed_ratio_paired``): > 1 means ours is faster.
 
 Prints human-readable lines, then one JSON object as the last line. Ratios are what count: the machine is shared.
 Sizes can be reduced for a quick look: ``--rows 1000000 --batch 100000``.
@@ -52,18 +54,33 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _interleaved(ours, theirs, batches: int, rounds: int) -> tuple[float, float]:
+def _interleaved(ours, theirs, batches: int, rounds: int) -> tuple[float, float, list[float]]:
     """Best seconds of ``ours(i)`` and of ``theirs(i)`` over ``rounds`` rounds of batch ``i`` (cycling over
-    ``batches``), the two called alternately (which goes first alternates too)."""
+    ``batches``), the two called alternately (which goes first alternates too), and each round's speed ratio
+    (theirs' seconds / ours': > 1 means ours is faster), paired on the same batch a moment apart, so that a burst of
+    load from elsewhere on the machine moves both sides of a ratio rather than one figure."""
     best = [float("inf"), float("inf")]
+    ratios = []
     for r in range(rounds):
         order = (0, 1) if r % 2 == 0 else (1, 0)
+        took = [0.0, 0.0]
         for k in order:
             fn = ours if k == 0 else theirs
             t0 = time.perf_counter()
             fn(r % batches)
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best[0], best[1]
+            took[k] = time.perf_counter() - t0
+            best[k] = min(best[k], took[k])
+        ratios.append(took[1] / took[0])
+    return best[0], best[1], ratios
+
+
+def _ratio_summary(ratios: list[float]) -> dict:
+    """Median, quartiles and extremes of per-round speed ratios (theirs' seconds / ours')."""
+    import numpy as np
+
+    q = np.percentile(ratios, [0, 25, 50, 75, 100])
+    return {"median": float(q[2]), "q1": float(q[1]), "q3": float(q[3]), "min": float(q[0]), "max": float(q[4]),
+            "rounds": len(ratios)}
 
 
 MIN_ROWS = 1024
@@ -77,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int_at_least(MIN_ROWS), default=10_000_000,
                    help=f"live IDs (rows), at least {MIN_ROWS}")
     p.add_argument("--batch", type=int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
-    p.add_argument("--repeats", type=int_at_least(1), default=6,
+    p.add_argument("--repeats", type=int_at_least(1), default=12,
                    help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)")
     p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
     args = p.parse_args(argv)
@@ -151,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     gather_s = _interleaved(lambda i: table.lookup(batches[i]), t_gather_only, len(batches), args.repeats)
     apply_s = _interleaved(lambda i: table.apply_gradients(batches[i], grads), t_update, len(batches),
                            args.repeats)
+    lookup_ratio, apply_ratio = _ratio_summary(lookup_s[2]), _ratio_summary(apply_s[2])
     lookups, torch_lookups = args.batch / lookup_s[0], args.batch / lookup_s[1]
     updates, torch_updates = args.batch / apply_s[0], args.batch / apply_s[1]
     print(f"in-process: lookup {lookups / 1e6:.2f}M IDs/s, apply {updates / 1e6:.2f}M IDs/s "
@@ -159,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plain PyTorch EmbeddingBag: lookup {torch_lookups / 1e6:.2f}M IDs/s (modulo hashing included; "
           f"gather alone from rows hashed beforehand {torch_gather / 1e6:.2f}M IDs/s, ours in the same rounds "
           f"{args.batch / gather_s[0] / 1e6:.2f}M), forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s")
+    print(f"paired rounds (static table's time / ours, > 1: ours faster): lookup median {lookup_ratio['median']:.3f} "
+          f"(quartiles {lookup_ratio['q1']:.3f}-{lookup_ratio['q3']:.3f}, {lookup_ratio['rounds']} rounds), "
+          f"apply median {apply_ratio['median']:.2f}")
     del emb, topt
 
     # ---- memory accounting ---------------------------------------------------------------------------
@@ -217,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes_per_row_dim64": bpr64, "raw_bytes_per_row_dim64": raw64, "bytes_per_row_fp16": bpr16_fp16,
         "torch_static_lookups_per_s_per_core": torch_lookups, "torch_static_updates_per_s_per_core": torch_updates,
         "torch_static_gather_only_per_s_per_core": torch_gather,
+        "lookup_speed_ratio_paired": lookup_ratio, "update_speed_ratio_paired": apply_ratio,
         "unique_ids_per_batch": float(np.mean(uniq_counts)), "batch_raw_ids": args.batch, "live_ids": len(live),
     }
     print(json.dumps(result))
