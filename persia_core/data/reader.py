@@ -38,13 +38,17 @@ class ParquetExamples:
     Args:
         files: Parquet paths (local, ``/gcs/`` or ``gs://``).
         slots: slot names to read (``slot_<name>`` columns).
+        num_dense: the number of dense features F (from ``schema.json``). Needed when ``files`` hold no rows (a
+            rank with no train file), so that its batches still have F dense columns; checked against the rows
+            otherwise. None: taken from the rows (0 if there are none).
 
     Attributes: ``labels float32[R]``, ``dense float32[R, F]``, ``ids[slot] = (uint64[n], int64[R+1])``,
     ``ts int64[R]``; ``fixed uint64[S, R]`` when every slot has exactly one ID per row (else None).
-    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a missing column.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a missing column or a
+    dense width other than ``num_dense``.
     """
 
-    def __init__(self, files: list[str], slots: list[str]):
+    def __init__(self, files: list[str], slots: list[str], num_dense: int | None = None):
         self.slots = list(slots)
         cols = [S.LABEL, S.DENSE, S.TS, *[S.slot_column(s) for s in slots]]
         tables = []
@@ -65,9 +69,11 @@ class ParquetExamples:
         self.num_rows = table.num_rows
         self.labels = table.column(S.LABEL).to_numpy().astype(np.float32)
         dv, do = _list_column(table.column(S.DENSE))
-        width = int(do[1] - do[0]) if self.num_rows else 0
+        width = int(do[1] - do[0]) if self.num_rows else (num_dense or 0)
         if self.num_rows and not np.all(np.diff(do) == width):
             raise ValueError(f"{files}: rows have different numbers of dense features")
+        if num_dense is not None and width != num_dense:
+            raise ValueError(f"{files}: rows have {width} dense features, the schema {num_dense}")
         self.dense = dv.astype(np.float32).reshape(self.num_rows, width)
         self.ts = table.column(S.TS).to_numpy()
         self.ids = {s: _list_column(table.column(S.slot_column(s))) for s in slots}

@@ -75,7 +75,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     schema = read_schema(data_dir)
     files = shard_files(data_dir, "train")[rank::world]
     slots = model_slot_order(config)
-    examples = ParquetExamples(files, slots)
+    examples = ParquetExamples(files, slots, num_dense=len(schema["dense"]))
     counts = [len(examples)]
     if world > 1:
         gathered = [None] * world

@@ -197,6 +197,16 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path):
     assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
 
 
+def test_a_rank_without_any_train_file_runs_empty_steps_and_the_run_finishes(tmp_path):
+    # 3 workers, 2 train files: rank 2 holds no row at all, so its batches must still have the schema's dense width
+    data = write_dataset(str(tmp_path / "data"), shard_rows=[40, 9])
+    cfg = tiny_config(num_workers=3, embedding_staleness=1, epochs=1)
+    train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
+    hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
+    assert hist["samples"][-1] == 49
+    assert len(hist["loss"]) == 3  # ceil(40 / 16) steps; ranks 1 and 2 run empty steps
+
+
 def test_worker_leaves_nothing_frozen_so_its_model_and_pipeline_are_freed_before_shutdown(tmp_path):
     # run_worker freezes the garbage collector while training. Left frozen, the DDP model (a reference cycle) keeps
     # the process group alive past destroy_process_group, into interpreter shutdown, where gloo aborted a worker
