@@ -6,7 +6,9 @@ each server dumps its shard into the model folder and ``manifest.json`` is writt
 
 Failures fail fast: the launcher polls its children every 0.2 s; on the first one that dies (a crash, SIGKILL,
 OOM) it kills all the others at once (a worker blocked in a gloo collective on a dead peer included) and raises
-``TrainingFailed`` naming the process, how it ended, and its last log lines. Children run in their own sessions
+``TrainingFailed`` naming the process, how it ended, and its last log lines. A child alive but stopped (SIGSTOP,
+a frozen container: state ``T`` in ``/proc``) for ``STOPPED_FAIL_S`` seconds fails the job the same way: its
+peers would otherwise wait on it for the gloo timeout (30 min) or the RPC retries (minutes). Children run in their own sessions
 and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
 
 Checkpoints and resume (``persia_core.train.checkpoint``): with checkpoint settings, the workers write
@@ -75,11 +77,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STOPPED_FAIL_S = 20.0
+"""Seconds a child may stay stopped (``/proc/<pid>/stat`` state ``T`` or ``t``) before the job fails."""
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` from ``/proc/<pid>/stat`` (``R``, ``S``, ``D``, ``T``, ``t``,
+    ``Z``...), or ``""`` where it cannot be read (no ``/proc``, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    end = stat.rfind(b")")  # the command name, in parentheses, may itself hold spaces or ')'
+    return stat[end + 2 : end + 3].decode("ascii", "replace") if end >= 0 else ""
+
+
 @dataclass
 class _Proc:
     name: str
     popen: subprocess.Popen
     log_path: str
+    stopped_since: float | None = None
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -230,6 +249,18 @@ class LocalCluster:
             raise TrainingFailed(f"{first.name} (pid {first.popen.pid}) {first.how()}{others}; last log lines of "
                                  f"{first.name} (all logs kept in {os.path.dirname(first.log_path)}):\n"
                                  f"{first.tail()}")
+        now = time.monotonic()
+        for p in procs:
+            if p.popen.returncode is not None or process_state(p.popen.pid) not in ("T", "t"):
+                p.stopped_since = None
+                continue
+            if p.stopped_since is None:
+                p.stopped_since = now
+            elif now - p.stopped_since >= STOPPED_FAIL_S:
+                raise TrainingFailed(f"{p.name} (pid {p.popen.pid}) has been stopped (SIGSTOP or a frozen container) "
+                                     f"for {now - p.stopped_since:.0f} s, and the job cannot go on without it; "
+                                     f"last log lines of {p.name} (all logs kept in {os.path.dirname(p.log_path)}):"
+                                     f"\n{p.tail()}")
 
     def check(self) -> None:
         """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""

@@ -205,6 +205,49 @@ def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_t
     assert _children(work) == []
 
 
+@pytest.mark.parametrize("role", ["ps-1", "nn_worker-1"])
+def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_leaves_no_process(runs, role,
+                                                                                                  monkeypatch):
+    # SIGSTOP: alive but frozen. Its peers would wait on it for the gloo timeout (a worker) or minutes of RPC
+    # retries (a server); the launcher sees the stopped state and fails the job after STOPPED_FAIL_S.
+    import signal
+
+    from persia_core.train import launcher
+
+    monkeypatch.setattr(launcher, "STOPPED_FAIL_S", 3.0)
+    root = runs["root"]
+    model, work = str(root / f"stopped-{role}"), str(root / f"stopped-{role}-work")
+    box = {}
+
+    def stop_once_training():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if list_checkpoints(os.path.join(model, "checkpoints")):
+                if role == "ps-1":
+                    (pid,) = _children(os.path.join(work, "ps-1.port"))
+                else:
+                    (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
+                              and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+                box["stopped_at"] = time.monotonic()
+                os.kill(pid, signal.SIGSTOP)
+                return
+            time.sleep(0.005)
+
+    stopper = threading.Thread(target=stop_once_training)
+    stopper.start()
+    with pytest.raises(TrainingFailed, match=rf"{role} \(pid \d+\) has been stopped") as err:
+        train(_config(network_delay_s=0.004), runs["data"], model, work_dir=work, checkpoint=SETTINGS)
+    raised_at = time.monotonic()
+    stopper.join()
+    assert "stopped_at" in box, "training finished before the child was stopped"
+    assert "last log lines" in str(err.value)
+    assert 3.0 <= raised_at - box["stopped_at"] < 30
+    deadline = time.monotonic() + 10
+    while _children(work) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _children(work) == []
+
+
 def test_warm_start_from_a_blessed_location_before_its_first_model_is_a_cold_start(tmp_path):
     """Day one of a daily schedule: warm_start_from names the blessed-model location, which does not exist yet
     (or is empty): a cold start. A location holding files but no model is still refused."""
