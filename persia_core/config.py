@@ -17,6 +17,7 @@ Style follows TorchRec's ``EmbeddingBagConfig`` (typed dataclasses, validated on
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -216,6 +217,10 @@ class OptimizerConfig:
             raise _fail("optimizer.eps", "must be > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise _fail("optimizer.beta1/beta2", "must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise _fail("optimizer.weight_decay", "must be >= 0")
+        if self.initial_accumulator < 0:
+            raise _fail("optimizer.initial_accumulator", "must be >= 0")
 
 
 @dataclass
@@ -382,6 +387,8 @@ class TrainerConfig:
                 raise _fail(f"trainer.{name}", "must be >= 1")
         if self.embedding_staleness < 0:
             raise _fail("trainer.embedding_staleness", "must be >= 0")
+        if self.seed < 0:
+            raise _fail("trainer.seed", "must be >= 0")
         if self.dense_lr <= 0:
             raise _fail("trainer.dense_lr", "must be > 0")
         if self.rpc_timeout_s <= 0:
@@ -518,18 +525,38 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ValueError(f"config key '{path}': expected an integer, got {value!r}")
+                value = int(value)
+            else:
+                raise ValueError(f"config key '{path}': expected an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"config key '{path}': {value} does not fit in a 64-bit integer")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key '{path}': expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"config key '{path}': expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"config key '{path}': expected a string, got {value!r}")
         return value
     raise TypeError(f"unsupported config type {tp} at {path}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with the same key twice (YAML says keys are unique; PyYAML would
+    keep the last value silently, so a second ``batch_size:`` line would quietly win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> RunConfig:
@@ -547,7 +574,7 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> R
         raise FileNotFoundError(f"run config {name_or_path!r} not found (shipped configs: {shipped})")
     text = io.read_text(path)
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"run config {path}: not valid YAML: {e}") from e
     try:

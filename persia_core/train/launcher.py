@@ -77,6 +77,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def max_local_processes() -> int:
+    """The most parameter servers + NN workers one local job starts: 16 per CPU, at least 64 (a guard against a
+    typo such as ``num_shards=100000`` starting one process per shard on a laptop)."""
+    return max(64, 16 * (os.cpu_count() or 1))
+
+
 STOPPED_FAIL_S = 20.0
 """Seconds a child may stay stopped (``/proc/<pid>/stat`` state ``T`` or ``t``) before the job fails."""
 
@@ -136,6 +142,11 @@ class LocalCluster:
     def __init__(self, config_path: str, num_shards: int, num_workers: int, work_dir: str, plan_path: str = "",
                  init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0,
                  storage_roots: list[str] | None = None):
+        limit = max_local_processes()
+        if num_shards + num_workers > limit:
+            raise ValueError(f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
+                             f"{num_shards + num_workers} local processes, more than the {limit} this machine "
+                             f"({os.cpu_count()} CPUs) is allowed; a job that large runs on a cluster (persia submit)")
         self.config_path = config_path
         self.num_shards = num_shards
         self.num_workers = num_workers

@@ -215,6 +215,47 @@ def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):
         load_config(str(bad))
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("trainer.dense_lr", ".nan", "expected a finite number"),
+    ("embedding.tables.default.optimizer.lr", ".nan", "expected a finite number"),
+    ("trainer.rpc_timeout_s", ".nan", "expected a finite number"),
+    ("trainer.network_delay_s", ".inf", "expected a finite number"),
+    ("embedding.tables.default.optimizer.eps", ".inf", "expected a finite number"),
+    ("embedding.tables.default.optimizer.weight_decay", "-5", "must be >= 0"),
+    ("trainer.seed", "-1", "must be >= 0"),
+    ("embedding.shard_memory_bytes", "1.0e+20", "does not fit in a 64-bit integer"),
+])
+def test_cli_non_finite_negative_or_oversized_values_exit_2_naming_the_key(tmp_path, capsys, key, value, says):
+    # before: NaN learning rates, an infinite delay or a 1e20-byte budget passed validation and failed (or not)
+    # later inside a worker
+    data = write_dataset(str(tmp_path / "data"))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    rc = main(["init-shards", "--data", data, "--output", str(tmp_path / "shards"), "--config", str(cfg),
+               "--set", f"{key}={value}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert says in err and key.rsplit(".", 1)[-1] in err
+    assert not os.path.exists(tmp_path / "shards")
+
+
+def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_path):
+    text = tiny_config().to_yaml().replace("  batch_size:", "  batch_size: 7\n  batch_size:", 1)
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"duplicate key 'batch_size'[\s\S]*line \d+"):
+        load_config(str(path))
+
+
+def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before_any_starts(tmp_path):
+    from persia_core.train.launcher import LocalCluster, max_local_processes
+
+    with pytest.raises(ValueError, match=r"embedding.num_shards=100000 .*persia submit"):
+        LocalCluster(str(tmp_path / "cfg.yaml"), 100000, 2, str(tmp_path / "work"))
+    assert max_local_processes() >= 64
+    assert not os.path.exists(tmp_path / "work")
+
+
 def test_cli_serve_shards_refuses_a_model_of_another_shard_count(tmp_path, capsys):
     """Each server loads the file of its own shard number: serving 2 shard files on 3 servers would lose rows."""
     cfg = tmp_path / "tiny.yaml"
