@@ -69,17 +69,38 @@ def _expect_fields(fields: Sequence[str], n: int) -> None:
         raise ParseError(f"wrong field count: {len(fields)} != {n}", "wrong field count")
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_TIMESTAMP = 253402300799
+"""The last second of year 9999 UTC: the latest timestamp (seconds since 1970) that every platform's ``gmtime``
+converts; a later one is an error in the data, not a date."""
+
+
 def _parse_int(text: str, name: str) -> int:
+    """A decimal integer within int64 (``_`` digit separators, which Python's ``int`` accepts, are refused)."""
     s = text.strip()
     try:
-        return int(s)
+        if "_" in s:
+            raise ValueError
+        x = int(s)
     except ValueError:
         raise ParseError(f"unparsable integer in {name}: {text!r}", "unparsable integer") from None
+    if not -(2**63) <= x < 2**63:
+        raise ParseError(f"integer out of the 64-bit range in {name}: {text!r}", "out of range")
+    return x
+
+
+def _parse_timestamp(text: str, name: str) -> int:
+    """Seconds since 1970 (UTC), within [-MAX_TIMESTAMP, MAX_TIMESTAMP]."""
+    x = _parse_int(text, name)
+    if not -MAX_TIMESTAMP <= x <= MAX_TIMESTAMP:
+        raise ParseError(f"timestamp beyond year 9999 in {name}: {text!r}", "out of range")
+    return x
 
 
 def _parse_float(text: str, name: str) -> float:
+    """A finite number (``_`` digit separators refused)."""
     try:
-        x = float(text)
+        x = math.nan if "_" in text else float(text)
     except ValueError:
         x = math.nan
     if not math.isfinite(x):
@@ -111,7 +132,7 @@ def parse_rating(line: str, layout: LayoutConfig) -> dict[str, Any]:
         "userId": _require(user, "userId"),
         "movieId": _require(movie, "movieId"),
         "label": 1.0 if _parse_float(rating, "rating") >= layout.label_threshold else 0.0,
-        "timestamp": _parse_int(ts, "timestamp"),
+        "timestamp": _parse_timestamp(ts, "timestamp"),
     }
 
 
@@ -162,7 +183,7 @@ def parse_tag(line: str) -> dict[str, Any]:
     tag = normalize_tag(tag)
     if not tag:
         raise ParseError("missing tag", "missing value")
-    return {"movieId": _require(movie, "movieId"), "tag": tag, "timestamp": _parse_int(ts, "timestamp")}
+    return {"movieId": _require(movie, "movieId"), "tag": tag, "timestamp": _parse_timestamp(ts, "timestamp")}
 
 
 def tags_before_each(events: Iterable[tuple[int, str]], timestamps: Sequence[int], max_tags: int) -> list[list[str]]:
@@ -320,9 +341,13 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
     for name in layout.dense_columns:
         text = row[name].strip()
         x = _parse_float(text, name) if text else 0.0
-        dense.append(math.log1p(max(x, 0.0)) if log1p else x)
+        x = math.log1p(max(x, 0.0)) if log1p else x
+        if abs(x) > FLOAT32_MAX:  # stored as float32: it would become inf and poison the dense statistics
+            raise ParseError(f"number beyond float32 range in {name}: {text!r}", "out of range")
+        dense.append(x)
     ts = None
     if layout.timestamp_column:
-        ts = _parse_int(_require(row[layout.timestamp_column], layout.timestamp_column), layout.timestamp_column)
+        ts = _parse_timestamp(_require(row[layout.timestamp_column], layout.timestamp_column),
+                              layout.timestamp_column)
     fields = {name: ([row[name]] if row[name] else []) for name in layout.id_fields()}
     return {"label": label, "dense": dense, "fields": fields, "ts": ts}

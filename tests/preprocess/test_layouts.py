@@ -42,6 +42,11 @@ def test_rating_label_is_one_at_or_above_threshold_and_ids_stay_strings():
         ("1,16,nan,1217897793", "unparsable number in rating: 'nan'"),
         ("1,16,4.0,yesterday", "unparsable integer in timestamp: 'yesterday'"),
         (",16,4.0,1217897793", "missing userId"),
+        # before: an OverflowError in gmtime crashed the whole Beam job, naming no file or row
+        ("1,16,4.0,99999999999999999999", "integer out of the 64-bit range in timestamp: '99999999999999999999'"),
+        ("1,16,4.0,253402300800", "timestamp beyond year 9999 in timestamp: '253402300800'"),
+        ("1,16,4.0,1_217_897_793", "unparsable integer in timestamp: '1_217_897_793'"),
+        ("1,16,4_0,1217897793", "unparsable number in rating: '4_0'"),
     ],
 )
 def test_malformed_rating_raises_parse_error_with_short_reason(line, reason):
@@ -178,6 +183,17 @@ def test_malformed_delimited_line_raises_reason_and_countable_kind(line, reason,
     assert (e.value.reason, e.value.kind) == (reason, kind)
 
 
+def test_a_dense_value_beyond_float32_is_malformed_unless_its_transform_brings_it_in_range():
+    # before: 1e308 was stored as float32 inf and made the train split's dense mean and std NaN
+    raw = load_config("criteo", {"layout.dense_transform": "none"}).layout
+    with pytest.raises(ParseError) as e:
+        layouts.parse_delimited(criteo_line(dense=["1e308", *["0"] * 12]), raw)
+    assert (e.value.reason, e.value.kind) == ("number beyond float32 range in I1: '1e308'", "out of range")
+    assert layouts.parse_delimited(criteo_line(dense=["3e38", *["0"] * 12]), raw)["dense"][0] == 3e38
+    record = layouts.parse_delimited(criteo_line(dense=["1e308", *["0"] * 12]), CRITEO)  # log1p(1e308) = 709.2
+    assert record["dense"][0] == pytest.approx(math.log1p(1e308))
+
+
 def test_delimited_timestamp_column_becomes_ts_and_is_required():
     layout = load_config(
         "criteo",
@@ -192,3 +208,5 @@ def test_delimited_timestamp_column_becomes_ts_and_is_required():
     assert layouts.parse_delimited("1\t1700000000\t3\tab", layout)["fields"] == {"C1": ["ab"]}
     with pytest.raises(ParseError, match="missing t"):
         layouts.parse_delimited("1\t\t3\tab", layout)
+    with pytest.raises(ParseError, match="integer out of the 64-bit range in t"):  # before: OverflowError
+        layouts.parse_delimited(f"1\t{2**63}\t3\tab", layout)
