@@ -131,7 +131,31 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{mpath}: unreadable manifest: {e}") from e
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
+    if "manifest_crc32c" in manifest and _manifest_crc(manifest) != manifest["manifest_crc32c"]:
+        raise CheckpointError(f"{mpath}: its CRC-32C does not match its content (edited or corrupt manifest)")
+    _check_complete(path, manifest)
     return manifest
+
+
+def _manifest_crc(manifest: dict) -> int:
+    """CRC-32C of the manifest's canonical JSON without its own ``manifest_crc32c`` field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
+    return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def _check_complete(path: str, manifest: dict) -> None:
+    """The manifest must list the dense file, one file per NN worker and one per shard (by its own
+    ``num_workers`` and ``num_shards``). Raises ``CheckpointError`` naming what is missing."""
+    if "num_shards" not in manifest or "num_workers" not in manifest:
+        return
+    listed = {e.get("path") for e in manifest.get("files", [])}
+    wanted = [DENSE_FILE, *(rank_file(r) for r in range(int(manifest["num_workers"]))),
+              *(shard_rel(s) for s in range(int(manifest["num_shards"])))]
+    missing = [w for w in wanted if w not in listed]
+    if missing:
+        raise CheckpointError(f"{io.join(path, MANIFEST)}: lists no {', '.join(missing[:5])}"
+                              f"{' ...' if len(missing) > 5 else ''} (num_shards {manifest['num_shards']}, "
+                              f"num_workers {manifest['num_workers']}): an incomplete checkpoint")
 
 
 def _size(path: str) -> int | None:
@@ -174,17 +198,30 @@ def verify(path: str, deep: bool = True, deep_roles: tuple[str, ...] | None = No
 def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_roles=("dense", "worker"),
                 refusals: list[str] | None = None) -> tuple[str, dict] | None:
     """The newest checkpoint under ``ckpt_dir`` that passes ``verify`` (shard files: size only; their CRC-32C
-    is checked by the servers as they load them), skipping paths in ``skip``. A refused checkpoint is logged
-    (and its reason appended to ``refusals``) and the previous one is tried. None when there is none."""
+    is checked by the servers as they load them), skipping paths in ``skip`` (refused by a server). A refused
+    checkpoint is logged (and its reason appended to ``refusals``) and the previous one is tried.
+
+    None when there is none, or only partial ones (no manifest: a run stopped while writing its first): a fresh
+    start then loses nothing. Raises ``CheckpointError`` when complete checkpoints exist but every one is refused:
+    starting afresh would silently throw their training away (to do so on purpose: resume_from '')."""
+    complete_refused: list[str] = []
+    refusals = refusals if refusals is not None else []
     for step, path in list_checkpoints(ckpt_dir):
         if path in skip:
+            complete_refused.append(path)
             continue
         try:
             return path, verify(path, deep=True, deep_roles=deep_roles)
         except CheckpointError as e:
             log.warning("checkpoint refused, trying the previous one: %s", e)
-            if refusals is not None:
-                refusals.append(str(e))
+            refusals.append(str(e))
+            if io.exists(io.join(path, MANIFEST)):
+                complete_refused.append(path)
+    if complete_refused:
+        why = "; ".join(refusals[-3:]) if refusals else "refused by a parameter server"
+        raise CheckpointError(f"every checkpoint under {ckpt_dir} is refused ({len(complete_refused)} complete "
+                              f"ones: {why}); not starting afresh silently (to start afresh on purpose: a new "
+                              f"output folder, or resume_from='' / train --resume-from '')")
     return None
 
 
@@ -233,6 +270,7 @@ def write_manifest(path: str, step: int, files: list[dict], lineage: dict, extra
     """Write the manifest last, atomically: from then on the checkpoint at ``path`` is complete."""
     manifest = {"format": FORMAT, "step": int(step), "created_unix": time.time(), "files": files,
                 "lineage": lineage, **(extra or {})}
+    manifest["manifest_crc32c"] = _manifest_crc(manifest)
     write_durable(io.join(path, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
     return manifest
 

@@ -94,6 +94,41 @@ def test_partial_or_corrupt_checkpoint_is_refused_with_a_clear_error_and_the_pre
     assert ckpt.find_latest(folder)[0] == ckpt.checkpoint_path(folder, 2)
 
 
+def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
+    import json
+
+    folder, (newest, *_) = _two_checkpoints(tmp_path)
+    mpath = os.path.join(newest, ckpt.MANIFEST)
+    manifest = json.load(open(mpath))
+    # one shard's entry removed (and its file): before, the checkpoint was re-sharded from the shard left, and the
+    # other shard's trained rows were lost silently
+    manifest["files"] = [e for e in manifest["files"] if e["path"] != ckpt.shard_rel(1)]
+    os.remove(os.path.join(newest, ckpt.shard_rel(1)))
+    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)  # even with its checksum made to match
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(ckpt.CheckpointError, match=r"lists no shards/shard-00001\.npz .*incomplete"):
+        ckpt.verify(newest)
+    # any other edit of the manifest: its own CRC-32C no longer matches
+    manifest["step"] += 1
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(ckpt.CheckpointError, match="edited or corrupt manifest"):
+        ckpt.verify(newest)
+
+
+def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_starting_afresh(tmp_path):
+    folder, paths = _two_checkpoints(tmp_path)
+    for p in paths:
+        dense = os.path.join(p, "dense.pt")
+        open(dense, "r+b").truncate(10)
+    with pytest.raises(ckpt.CheckpointError, match=r"every checkpoint under .* is refused \(3 complete ones: "
+                                                   r".*dense\.pt.*resume-from ''"):
+        ckpt.find_latest(folder)
+    # only partial checkpoints (a run stopped while writing its first): a fresh start, nothing is lost
+    for p in paths:
+        os.remove(os.path.join(p, ckpt.MANIFEST))
+    assert ckpt.find_latest(folder) is None
+
+
 def test_prune_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_path):
     folder, paths = _two_checkpoints(tmp_path)
     assert len(paths) == 3
