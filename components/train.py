@@ -20,9 +20,11 @@ def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model]
     import os
 
     from persia_core.config import load_config
+    from persia_core.logging_utils import setup_logging
     from persia_core.train.checkpoint import CheckpointSettings
     from persia_core.train.launcher import train as run
 
+    setup_logging("train")  # the launcher's progress lines (NN worker 0's step, loss, samples/s) in the task log
     cfg = load_config(os.path.join(shards.path, "run_config.yaml"))
     settings = CheckpointSettings(dir=checkpoint_dir, every_steps=checkpoint_every_steps,
                                   every_s=checkpoint_every_s, at_end=True)

@@ -2,8 +2,8 @@
 
 Each task runs in this interpreter's environment, where the project is installed. kfp.local's own output (every
 task's executor input and output, streamed logs) goes to ``<pipeline root>/logs/run-<time>.log``; the terminal
-gets one line per task as it starts and ends, the log's tail when a task fails (``--verbose``: everything, as
-kfp.local prints it), then where the outputs are and, as its last line, ``eval: AUC=... logloss=... NE=...``.
+gets one line per task as it starts and ends (and the train task's progress, at most every 10 s), the log's tail
+when a task fails (``--verbose``: everything, as kfp.local prints it), then where the outputs are and, as its last line, ``eval: AUC=... logloss=... NE=...``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([^']+)'")
 _FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
+_PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (step \d+/\d+ loss \S+ samples/s \S+ staleness \d+)")
 
 
 @contextlib.contextmanager
@@ -61,6 +62,10 @@ def captured_output(log_path: str, verbose: bool = False):
         if m:
             began[m.group(1)] = time.time()
             os.write(saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: running\n".encode())
+            return
+        m = _PROGRESS.search(line)
+        if m:  # the train task's progress (NN worker 0, relayed by the launcher at most every 10 s)
+            os.write(saved[0], f"{time.strftime('%H:%M:%S')} train: {m.group(1)}\n".encode())
             return
         m = _FINISHED.search(line)
         if m:

@@ -34,6 +34,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -81,6 +82,44 @@ def max_local_processes() -> int:
     """The most parameter servers + NN workers one local job starts: 16 per CPU, at least 64 (a guard against a
     typo such as ``num_shards=100000`` starting one process per shard on a laptop)."""
     return max(64, 16 * (os.cpu_count() or 1))
+
+
+class ProgressRelay:
+    """Repeats NN worker 0's progress lines (``step N/M loss ... samples/s ... staleness ...``) from its log file
+    in the launcher's own log, at most one every ``interval_s`` seconds (and the last step's always), so that
+    ``persia train`` and a pipeline's train task show progress instead of silence until the end."""
+
+    PATTERN = re.compile(r"\bstep (\d+)/(\d+) loss \S+ samples/s \S+ staleness \d+")
+
+    def __init__(self, log_path: str, name: str = "nn_worker-0", interval_s: float = 10.0):
+        self.log_path, self.name, self.interval_s = log_path, name, interval_s
+        self.offset = 0
+        self.last = -float("inf")
+        self.partial = b""
+
+    def poll(self) -> None:
+        """Read what the log gained since the last call; log its newest progress line when one is due."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(1 << 20)
+        except OSError:
+            return
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()  # an incomplete last line waits for its end
+        newest = None
+        for raw in lines:
+            m = self.PATTERN.search(raw.decode("utf-8", "replace"))
+            if m:
+                newest = m
+        if newest is None:
+            return
+        final = newest.group(1) == newest.group(2)
+        now = time.monotonic()
+        if final or now - self.last >= self.interval_s:
+            self.last = now
+            log.info("%s: %s", self.name, newest.group(0))
 
 
 STOPPED_FAIL_S = 20.0
@@ -282,9 +321,14 @@ class LocalCluster:
         """Block until all workers exit 0. Any failure (a worker or a server dying) raises ``TrainingFailed``
         within about a second."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        relay = ProgressRelay(self.workers[0].log_path) if self.workers else None
         while True:
             self.check()
+            if relay is not None:
+                relay.poll()
             if all(p.popen.poll() == 0 for p in self.workers):
+                if relay is not None:
+                    relay.poll()
                 return
             if deadline is not None and time.monotonic() > deadline:
                 raise TrainingFailed(f"training did not finish within {timeout_s:.0f} s")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import yaml
@@ -32,13 +33,16 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capsys, monkeypatch):
+def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
     rc = run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
                     "--max-rows", "3000", "--epochs", "1", "--parameter-servers", "2", "--nn-workers", "2"])
     assert rc == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = capfd.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("eval: AUC=")
+    # the train task's progress reaches the terminal (before: "train: running", then silence until the end)
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d train: step (\d+)/\1 loss \S+ samples/s \S+ staleness \d+", ln)
+               for ln in lines), lines
     assert "cold start" in lines  # says how training started (no warm_start_from given)
     auc = float(lines[-1].split("AUC=")[1].split()[0])
     assert 0.0 < auc < 1.0

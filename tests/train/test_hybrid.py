@@ -188,13 +188,53 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
              for k in sd["keys"]]), atol=1e-5)
 
 
-def test_uneven_shards_across_two_ranks_finish(tmp_path):
+def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="persia.launcher")
     data = write_dataset(str(tmp_path / "data"), shard_rows=[100, 7])
     cfg = tiny_config(num_workers=2, embedding_staleness=1, epochs=1)
     train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
     hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
     assert hist["samples"][-1] == 107
     assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
+    # the launcher repeats rank 0's progress in its own log (before: silence until the end)
+    relayed = [r.getMessage() for r in caplog.records if r.name == "persia.launcher"]
+    assert any(m.startswith("nn_worker-0: step 7/7 loss ") for m in relayed), relayed
+
+
+def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interval_and_always_the_last(
+        tmp_path, caplog, monkeypatch):
+    import logging
+
+    from persia_core.train import launcher
+
+    caplog.set_level(logging.INFO, logger="persia.launcher")
+    now = [100.0]
+    monkeypatch.setattr(launcher.time, "monotonic", lambda: now[0])
+    path = tmp_path / "nn_worker-0.log"
+    relay = launcher.ProgressRelay(str(path), interval_s=10.0)
+    relay.poll()  # no file yet: nothing, no error
+    line = "2026-01-01 INFO nn_worker[0] persia.worker: step {}/9 loss 0.6{} samples/s 100 staleness 1\n"
+    with open(path, "a") as f:
+        f.write(line.format(1, 1) + "other line\n" + line.format(2, 2) + line.format(3, 3)[:30])  # 3: unfinished
+    relay.poll()
+    now[0] += 5
+    with open(path, "a") as f:
+        f.write(line.format(3, 3)[30:] + line.format(4, 4))
+    relay.poll()  # within the interval: not repeated
+    now[0] += 6
+    relay.poll()  # nothing new since
+    with open(path, "a") as f:
+        f.write(line.format(5, 5))
+    relay.poll()
+    with open(path, "a") as f:
+        f.write(line.format(9, 9))
+    relay.poll()  # the last step: always
+    got = [r.getMessage() for r in caplog.records if r.name == "persia.launcher"]
+    assert got == ["nn_worker-0: step 2/9 loss 0.62 samples/s 100 staleness 1",
+                   "nn_worker-0: step 5/9 loss 0.65 samples/s 100 staleness 1",
+                   "nn_worker-0: step 9/9 loss 0.69 samples/s 100 staleness 1"]
 
 
 def test_a_rank_without_any_train_file_runs_empty_steps_and_the_run_finishes(tmp_path):
