@@ -25,7 +25,9 @@ def evaluate(
     Logs the scalars as ``metrics`` (``seen_user_auc``, ``unseen_share_<slot>``, ...), the ROC curve as
     ``roc``, and writes the HTML ``report``, whose "Model gate" section shows what the ``gate`` component will
     decide with the same thresholds against the latest blessed model in ``blessed_dir`` (empty: threshold
-    only). Returns the overall metrics as a JSON string (the input of the ``gate`` component)."""
+    only). The latest blessed model is re-scored on the same evaluation rows, and its metrics travel with the
+    new ones (key ``baseline_on_this_eval_data``) so that the gate compares the two models on the same data.
+    Returns the overall metrics as a JSON string (the input of the ``gate`` component)."""
     import json
 
     from persia_core.evaluate.gate import gate
@@ -41,6 +43,11 @@ def evaluate(
         roc.log_roc_curve(r["roc"]["fpr"], r["roc"]["tpr"], r["roc"]["thresholds"])
     from persia_core.preprocess.pipeline import malformed_summary
 
+    from persia_core.evaluate.gate import RESCORED_KEY, rescore_baseline
+
+    baseline = rescore_baseline(blessed_dir, dataset.path)  # the latest blessed model on these same rows
+    if baseline is not None:
+        m = {**m, RESCORED_KEY: baseline}
     decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
     bad = malformed_summary(dataset.path)

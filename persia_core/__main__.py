@@ -107,7 +107,7 @@ def cmd_train(args, _extra) -> int:
 
 def cmd_evaluate(args, _extra) -> int:
     from persia_core import io
-    from persia_core.evaluate.gate import bless, gate, read_marker
+    from persia_core.evaluate.gate import RESCORED_KEY, bless, gate, read_marker, rescore_baseline
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate
 
@@ -119,12 +119,15 @@ def cmd_evaluate(args, _extra) -> int:
     read_marker(args.blessed_dir)  # an unreadable BLESSED.json: refused now, naming it
     r = evaluate(args.model, args.data, batch_size=args.batch_size, user_slot=args.user_slot)
     m = r["metrics"]
-    decision = gate(m, args.blessed_dir, args.min_auc, args.max_auc_drop, args.max_logloss_increase, args.max_ne)
+    baseline = rescore_baseline(args.blessed_dir, args.data, args.batch_size)  # the blessed model, same rows
+    decision = gate({**m, RESCORED_KEY: baseline} if baseline else m, args.blessed_dir, args.min_auc,
+                    args.max_auc_drop, args.max_logloss_increase, args.max_ne)
     write_report(args.report, m, r["labels"], r["preds"], r["train_history"], r["config"],
                  {"model": args.model, "dataset": args.data, "blessed_dir": args.blessed_dir or "(none)"},
                  user_split=r["user_split"], coverage=r["coverage"], gate=decision)
     out = {"metrics": m, "user_split": r["user_split"], "coverage": r["coverage"], "report": args.report,
-           "gate": {"decision": decision["decision"], "reasons": decision["reasons"]}}
+           "gate": {"decision": decision["decision"], "reasons": decision["reasons"],
+                    "baseline": decision["baseline"]}}
     if args.bless:
         if decision["bless"]:
             marker = bless(args.model, m, args.blessed_dir, decision)

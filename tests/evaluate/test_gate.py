@@ -170,3 +170,42 @@ def test_gate_under_kfp_local_blocks_a_worse_model_and_blesses_a_better_one(tmp_
     md = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "root") for f in fs if f == "decision"]
     texts = sorted(open(p).read() for p in md)
     assert any("**bless**" in t for t in texts) and any("**reject**" in t for t in texts)
+
+
+def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluation_rows(tmp_path, trained):
+    # The metrics stored at blessing came from that day's evaluation split. Here they are far better than what the
+    # blessed model scores on today's rows (another day's easier data): compared with them, the same model would
+    # be rejected; re-scored on today's rows, the same model ties with itself and passes.
+    from persia_core.evaluate.gate import RESCORED_KEY, gate, read_marker, rescore_baseline
+    from persia_core.evaluate.run import evaluate
+
+    model, data = trained
+    blessed = str(tmp_path / "blessed")
+    bless(model, {"auc": 0.99, "logloss": 0.05, "ne": 0.1, "count": 10}, blessed)
+    new = evaluate(model, data, user_slot="")["metrics"]
+    stale = gate(new, blessed, max_ne=2.0)  # a tiny model: its NE is near 1, not what this test is about
+    assert stale["decision"] == "reject" and "stored when the latest blessed model was blessed" in stale["reasons"][-1]
+
+    base = rescore_baseline(blessed, data)
+    assert base["source"] == "re-scored" and base["auc"] == new["auc"] and base["logloss"] == new["logloss"]
+    d = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0)
+    assert d["decision"] == "bless", d["reasons"]
+    assert d["baseline"]["auc"] == new["auc"]
+    assert d["reasons"][-1] == ("baseline: the latest blessed model re-scored on this evaluation data "
+                                f"({new['count']} rows)")
+    # the re-scored baseline never ends up in the next marker's stored metrics
+    bless(model, {**new, RESCORED_KEY: base}, blessed)
+    assert RESCORED_KEY not in read_marker(blessed)["metrics"]
+
+
+def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored_metrics(tmp_path, trained):
+    from persia_core.evaluate.gate import gate, rescore_baseline
+
+    _, data = trained
+    blessed = str(tmp_path / "blessed")
+    assert rescore_baseline(blessed, data) is None and rescore_baseline("", data) is None  # nothing blessed
+    bless(_fake_model(tmp_path / "m", "old format"), BASE, blessed)  # no config: it cannot score anything
+    assert rescore_baseline(blessed, data) is None
+    d = gate({"auc": 0.76, "logloss": 0.49, "ne": 0.8}, blessed)
+    assert d["decision"] == "bless" and d["baseline"] == BASE
+    assert "stored when the latest blessed model was blessed" in d["baseline_source"]
