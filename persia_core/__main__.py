@@ -80,6 +80,12 @@ def cmd_init_shards(args, _extra) -> int:
     from persia_core.embedding.plan import init_shards
 
     config = _config(args.config, [io.join(args.data, "run_config.yaml")], args.set)
+    if args.warm_start_from and not (io.exists(args.warm_start_from) or io.isdir(args.warm_start_from)):
+        # a typo would start every scheduled run cold; an empty folder (a blessed location before its first
+        # model) is a cold start on purpose
+        raise FileNotFoundError(f"--warm-start-from {args.warm_start_from!r}: nothing there (a typo would start "
+                                f"every scheduled run cold; for the first run of a schedule, before anything is "
+                                f"blessed, create the folder: an empty one is a cold start)")
     plan = init_shards(config, args.data, args.output, warm_start_from=args.warm_start_from)
     _print({"output": args.output, "num_shards": plan["num_shards"],
             "estimated_bytes_per_shard": plan["estimated_bytes_per_shard"],
@@ -288,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--data", required=True, help="preprocess output folder (holds schema.json)")
     sp.add_argument("--output", required=True, help="folder for shard_plan.json, run_config.yaml, shards/")
     sp.add_argument("--warm-start-from", default="", help="start from a previous Model, checkpoint or "
-                                                          "blessed-model location (re-sharded if needed; a location "
-                                                          "with nothing blessed yet: cold start)")
+                                                          "blessed-model location (re-sharded if needed; an empty "
+                                                          "folder, nothing blessed yet: cold start; a path where "
+                                                          "nothing exists: refused)")
     config_flags(sp, "default: <data>/run_config.yaml")
 
     sp = add("train", "Hybrid training on this machine: N parameter servers + M NN workers -> a Model folder.",

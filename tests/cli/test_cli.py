@@ -256,6 +256,20 @@ def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before
     assert not os.path.exists(tmp_path / "work")
 
 
+def test_cli_init_shards_refuses_a_warm_start_location_where_nothing_exists_but_starts_cold_from_an_empty_one(
+        tmp_path, capsys):
+    # before: a typo printed a warning and started cold with exit 0, every night of a cron schedule
+    data = write_dataset(str(tmp_path / "data"))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    args = ["init-shards", "--data", data, "--config", str(cfg)]
+    assert main([*args, "--output", str(tmp_path / "a"), "--warm-start-from", str(tmp_path / "blesed")]) == 2
+    assert "--warm-start-from" in capsys.readouterr().err and not os.path.exists(tmp_path / "a")
+    (tmp_path / "blessed").mkdir()  # the first day of a schedule: the location exists, nothing blessed yet
+    assert main([*args, "--output", str(tmp_path / "b"), "--warm-start-from", str(tmp_path / "blessed")]) == 0
+    assert json.loads(capsys.readouterr().out)["warm_start"]["cold_start"] == "no model blessed there yet"
+
+
 def test_cli_serve_shards_refuses_a_model_of_another_shard_count(tmp_path, capsys):
     """Each server loads the file of its own shard number: serving 2 shard files on 3 servers would lose rows."""
     cfg = tmp_path / "tiny.yaml"
