@@ -157,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = the config's value)")
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = " + ("all)" if name == "max_rows" else "the config's value)"))
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
+    if not 0.0 <= args.min_auc <= 1.0:  # the gate's own checks, made before preprocess and train rather than after
+        p.error(f"--min-auc must be in [0, 1], got {args.min_auc}")
+    if not args.max_ne > 0:
+        p.error(f"--max-ne must be > 0, got {args.max_ne}")
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
         from persia_core.config import load_config
 

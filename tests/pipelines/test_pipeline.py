@@ -90,6 +90,18 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, says", [("--min-auc", "1.5", "--min-auc must be in [0, 1]"),
+                                               ("--max-ne", "0", "--max-ne must be > 0")])
+def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
+    # before: accepted, then the evaluate task failed after preprocess and train had run
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
+                   flag, value])
+    assert e.value.code == 2 and says in capfd.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refused_before_any_task(tmp_path, capfd,
                                                                                                    monkeypatch):
     """Day one of a schedule warm-starts from its own, still empty, blessed_dir: a cold start. Any other location
