@@ -13,7 +13,8 @@ Commands call the same ``persia_core`` functions as the KFP components:
     serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.launcher.LocalCluster
 
 Exit codes: 0 success; 2 bad input (a usage error, an invalid config or argument: ``ValueError``, a missing
-file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died); 130 interrupted (Ctrl-C).
+file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died); 130 interrupted (Ctrl-C); 143
+terminated (SIGTERM, how Kubernetes and Vertex AI cancel: ``persia train`` stops its processes first).
 """
 
 import argparse
@@ -29,7 +30,7 @@ from persia_core.argchecks import check_output_file, float_in, int_at_least, sto
 
 log = logging.getLogger("persia.cli")
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="persia", description="Run the persia-kfp steps outside KFP on local (or gs://) files.",
         epilog="Exit codes: 0 success, 2 bad input (usage, invalid config, missing file), 1 other failures, "
-               "130 interrupted (Ctrl-C).",
+               "130 interrupted (Ctrl-C), 143 terminated (SIGTERM).",
         allow_abbrev=False)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level of the messages on stderr (default INFO)")
@@ -405,7 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("bad input", exc_info=True)
         print(f"persia {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT
+    except KeyboardInterrupt as e:  # Ctrl-C: the shell's convention, 128 + SIGINT; SIGTERM (a cancel): 128 + 15
+        from persia_core.train.launcher import Terminated
+
+        if isinstance(e, Terminated):
+            print(f"persia {args.command}: terminated (SIGTERM)", file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"persia {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # any other failure: exit 1 with the message (traceback with --log-level DEBUG)

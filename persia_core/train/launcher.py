@@ -30,6 +30,7 @@ Model folder::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -475,6 +476,29 @@ def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> N
                                  f"has {have!r}; run init-shards again with this config")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, the way Kubernetes, KFP and Vertex AI cancel a task, raised where Ctrl-C's KeyboardInterrupt is,
+    so that the same cleanup runs (children stopped and reaped, shared-memory segments removed)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread instead of ending the process at once
+    (Python's default), leaving no children and no ``/dev/shm`` segments behind. No effect off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", work_dir: str = "",
           checkpoint=None, resume_from: str = "auto", delta_every_s: float = 0.0, delta_dir: str = "") -> dict:
     """Run hybrid training with ``embedding.num_shards`` parameter servers and ``trainer.num_workers`` NN
@@ -491,7 +515,15 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     Returns the manifest. Raises ``TrainingFailed`` when a process fails, ``CheckpointError`` when the checkpoint
     named by ``resume_from`` is refused or belongs to another run, ``FileNotFoundError`` for missing inputs
     (``data_dir``'s schema, ``init_dir``, ``resume_from``), ``ValueError`` when the config does not match the data
-    or the shard plan of ``init_dir`` (checked before anything is written or started)."""
+    or the shard plan of ``init_dir`` (checked before anything is written or started), ``Terminated`` (a
+    ``KeyboardInterrupt``) on SIGTERM, after stopping every process it started."""
+    with sigterm_as_interrupt():
+        return _train(config, data_dir, model_dir, init_dir, work_dir, checkpoint, resume_from, delta_every_s,
+                      delta_dir)
+
+
+def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work_dir: str, checkpoint,
+           resume_from: str, delta_every_s: float, delta_dir: str) -> dict:
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
     from persia_core.train import checkpoint as ckpt

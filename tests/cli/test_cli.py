@@ -133,6 +133,55 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_exits_143(tmp_path):
+    # SIGTERM is how Kubernetes, KFP and Vertex AI cancel a task; before, Python's default ended the launcher at
+    # once: its children died with it, but their /dev/shm segments stayed until the next train started
+    import glob
+    import time
+
+    data = write_dataset(str(tmp_path / "data"), rows=256)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(tiny_config(epochs=500, network_delay_s=0.002, num_workers=2).to_yaml())
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "train", "--data", data, "--config", str(cfg),
+                             "--output", str(tmp_path / "model"), "--work-dir", str(work)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and "step 21/" not in "".join(
+                open(f, errors="replace").read() for f in glob.glob(str(work / "logs" / "nn_worker-*.log"))):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+        assert len(children) >= 4  # 2 servers + 2 NN workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "persia train: terminated (SIGTERM)" in err
+    assert not [c for c in children if os.path.exists(f"/proc/{c}") and _state(c) != "Z"]
+    from persia_core.ps.shm import PREFIX, SHM_DIR
+
+    mine = tuple(f"{PREFIX}{c & 0xFFFFFFFF:08x}" for c in children)
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(mine)] if os.path.isdir(SHM_DIR) else True
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
