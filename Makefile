@@ -23,7 +23,7 @@ TFRECORD ?=
 OUT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test clean image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test clean clean-all image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -96,5 +96,9 @@ tfrecord: venv-tfrecord ## TFRecord Examples -> delimited text for preprocess: m
 	@test -n "$(TFRECORD)" -a -n "$(OUT)" || { echo "make tfrecord: give TFRECORD=<file, glob or folder> and OUT=<folder>" >&2; exit 2; }
 	$(TF_PY) -m persia_core.data.tfrecord --input "$(TFRECORD)" --output "$(OUT)" --config "$(CONFIG)"
 
-clean: ## remove run outputs (keeps .venv)
+clean: ## remove run outputs but the blessed models (keeps .venv and $(PIPELINE_ROOT)/blessed, tomorrow's warm start)
+	@if [ -d "$(PIPELINE_ROOT)" ]; then find "$(PIPELINE_ROOT)" -mindepth 1 -maxdepth 1 ! -name blessed -exec rm -rf {} +; fi
+	rm -rf .pytest_cache
+
+clean-all: ## remove every run output, the blessed models too (keeps .venv)
 	rm -rf $(PIPELINE_ROOT) .pytest_cache
