@@ -447,7 +447,12 @@ def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
 
 def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) -> None:
     """Raise ``ValueError`` naming the slots of ``config`` that the preprocessed data in ``data_dir`` (its
-    ``schema``) does not hold, before any process starts."""
+    ``schema``) does not hold, or when its train split has no row, before any process starts."""
+    rows = schema.get("rows", {})
+    if rows.get("train") == 0:
+        raise ValueError(f"{io.join(data_dir, 'schema.json')}: the train split holds no row ({rows.get('read', '?')} "
+                         f"read, {rows.get('malformed', '?')} malformed, {rows.get('eval', '?')} in the eval split); "
+                         f"nothing to train on")
     missing = [s.name for s in config.slots if s.name not in schema.get("slots", [])]
     if missing:
         raise ValueError(f"{io.join(data_dir, 'schema.json')}: the data has no slot(s) {missing} of the run "

@@ -69,6 +69,18 @@ def test_a_config_whose_slots_the_data_lacks_is_refused_naming_them(tmp_path, da
     assert "schema.json" in msg and "['C1']" in msg and "'tags'" in msg
 
 
+def test_data_whose_train_split_holds_no_row_is_refused(tmp_path, data, scratch):
+    # before: training ran, reported success with 0 samples/s and no loss
+    import json
+
+    path = os.path.join(data, "schema.json")
+    schema = json.load(open(path))
+    schema["rows"] = {"train": 0, "eval": 0, "malformed": 12, "read": 12}
+    json.dump(schema, open(path, "w"))
+    msg = _refused(tiny_config(), data, tmp_path, scratch, ValueError)
+    assert "schema.json" in msg and "train split holds no row (12 read, 12 malformed" in msg
+
+
 def test_resuming_from_a_checkpoint_folder_that_does_not_exist_is_refused(tmp_path, data, scratch):
     msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError,
                    resume_from=str(tmp_path / "ckpt-none"))
