@@ -54,7 +54,9 @@ log = logging.getLogger("persia.checkpoint")
 RESUME_MAY_DIFFER = ("layout", "split", "embedding.num_shards", "embedding.shard_memory_bytes", "trainer.epochs",
                      "trainer.embedding_staleness", "trainer.rpc_timeout_s", "trainer.threads_per_worker",
                      "trainer.prefetch_threads", "trainer.device", "trainer.network_delay_s",
-                     "trainer.network_bandwidth_bytes_per_s", "trainer.checkpoint")
+                     "trainer.network_bandwidth_bytes_per_s", "trainer.shared_memory", "trainer.delta_every_s",
+                     "trainer.checkpoint_every_steps", "trainer.checkpoint_every_s", "trainer.checkpoint_keep",
+                     "trainer.checkpoint_at_end", "trainer.checkpoint_dir")
 """Config keys (prefixes) that may change between a checkpoint and the run resuming from it: the data is
 fingerprinted separately, shards are re-routed, more epochs continue the same schedule, and the rest are
 execution settings that leave the arithmetic (at K = 0) unchanged."""

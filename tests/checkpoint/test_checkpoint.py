@@ -168,6 +168,12 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_pa
     manifest = {"lineage": info}
     more_epochs = cfg.with_overrides({"trainer.epochs": 3, "embedding.num_shards": 3})
     ckpt.check_lineage(manifest, ckpt.lineage(more_epochs, data), "ckpt")  # allowed to differ
+    # execution settings: checkpointing more or less often must not block the resume (it did: the prefix
+    # "trainer.checkpoint" matched no key)
+    settings = cfg.with_overrides({"trainer.checkpoint_every_steps": 7, "trainer.checkpoint_every_s": 60.0,
+                                   "trainer.checkpoint_keep": 5, "trainer.delta_every_s": 30.0,
+                                   "trainer.shared_memory": False})
+    ckpt.check_lineage(manifest, ckpt.lineage(settings, data), "ckpt")
     other = cfg.with_overrides({"trainer.batch_size": 8})
     with pytest.raises(ckpt.CheckpointError, match=r"trainer\.batch_size: 16 -> 8"):
         ckpt.check_lineage(manifest, ckpt.lineage(other, data), "ckpt")
