@@ -137,7 +137,10 @@ def cmd_evaluate(args, _extra) -> int:
                     "baseline": decision["baseline"]}}
     if args.bless:
         if decision["bless"]:
-            marker = bless(args.model, m, args.blessed_dir, decision)
+            from persia_core.evaluate.run import read_manifest
+
+            model_dir, _ = read_manifest(args.model)  # a blessed-model location: the model it names
+            marker = bless(model_dir, m, args.blessed_dir, decision)
             out["blessed_model"] = io.join(args.blessed_dir, marker["model"])
     if args.metrics_json:
         io.write_text(args.metrics_json, json.dumps(out, indent=1, default=str) + "\n")
@@ -241,6 +244,8 @@ def cmd_serve_shards(args, _extra) -> int:
         if os.path.exists(token_file):  # the servers are gone: their token opens nothing, and is not left lying
             os.remove(token_file)
         kept_dumps = os.path.isdir(dumps) and bool(os.listdir(dumps))
+        if os.path.isdir(dumps) and not kept_dumps:
+            os.rmdir(dumps)  # empty: kept only when it holds files
         if own_work_dir and clean and not kept_dumps:
             import shutil
 

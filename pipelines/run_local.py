@@ -261,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         source = ""
     if run_dir and source.startswith(run_dir + os.sep):
         print(f"blessed model: {latest_blessed_model(blessed_dir)}")
-    else:
+    elif source:
         print(f"not blessed: the latest blessed model under {blessed_dir} stays")
+    else:
+        print(f"not blessed: nothing is blessed under {blessed_dir} yet")
 
     def fmt(v):
         return "undefined" if v is None else f"{v:.4f}"

@@ -130,6 +130,15 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["warm_start"]["rows"]["default"] > 0
     assert main(["train", "--data", data, "--init", warm, "--output", str(tmp_path / "model2"),
                  "--set", "trainer.epochs=1", "--resume-from", ""]) == 0
+    capsys.readouterr()
+    # a blessed-model location given as --model with --bless: its latest blessed model is scored and copied (before:
+    # scored, then refused as "not a trained model")
+    other = str(tmp_path / "blessed-copy")
+    assert main(["evaluate", "--model", blessed, "--data", data, "--report", str(tmp_path / "r2.html"),
+                 "--blessed-dir", other, "--min-auc", "0", "--max-ne", "100", "--bless"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["metrics"]["auc"] == out["metrics"]["auc"]
+    assert os.path.exists(os.path.join(again["blessed_model"], "dense.pt"))
 
 
 @pytest.mark.timeout(120)
@@ -205,6 +214,7 @@ def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
         assert proc.wait(timeout=30) == 0
         assert not os.path.exists(info["token_file"])  # the dead servers' token is not left behind
         assert os.path.isdir(tmp_path / "work" / "logs")  # a folder the user named is kept
+        assert not os.path.exists(tmp_path / "work" / "dumps")  # ... but not its empty dumps folder
     finally:
         if proc.poll() is None:
             proc.kill()
