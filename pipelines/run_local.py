@@ -166,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-ne must be > 0, got {args.max_ne}")
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
         from persia_core.config import load_config
+        from pipelines.vertex import resolve_data_path
 
+        if "{date" in args.data:  # as on Vertex AI, from the current UTC time (a cron job's own run time)
+            args.data = resolve_data_path(args.data, "")
+            print(f"data: {args.data}")
         cfg = load_config(args.config)
         if "://" not in args.data:
             from persia_core.preprocess.pipeline import resolve_inputs

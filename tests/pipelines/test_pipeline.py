@@ -90,6 +90,22 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
+def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(tmp_path, capfd, monkeypatch):
+    # a local cron job reads its own day's partition, as a Vertex AI schedule does (before: the token was taken
+    # literally and no file matched)
+    import datetime
+
+    monkeypatch.chdir(ROOT)
+    day = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
+    part = tmp_path / f"dt={day}"  # not written: the check before any task names the resolved path
+    rc = run_local(["--data", str(tmp_path / "dt={date-1d}"), "--config", "criteo",
+                    "--pipeline-root", str(tmp_path / "out")])
+    out, err = capfd.readouterr()
+    assert f"data: {part}" in out
+    assert rc == 2 and f"no input files match '{part}'" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag, value, says", [("--min-auc", "1.5", "--min-auc must be in [0, 1]"),
                                                ("--max-ne", "0", "--max-ne must be > 0")])
 def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
