@@ -164,6 +164,17 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
         if name in specs and float(value(name) or 0) < 0:
             raise ValueError(f"{name} must be >= 0 (0 = the run config's value), got {value(name)}")
+    if "embedding_staleness" in specs and float(value("embedding_staleness") or 0) < -1:
+        raise ValueError(f"embedding_staleness must be >= 0, or -1 for the run config's value, got "
+                         f"{value('embedding_staleness')}")
+    if "config" in specs:
+        cfg = value("config")
+        if cfg and "/" not in cfg and not cfg.endswith((".yaml", ".yml")):
+            from persia_core.config import CONFIG_DIR
+
+            shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            if cfg not in shipped:
+                raise ValueError(f"config {cfg!r} is not a shipped run config {shipped} (or give a gs:// YAML path)")
     if "min_auc" in specs and not 0.0 <= float(value("min_auc") or 0) <= 1.0:
         raise ValueError(f"min_auc must be in [0, 1], got {value('min_auc')}")
     if "max_ne" in specs and value("max_ne") not in (None, "") and not float(value("max_ne")) > 0:
@@ -186,6 +197,34 @@ def parse_key_values(items: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+_CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
+                ("month", 1, 12, _MONTHS), ("day-of-week", 0, 7, _DAYS))
+
+
+def _check_cron_field(cron: str, field: str, name: str, lo: int, hi: int, names: tuple) -> None:
+    """One field of a standard 5-field cron: ``*``, ``N``, ``N-M``, lists of those, each with an optional
+    ``/STEP``; month and weekday names (``jan``, ``mon``) where cron takes them. Raises ``ValueError`` naming the
+    field and its range."""
+    def number(text: str) -> int:
+        if text.lower() in names:
+            return names.index(text.lower()) + (1 if name == "month" else 0)
+        if not text.isdigit() or not lo <= int(text) <= hi:
+            raise ValueError(f"--cron {cron!r}: {name} {field!r} must lie in {lo}-{hi}")
+        return int(text)
+
+    for part in field.split(","):
+        base, slash, step = part.partition("/")
+        if slash and (not step.isdigit() or int(step) < 1):
+            raise ValueError(f"--cron {cron!r}: {name} {field!r} has a bad step {step!r}")
+        if base == "*":
+            continue
+        first, dash, last = base.partition("-")
+        if number(first) > (number(last) if dash else number(first)):
+            raise ValueError(f"--cron {cron!r}: {name} range {base!r} runs backwards")
+
+
 def cron_with_time_zone(cron: str, time_zone: str) -> str:
     """``"TZ=<zone> <cron>"`` as Vertex AI schedules take it. Raises ``ValueError`` for a cron that is not five
     fields or an unknown IANA time zone."""
@@ -196,6 +235,8 @@ def cron_with_time_zone(cron: str, time_zone: str) -> str:
         raise ValueError("give the time zone with --time-zone, not inside --cron")
     if len(fields) != 5:
         raise ValueError(f"--cron {cron!r}: expected 5 fields (minute hour day-of-month month day-of-week)")
+    for field, (name, lo, hi, names) in zip(fields, _CRON_FIELDS):
+        _check_cron_field(cron, field, name, lo, hi, names)
     try:
         zoneinfo.ZoneInfo(time_zone)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):

@@ -154,6 +154,8 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
     ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
     ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
     ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
+    ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
+    ([*BLESSED, "--param", "config=critea"], "config 'critea' is not a shipped run config ['criteo', 'movielens']"),
 ])
 def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -210,12 +212,24 @@ def test_schedule_create_sends_cron_time_zone_concurrency_and_the_run_request(te
     (["--cron", "TZ=UTC 0 3 * * *"], "--time-zone"),
     (["--cron", "0 3 * * *", "--max-concurrent-runs", "0"], "max-concurrent-runs"),
     (["--cron", "0 3 * * *", "--start-time", "tomorrow"], "RFC 3339"),
+    (["--cron", "0 25 * * *"], "hour '25' must lie in 0-23"),
+    (["--cron", "60 3 * * *"], "minute '60' must lie in 0-59"),
+    (["--cron", "0 3 0 * *"], "day-of-month '0' must lie in 1-31"),
+    (["--cron", "0 3 * 13 *"], "month '13' must lie in 1-12"),
+    (["--cron", "0 3 * * 8"], "day-of-week '8' must lie in 0-7"),
+    (["--cron", "*/0 3 * * *"], "bad step '0'"),
+    (["--cron", "0 5-2 * * *"], "runs backwards"),
 ])
 def test_schedule_create_rejects_bad_settings_before_sending(template, gapic, extra, message, capsys):
     with pytest.raises(SystemExit):
         submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
                      "--name", "n", *extra])
     assert message in capsys.readouterr().err and gapic == []
+
+
+def test_cron_fields_in_range_steps_lists_and_names_are_accepted():
+    for cron in ("0 3 * * *", "*/15 0-23/2 1,15 jan-jun mon-fri", "5 4 * * sun", "0 0 29 2 7", "0,30 9-17 * * 1-5"):
+        assert submit.cron_with_time_zone(cron, "UTC") == f"TZ=UTC {cron}"
 
 
 def test_schedule_list_pause_resume_delete_address_the_schedule(gapic, capsys):
