@@ -351,8 +351,9 @@ class TrainerConfig:
     """Batches an NN worker prepares concurrently (dedup, lookups, host-to-device staging), and so at most how
     many batches its lookups run ahead of training (never more than ``embedding_staleness``). One hides the
     parameter servers on a CPU; a GPU, whose steps are shorter than a batch's preparation, needs more."""
-    rpc_timeout_s: float = 30.0
-    """Deadline of every parameter-server call (seconds)."""
+    rpc_timeout_s: float = 20.0
+    """Deadline of each attempt of a parameter-server call (seconds); a call with its retries takes at most twice
+    this, so a server that stops answering fails the job within 40 s at the default."""
     network_delay_s: float = 0.0
     """Injected cost per parameter-server call (seconds of round trip), to measure the regime of servers across
     a data-centre network on one machine; 0 = off."""

@@ -40,7 +40,8 @@ class EmbeddingClient:
         addresses: ``host:port`` of shard 0..N-1.
         config: the embedding config (table dims).
         token: shared token sent on every call (default: ``$PERSIA_PS_TOKEN``).
-        timeout_s: deadline of every call (seconds). retries: attempts after a retryable failure.
+        timeout_s: deadline of each attempt of a call (seconds); all attempts of a call together get 2 x timeout_s.
+            retries: attempts after a retryable failure (UNAVAILABLE, DEADLINE_EXCEEDED) while that time lasts.
         delay_s, bandwidth_bytes_per_s: optional injected network cost per call (0 = off): a fixed round-trip
             delay and a bandwidth cap, to measure the regime of servers across a data-centre network.
         shared_memory: pass the arrays of Lookup/Push calls through shared memory (``persia_core.ps.shm``)
@@ -50,7 +51,7 @@ class EmbeddingClient:
     """
 
     def __init__(self, addresses: list[str], config: EmbeddingConfig, token: str | None = None,
-                 timeout_s: float = 30.0, retries: int = 3, delay_s: float = 0.0,
+                 timeout_s: float = 20.0, retries: int = 3, delay_s: float = 0.0,
                  bandwidth_bytes_per_s: float = 0.0, client_id: str | None = None,
                  shared_memory: bool | None = None):
         self.addresses = list(addresses)
@@ -113,13 +114,18 @@ class EmbeddingClient:
             if self.delay_s or self.bandwidth:
                 time.sleep(self.delay_s + (len(req) / self.bandwidth if self.bandwidth else 0.0))
             last = None
+            # all attempts together get twice the deadline: one retry after a timed-out attempt (a slow moment
+            # of the server), and quick retries of refused connections; a server that does not answer fails the
+            # call within 2 x timeout_s (before: (1 + retries) x timeout_s, 2 minutes at the defaults)
+            deadline = time.monotonic() + 2 * (timeout_s or self.timeout_s)
             for attempt in range(self.retries + 1):
                 if attempt and use_shm:
                     req = request()
                     clean = True
                 try:
-                    resp = self.calls[method][shard](req, timeout=timeout_s or self.timeout_s,
-                                                     metadata=self.metadata)
+                    resp = self.calls[method][shard](
+                        req, timeout=max(min(timeout_s or self.timeout_s, deadline - time.monotonic()), 0.001),
+                        metadata=self.metadata)
                     out_meta, out_arrays = wire.decode(resp)
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
@@ -133,9 +139,11 @@ class EmbeddingClient:
                     clean = False
                     if seg is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         break  # the server cannot map the segment: messages from now on
-                    if e.code() not in RETRYABLE or attempt == self.retries:
+                    backoff = min(0.05 * 2**attempt, 1.0)
+                    if (e.code() not in RETRYABLE or attempt == self.retries
+                            or time.monotonic() + backoff >= deadline):
                         break
-                    time.sleep(min(0.05 * 2**attempt, 1.0))
+                    time.sleep(backoff)
         except BaseException:
             clean = False
             raise

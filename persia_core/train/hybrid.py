@@ -407,9 +407,16 @@ class HybridTrainPipeline:
 
     def drain(self, timeout_s: float = 120.0) -> None:
         """Wait until every push issued so far is applied. Raises the first push error, or ``TimeoutError``."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         deadline = time.monotonic() + timeout_s
         for f in list(self.inflight):
-            f.result(timeout=max(0.0, deadline - time.monotonic()))
+            try:
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                pending = sum(not g.done() for g in self.inflight)
+                raise TimeoutError(f"{pending} gradient push(es) of this worker not applied within {timeout_s:.0f} s "
+                                   f"(a parameter server that does not answer? see the servers' logs)") from None
         if self.error is not None:
             raise self.error
 

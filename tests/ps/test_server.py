@@ -86,6 +86,22 @@ def test_sync_push_missing_a_worker_times_out_instead_of_hanging(cluster):
     client.close()
 
 
+def test_a_call_to_a_server_that_does_not_answer_fails_within_twice_its_deadline_retries_included(cluster):
+    # the second worker's push of a sync step never comes, so the server never answers: all attempts together
+    # get 2 x timeout_s (before, each of the 3 retries had a deadline of its own: 4 x timeout_s, 2 minutes at the
+    # default 30 s for a hung server)
+    import time
+
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", timeout_s=1.0, retries=3)
+    t0 = time.monotonic()
+    fut = client.push("default", np.array([1], np.uint64), np.ones((1, 4), np.float32), step=3, sync_workers=2)
+    with pytest.raises(ParameterServerError, match=r"shard \d.*DEADLINE_EXCEEDED"):
+        fut.result(timeout=10)
+    assert 2.0 <= time.monotonic() - t0 < 3.0
+    client.close()
+
+
 def test_server_answers_an_error_for_an_unknown_table(cluster):
     cfg, _, addrs = cluster
     client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", retries=0)
