@@ -24,6 +24,7 @@ import json
 import os
 import re
 import secrets
+import warnings
 from dataclasses import dataclass
 
 from kfp import dsl
@@ -101,8 +102,23 @@ class VertexSettings:
             low = 0 if name in ("accelerator_count", "timeout_s") else 1
             if getattr(self, name) < low:
                 raise ValueError(f"vertex setting {name} must be >= {low}, got {getattr(self, name)}")
+        for name in ("image", "cuda_image"):  # Vertex AI pulls from a registry: a local tag cannot be found there
+            value = getattr(self, name)
+            if value and ("/" not in value or any(c.isspace() for c in value)):
+                raise ValueError(f"vertex setting {name}={value!r} is not a registry image (e.g. "
+                                 f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG): Vertex AI cannot "
+                                 f"pull a local tag")
+        if not re.fullmatch(r"[a-z]+-[a-z]+\d+", self.region):
+            raise ValueError(f"vertex setting region={self.region!r} (PERSIA_VERTEX_REGION) is not a Google Cloud "
+                             f"region such as us-central1 or europe-west4")
+        for name in ("nn_machine_type", "ps_machine_type"):
+            value = getattr(self, name)
+            if value and not re.fullmatch(r"[a-z][a-z0-9]*-[a-z]+-\d+[a-z]*", value):
+                raise ValueError(f"vertex setting {name}={value!r} is not a Compute Engine machine type such as "
+                                 f"n2-highmem-32 or a2-highgpu-1g")
         if self.accelerator_type.lower() == "none":  # PERSIA_ACCELERATOR_TYPE=none: a CPU-only NN pool
             self.accelerator_type, self.accelerator_count = "", 0
+        self.accelerator_type = self.accelerator_type.upper()  # Vertex AI's enum names (NVIDIA_TESLA_A100)
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
             raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither; "
                              "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)")
@@ -116,6 +132,14 @@ class VertexSettings:
         if family and not self.nn_machine_type.startswith(family):
             raise ValueError(f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "
                              f"nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE)")
+        gpus = re.search(r"-(\d+)g$", self.nn_machine_type)  # a2-highgpu-2g, a3-highgpu-8g: a fixed GPU count
+        if self.accelerator_count and gpus and int(gpus.group(1)) != self.accelerator_count:
+            raise ValueError(f"vertex settings: {self.nn_machine_type} carries {gpus.group(1)} GPU(s), not "
+                             f"accelerator_count={self.accelerator_count} (PERSIA_ACCELERATOR_COUNT)")
+        if self.accelerator_count and not self.cuda_image:
+            warnings.warn(f"vertex settings: the NN machines carry {self.accelerator_count} {self.accelerator_type} "
+                          f"GPU(s) but no CUDA image is set (PERSIA_CUDA_IMAGE): they run {self.image}, whose torch "
+                          f"may be the CPU build", stacklevel=2)
         if self.accelerator_count and self.ranks_per_replica > self.accelerator_count:
             raise ValueError(f"vertex settings: {self.ranks_per_replica} ranks per NN replica but "
                              f"{self.accelerator_count} GPU(s) per machine (one rank per GPU)")

@@ -4,6 +4,7 @@
 import datetime as dt
 import json
 import os
+import re
 
 import pytest
 import yaml
@@ -239,21 +240,42 @@ def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
 
 def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn_pools():
     with pytest.raises(ValueError, match="a2-"):
-        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
     with pytest.raises(ValueError, match="one rank per GPU"):
-        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_RANKS_PER_REPLICA": "8"})
-    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_ACCELERATOR_TYPE": "none",
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_RANKS_PER_REPLICA": "8"})
+    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
                                           "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
     assert (cpu.accelerator_type, cpu.accelerator_count) == ("", 0)
     assert "acceleratorType" not in cpu.worker_pool_specs()[0]["machineSpec"]
     # CPU-only with the default machine: a CPU machine, not the GPU default; a GPU-only family named: refused
-    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img"}, accelerator_type="", accelerator_count=0)
+    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE}, accelerator_type="", accelerator_count=0)
     assert cpu.worker_pool_specs()[0]["machineSpec"] == {"machineType": vertex.CPU_NN_MACHINE_TYPE}
-    assert vertex.VertexSettings(image="img").nn_machine_type == "a2-highgpu-1g"
+    assert vertex.VertexSettings(image=IMAGE).nn_machine_type == "a2-highgpu-1g"
     with pytest.raises(ValueError, match="carries GPUs, but the NN pools are CPU-only"):
-        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_ACCELERATOR_TYPE": "none",
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
                                         "PERSIA_NN_MACHINE_TYPE": "a2-highgpu-1g"})
-    eight = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": "img", "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
+    eight = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
                                             "PERSIA_ACCELERATOR_TYPE": "NVIDIA_H100_80GB",
                                             "PERSIA_ACCELERATOR_COUNT": "8", "PERSIA_RANKS_PER_REPLICA": "8"})
     assert eight.worker_pool_specs()[0]["machineSpec"]["acceleratorCount"] == 8
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"PERSIA_BASE_IMAGE": "persia-kfp:local"}, "not a registry image"),
+    ({"PERSIA_CUDA_IMAGE": "persia-kfp-cuda"}, "not a registry image"),
+    ({"PERSIA_VERTEX_REGION": "us-central"}, "not a Google Cloud region"),
+    ({"PERSIA_PS_MACHINE_TYPE": "highmem"}, "not a Compute Engine machine type"),
+    ({"PERSIA_ACCELERATOR_COUNT": "3"}, "a2-highgpu-1g carries 1 GPU(s), not accelerator_count=3"),
+])
+def test_vertex_settings_refuse_values_vertex_would_refuse_at_job_start(env, says):
+    # before: compiled without a word, and the job failed on Vertex AI
+    with pytest.raises(ValueError, match=re.escape(says)):
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_CUDA_IMAGE": CUDA_IMAGE, **env})
+
+
+def test_vertex_settings_take_a_lower_case_gpu_name_and_warn_of_gpus_without_a_cuda_image():
+    s = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_CUDA_IMAGE": CUDA_IMAGE,
+                                        "PERSIA_ACCELERATOR_TYPE": "nvidia_tesla_a100"})
+    assert s.worker_pool_specs()[0]["machineSpec"]["acceleratorType"] == "NVIDIA_TESLA_A100"
+    with pytest.warns(UserWarning, match="no CUDA image is set"):
+        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE})
