@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import base64
 import bisect
 import functools
 import json
@@ -128,8 +129,9 @@ class ReadFileLinesFn(beam.DoFn):
 
     Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension); ``line_no`` is
     1-based and counts the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line
-    end; ``ok`` is False for a line that is not UTF-8 (its text then has replacement characters). Stops after
-    ``max_lines`` data lines (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
+    end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps). Line ends are ``\n``, ``\r\n`` or a lone
+    ``\r`` (classic Mac files: before, a whole such file was one line). Stops after ``max_lines`` data lines
+    (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
     """
 
     def __init__(self, skip_header: bool, max_lines: int) -> None:
@@ -140,18 +142,25 @@ class ReadFileLinesFn(beam.DoFn):
     def process(self, element: tuple[int, str]):
         index, path = element
         n = 0
+        line_no = 0
         with FileSystems.open(path) as f:
-            for line_no, raw in enumerate(iter(f.readline, b""), start=1):
-                if line_no == 1 and self.skip_header:
-                    continue
+            for chunk in iter(f.readline, b""):
+                # a lone CR inside what readline returns: CR-only line ends, one line per CR
+                pieces = chunk.splitlines() if b"\r" in chunk.rstrip(b"\r\n") else (chunk,)
+                for raw in pieces:
+                    line_no += 1
+                    if line_no == 1 and self.skip_header:
+                        continue
+                    if self.max_lines and n >= self.max_lines:
+                        break
+                    try:
+                        text, ok = layouts.strip_line_end(raw.decode("utf-8")), True
+                    except UnicodeDecodeError:
+                        text, ok = raw.rstrip(b"\r\n"), False  # its bytes, for the dead letter
+                    yield index, path, line_no, n, text, ok
+                    n += 1
                 if self.max_lines and n >= self.max_lines:
                     break
-                try:
-                    text, ok = raw.decode("utf-8"), True
-                except UnicodeDecodeError:
-                    text, ok = raw.decode("utf-8", errors="replace"), False
-                yield index, path, line_no, n, layouts.strip_line_end(text), ok
-                n += 1
         self.lines_read.inc(n)
         yield TaggedOutput(_COUNTS, (index, n))
 
@@ -181,7 +190,11 @@ class NumberRowsFn(beam.DoFn):
             return
         if not ok:
             self.malformed.inc()
-            yield TaggedOutput(DEAD, dead_letter(path, line_no, text, layouts.ParseError("not utf-8"), self.example))
+            raw = text  # the line's bytes, as read
+            dead = dead_letter(path, line_no, raw.decode("utf-8", errors="replace"), layouts.ParseError("not utf-8"),
+                               self.example)
+            dead["raw_base64"] = base64.b64encode(raw).decode("ascii")
+            yield TaggedOutput(DEAD, dead)
             return
         yield path, line_no, row_number, text
 
@@ -390,8 +403,12 @@ class WriteShards(beam.PTransform):
 
 
 def dead_letter_json(dead: dict[str, Any]) -> str:
-    """A dead letter as its JSON line: ``{"source": "<file>:<line>", "reason": ..., "raw": <the line>}``."""
-    return json.dumps({"source": dead["source"], "reason": dead["reason"], "raw": dead["raw"]}, ensure_ascii=False)
+    """A dead letter as its JSON line: ``{"source": "<file>:<line>", "reason": ..., "raw": <the line>}``, plus
+    ``"raw_base64"``, the line's exact bytes, for a line that is not UTF-8 (its ``raw`` shows U+FFFD for them)."""
+    out = {"source": dead["source"], "reason": dead["reason"], "raw": dead["raw"]}
+    if "raw_base64" in dead:
+        out["raw_base64"] = dead["raw_base64"]
+    return json.dumps(out, ensure_ascii=False)
 
 
 class WriteDeadLetters(beam.PTransform):

@@ -334,6 +334,20 @@ def test_not_utf8_line_is_a_dead_letter(tmp_path, helpers):
     dead = helpers.read_dead_letters(str(tmp_path / "out"))
     assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:10", "not utf-8")]
     assert result["rows"]["malformed"] == 1 and result["rows"]["read"] == 300
+    # the line's exact bytes are kept (before: only the text with U+FFFD in place of the bad byte)
+    import base64
+
+    assert base64.b64decode(dead[0]["raw_base64"]) == data[9] and "\ufffd" in dead[0]["raw"]
+
+
+def test_cr_only_line_ends_give_one_row_per_line(tmp_path, helpers):
+    # classic Mac files: before, the whole file was one line (1 row read, a dead letter "wrong field count: 201")
+    path = tmp_path / "cr.tsv"
+    write_criteo_tsv(str(path), 50, seed=5)
+    lines = path.read_bytes().split(b"\n")
+    path.write_bytes(b"\r".join(lines))
+    result = helpers.run(helpers.config_with("criteo"), str(path), str(tmp_path / "out"))
+    assert result["rows"]["read"] == 50 and result["rows"]["malformed"] == 0
 
 
 def test_parse_error_reasons_are_counted_by_kind():
