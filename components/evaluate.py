@@ -30,7 +30,7 @@ def evaluate(
     Returns the overall metrics as a JSON string (the input of the ``gate`` component)."""
     import json
 
-    from persia_core.evaluate.gate import gate
+    from persia_core.evaluate.gate import evaluate_gate
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate as run
     from persia_core.evaluate.run import flat_metrics
@@ -43,12 +43,9 @@ def evaluate(
         roc.log_roc_curve(r["roc"]["fpr"], r["roc"]["tpr"], r["roc"]["thresholds"])
     from persia_core.preprocess.pipeline import malformed_summary
 
-    from persia_core.evaluate.gate import RESCORED_KEY, rescore_baseline
-
-    baseline = rescore_baseline(blessed_dir, dataset.path)  # the latest blessed model on these same rows
-    if baseline is not None:
-        m = {**m, RESCORED_KEY: baseline}
-    decision = gate(m, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne)
+    # the latest blessed model is re-scored on these same rows; its metrics travel on to the gate step
+    decision, carried = evaluate_gate(m, blessed_dir, dataset.path, min_auc, max_auc_drop, max_logloss_increase,
+                                      max_ne)
     details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
     bad = malformed_summary(dataset.path)
     if bad is not None:
@@ -57,4 +54,4 @@ def evaluate(
                                                                    if bad["rows"] else "")
     write_report(report.path, m, r["labels"], r["preds"], r["train_history"], r["config"], details,
                  user_split=r["user_split"], coverage=r["coverage"], gate=decision)
-    return json.dumps(m)
+    return json.dumps(carried)

@@ -81,12 +81,11 @@ def cmd_init_shards(args, _extra) -> int:
     from persia_core.embedding.plan import init_shards
 
     config = _config(args.config, [io.join(args.data, "run_config.yaml")], args.set)
-    if args.warm_start_from and not (io.exists(args.warm_start_from) or io.isdir(args.warm_start_from)):
-        # a typo would start every scheduled run cold; an empty folder (a blessed location before its first
-        # model) is a cold start on purpose
+    if args.warm_start_from and not args.cold_start_if_missing and not io.isdir(args.warm_start_from):
+        # a typo would start every scheduled run cold
         raise FileNotFoundError(f"--warm-start-from {args.warm_start_from!r}: nothing there (a typo would start "
-                                f"every scheduled run cold; for the first run of a schedule, before anything is "
-                                f"blessed, create the folder: an empty one is a cold start)")
+                                f"every scheduled run cold; for a blessed-model location that may hold nothing yet, "
+                                f"the first run of a schedule, add --cold-start-if-missing)")
     plan = init_shards(config, args.data, args.output, warm_start_from=args.warm_start_from)
     _print({"output": args.output, "num_shards": plan["num_shards"],
             "estimated_bytes_per_shard": plan["estimated_bytes_per_shard"],
@@ -114,7 +113,7 @@ def cmd_train(args, _extra) -> int:
 
 def cmd_evaluate(args, _extra) -> int:
     from persia_core import io
-    from persia_core.evaluate.gate import RESCORED_KEY, bless, gate, read_marker, rescore_baseline
+    from persia_core.evaluate.gate import bless, evaluate_gate, read_marker
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate
 
@@ -126,9 +125,8 @@ def cmd_evaluate(args, _extra) -> int:
     read_marker(args.blessed_dir)  # an unreadable BLESSED.json: refused now, naming it
     r = evaluate(args.model, args.data, batch_size=args.batch_size, user_slot=args.user_slot)
     m = r["metrics"]
-    baseline = rescore_baseline(args.blessed_dir, args.data, args.batch_size)  # the blessed model, same rows
-    decision = gate({**m, RESCORED_KEY: baseline} if baseline else m, args.blessed_dir, args.min_auc,
-                    args.max_auc_drop, args.max_logloss_increase, args.max_ne)
+    decision, _ = evaluate_gate(m, args.blessed_dir, args.data, args.min_auc, args.max_auc_drop,
+                                args.max_logloss_increase, args.max_ne, args.batch_size)  # blessed model, same rows
     write_report(args.report, m, r["labels"], r["preds"], r["train_history"], r["config"],
                  {"model": args.model, "dataset": args.data, "blessed_dir": args.blessed_dir or "(none)"},
                  user_split=r["user_split"], coverage=r["coverage"], gate=decision)
@@ -303,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "blessed-model location (re-sharded if needed; an empty "
                                                           "folder, nothing blessed yet: cold start; a path where "
                                                           "nothing exists: refused)")
+    sp.add_argument("--cold-start-if-missing", action="store_true",
+                    help="a --warm-start-from where nothing exists yet is a cold start (a schedule's first run, "
+                         "before its blessed-model location holds anything; also on Cloud Storage, which has no "
+                         "empty folders)")
     config_flags(sp, "default: <data>/run_config.yaml")
 
     sp = add("train", "Hybrid training on this machine: N parameter servers + M NN workers -> a Model folder.",

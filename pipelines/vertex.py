@@ -38,7 +38,8 @@ TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
 
 GPU_MACHINE_FAMILIES = (("NVIDIA_TESLA_A100", "a2-"), ("NVIDIA_A100_80GB", "a2-"), ("NVIDIA_H100", "a3-"),
                         ("NVIDIA_H200", "a3-"), ("NVIDIA_L4", "g2-"), ("NVIDIA_TESLA_T4", "n1-"),
-                        ("NVIDIA_TESLA_V100", "n1-"), ("NVIDIA_TESLA_P100", "n1-"), ("NVIDIA_TESLA_P4", "n1-"))
+                        ("NVIDIA_TESLA_V100", "n1-"), ("NVIDIA_TESLA_P100", "n1-"), ("NVIDIA_TESLA_P4", "n1-"),
+                        ("NVIDIA_B200", "a4-"))
 """GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
 GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
 """Machine families that exist only with their GPUs attached (Vertex AI refuses them without an accelerator)."""
@@ -113,12 +114,17 @@ class VertexSettings:
                              f"region such as us-central1 or europe-west4")
         for name in ("nn_machine_type", "ps_machine_type"):
             value = getattr(self, name)
-            if value and not re.fullmatch(r"[a-z][a-z0-9]*-[a-z]+-\d+[a-z]*", value):
+            if value and not re.fullmatch(r"[a-z][a-z0-9]*-[a-z0-9]+(-[a-z0-9]+)*", value):
                 raise ValueError(f"vertex setting {name}={value!r} is not a Compute Engine machine type such as "
                                  f"n2-highmem-32 or a2-highgpu-1g")
         if self.accelerator_type.lower() == "none":  # PERSIA_ACCELERATOR_TYPE=none: a CPU-only NN pool
             self.accelerator_type, self.accelerator_count = "", 0
-        self.accelerator_type = self.accelerator_type.upper()  # Vertex AI's enum names (NVIDIA_TESLA_A100)
+        # Vertex AI's enum names: NVIDIA_TESLA_A100 (gcloud's nvidia-tesla-a100 spelling accepted)
+        self.accelerator_type = self.accelerator_type.upper().replace("-", "_")
+        known = [prefix for prefix, _ in GPU_MACHINE_FAMILIES]
+        if self.accelerator_type and not self.accelerator_type.startswith(tuple(known)):
+            raise ValueError(f"vertex setting accelerator_type={self.accelerator_type!r} (PERSIA_ACCELERATOR_TYPE) "
+                             f"is not a GPU this project knows: {known}")
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
             raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither; "
                              "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)")

@@ -179,17 +179,31 @@ def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) ->
     Returns its metrics (``auc``, ``logloss``, ``ne``, ``count``, ...) with ``"source": "re-scored"``, or None
     when nothing is blessed there, or when the blessed model cannot score this data (other slots): the gate then
     falls back to the stored metrics, and says so."""
-    if not blessed_dir or read_marker(blessed_dir) is None:
+    marker = read_marker(blessed_dir) if blessed_dir else None
+    if marker is None:
         return None
     from persia_core.evaluate.run import evaluate
 
     try:
-        m = evaluate(latest_blessed_model(blessed_dir), data_dir, batch_size=batch_size, user_slot="")["metrics"]
+        m = evaluate(io.join(blessed_dir, marker["model"]), data_dir, batch_size=batch_size, user_slot="")["metrics"]
     except (ValueError, FileNotFoundError, KeyError) as e:
         log.warning("the latest blessed model in %s cannot score %s (%s): the gate compares with the metrics "
                     "stored when it was blessed", blessed_dir, data_dir, e)
         return None
-    return {**m, "source": "re-scored"}
+    return {**m, "source": "re-scored", "model": marker["model"]}
+
+
+def evaluate_gate(metrics: dict, blessed_dir: str, data_dir: str, min_auc: float = DEFAULT_MIN_AUC,
+                  max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+                  max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE,
+                  batch_size: int = 4096) -> tuple[dict, dict]:
+    """The gate of a model just evaluated on ``data_dir``'s evaluation split (its ``metrics``): re-scores the
+    latest blessed model of ``blessed_dir`` on the same rows (:func:`rescore_baseline`) and decides (:func:`gate`).
+    Returns ``(decision, metrics carrying the re-scored baseline under RESCORED_KEY)``: the second is what the
+    evaluate step hands to the gate step, which decides again from it alone."""
+    baseline = rescore_baseline(blessed_dir, data_dir, batch_size)
+    carried = {**metrics, RESCORED_KEY: baseline} if baseline is not None else dict(metrics)
+    return gate(carried, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne), carried
 
 
 def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
@@ -202,8 +216,12 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
     say which baseline was used."""
     metrics = dict(metrics)
     rescored = metrics.pop(RESCORED_KEY, None)
-    stored = read_baseline(blessed_dir)
-    baseline = rescored if (rescored is not None and stored is not None) else stored
+    marker = read_marker(blessed_dir)
+    stored = dict(marker["metrics"]) if marker is not None else None
+    # the re-scored baseline counts only if it is still the latest blessed model (another run may have blessed
+    # one between the evaluate and gate steps)
+    current = rescored is not None and marker is not None and rescored.get("model") == marker["model"]
+    baseline = rescored if current else stored
     out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     if baseline is None:
         source = "none"

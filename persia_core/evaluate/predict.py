@@ -252,7 +252,7 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
             os.close(fd)
             pq.write_table(table, tmp)
             files = [tmp]
-        examples = ParquetExamples(files, model.slots)
+        examples = ParquetExamples(files, model.slots, num_dense=len(model.manifest["dense"]))
     finally:
         if tmp is not None:
             os.unlink(tmp)

@@ -184,7 +184,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
                                     model_dir)
     read_schema(data_dir)
     model = LoadedModel(model_dir)
-    examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots)
+    examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots, num_dense=len(model.manifest["dense"]))
     stream = StreamingMetrics()
     preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)
     metrics = stream.compute()

@@ -129,9 +129,10 @@ class ReadFileLinesFn(beam.DoFn):
 
     Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension); ``line_no`` is
     1-based and counts the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line
-    end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps). Line ends are ``\n``, ``\r\n`` or a lone
-    ``\r`` (classic Mac files: before, a whole such file was one line). Stops after ``max_lines`` data lines
-    (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
+    end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps).
+    Line ends are ``\\n`` or ``\\r\\n``; in a file without any ``\\n``, a lone ``\\r`` (classic Mac files: before,
+    such a file was one line; a ``\\r`` inside a line of any other file stays in its line). Stops after
+    ``max_lines`` data lines (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
     """
 
     def __init__(self, skip_header: bool, max_lines: int) -> None:
@@ -145,8 +146,10 @@ class ReadFileLinesFn(beam.DoFn):
         line_no = 0
         with FileSystems.open(path) as f:
             for chunk in iter(f.readline, b""):
-                # a lone CR inside what readline returns: CR-only line ends, one line per CR
-                pieces = chunk.splitlines() if b"\r" in chunk.rstrip(b"\r\n") else (chunk,)
+                # a first readline that reached the end of the file without a LF but holds a CR: a file with
+                # CR-only line ends (read whole; a CR inside a line of a LF file stays part of its line)
+                cr_only = line_no == 0 and not chunk.endswith(b"\n") and b"\r" in chunk.rstrip(b"\r")
+                pieces = chunk.splitlines() if cr_only else (chunk,)
                 for raw in pieces:
                     line_no += 1
                     if line_no == 1 and self.skip_header:

@@ -117,15 +117,15 @@ class EmbeddingClient:
             # all attempts together get twice the deadline: one retry after a timed-out attempt (a slow moment
             # of the server), and quick retries of refused connections; a server that does not answer fails the
             # call within 2 x timeout_s (before: (1 + retries) x timeout_s, 2 minutes at the defaults)
-            deadline = time.monotonic() + 2 * (timeout_s or self.timeout_s)
+            per_attempt = timeout_s or self.timeout_s
+            deadline = time.monotonic() + 2 * per_attempt
             for attempt in range(self.retries + 1):
                 if attempt and use_shm:
                     req = request()
                     clean = True
                 try:
                     resp = self.calls[method][shard](
-                        req, timeout=max(min(timeout_s or self.timeout_s, deadline - time.monotonic()), 0.001),
-                        metadata=self.metadata)
+                        req, timeout=max(min(per_attempt, deadline - time.monotonic()), 0.001), metadata=self.metadata)
                     out_meta, out_arrays = wire.decode(resp)
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
@@ -140,9 +140,9 @@ class EmbeddingClient:
                     if seg is not None and e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         break  # the server cannot map the segment: messages from now on
                     backoff = min(0.05 * 2**attempt, 1.0)
-                    if (e.code() not in RETRYABLE or attempt == self.retries
-                            or time.monotonic() + backoff >= deadline):
-                        break
+                    left = deadline - time.monotonic() - backoff
+                    if e.code() not in RETRYABLE or attempt == self.retries or left < 0.1 * per_attempt:
+                        break  # (no attempt with a sliver of a deadline)
                     time.sleep(backoff)
         except BaseException:
             clean = False

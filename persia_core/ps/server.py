@@ -447,6 +447,21 @@ def serve(shard: ParameterServerShard, host: str = "127.0.0.1", port: int = 0, t
     return server, bound
 
 
+def warm_up(config: RunConfig) -> None:
+    """Run each table's lookup, read-only lookup and gradient apply once on a throwaway 1024-row table of the same
+    dim, optimizer and storage, so that the compiled kernels are compiled (or loaded from numba's cache) before
+    the server takes calls: on a fresh container the first call would otherwise spend its deadline compiling."""
+    from persia_core.embedding.sharded import make_tables
+
+    tables = make_tables(config.embedding.tables, 0, config.trainer.seed,
+                         capacities={t.name: 1024 for t in config.embedding.tables}, storage=config.embedding.storage)
+    ids = np.arange(8, dtype=np.uint64)
+    for t in tables.values():
+        t.lookup(ids)
+        t.lookup_readonly(ids)
+        t.apply_gradients(ids, np.zeros((len(ids), t.dim), np.float32))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one parameter-server shard until SIGTERM/SIGINT. See ``--help``."""
     p = argparse.ArgumentParser(prog="persia_core.ps.server", description=__doc__.split("\n")[0])
@@ -499,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.delta_dir and args.delta_every_s > 0:
         shard.start_deltas(args.delta_dir, args.delta_every_s)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
+    t0 = time.perf_counter()
+    warm_up(config)
+    log.info("compiled kernels ready in %.2f s", time.perf_counter() - t0)
     # the loaded tables live until the end: keep their objects out of the garbage collector's scans
     import gc
 

@@ -150,9 +150,12 @@ def _check_complete(path: str, manifest: dict) -> None:
     ``num_workers`` and ``num_shards``). Raises ``CheckpointError`` naming what is missing."""
     if "num_shards" not in manifest or "num_workers" not in manifest:
         return
-    listed = {e.get("path") for e in manifest.get("files", [])}
-    wanted = [DENSE_FILE, *(rank_file(r) for r in range(int(manifest["num_workers"]))),
-              *(shard_rel(s) for s in range(int(manifest["num_shards"])))]
+    try:
+        listed = {e.get("path") for e in manifest.get("files", [])}
+        wanted = [DENSE_FILE, *(rank_file(r) for r in range(int(manifest["num_workers"]))),
+                  *(shard_rel(s) for s in range(int(manifest["num_shards"])))]
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{io.join(path, MANIFEST)}: malformed manifest ({e})") from e
     missing = [w for w in wanted if w not in listed]
     if missing:
         raise CheckpointError(f"{io.join(path, MANIFEST)}: lists no {', '.join(missing[:5])}"
@@ -216,7 +219,8 @@ def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_ro
             return path, verify(path, deep=True, deep_roles=deep_roles)
         except CheckpointError as e:
             log.warning("checkpoint refused, trying the previous one: %s", e)
-            refusals.append(str(e))
+            if str(e) not in refusals:  # a retry after a server's refusal verifies the older ones again
+                refusals.append(str(e))
             if io.exists(io.join(path, MANIFEST)):
                 complete_refused.append(path)
     if complete_refused:

@@ -6,9 +6,9 @@ each server dumps its shard into the model folder and ``manifest.json`` is writt
 
 Failures fail fast: the launcher polls its children every 0.2 s; on the first one that dies (a crash, SIGKILL,
 OOM) it kills all the others at once (a worker blocked in a gloo collective on a dead peer included) and raises
-``TrainingFailed`` naming the process, how it ended, and its last log lines. A child alive but stopped (SIGSTOP,
-a frozen container: state ``T`` in ``/proc``) for ``STOPPED_FAIL_S`` seconds fails the job the same way: its
-peers would otherwise wait on it for the gloo timeout (30 min) or the RPC retries (minutes). Children run in their own sessions
+``TrainingFailed`` naming the process, how it ended, and its last log lines. A child alive but stopped (SIGSTOP:
+state ``T`` in ``/proc``) for ``STOPPED_FAIL_S`` seconds fails the job the same way: its peers would otherwise
+wait on it for the gloo timeout (30 min) or the RPC retries. Children run in their own sessions
 and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
 
 Checkpoints and resume (``persia_core.train.checkpoint``): with checkpoint settings, the workers write
@@ -80,9 +80,19 @@ def free_port() -> int:
 
 
 def max_local_processes() -> int:
-    """The most parameter servers + NN workers one local job starts: 16 per CPU, at least 64 (a guard against a
-    typo such as ``num_shards=100000`` starting one process per shard on a laptop)."""
-    return max(64, 16 * (os.cpu_count() or 1))
+    """The most parameter servers + NN workers one local job starts: 16 per CPU this process may run on, at least
+    64 (a guard against a typo such as ``num_shards=100000`` starting one process per shard on a laptop)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(64, 16 * cpus)
+
+
+def check_local_process_count(num_shards: int, num_workers: int) -> None:
+    """Raise ``ValueError`` naming both settings when a local job would start more than ``max_local_processes``."""
+    limit = max_local_processes()
+    if num_shards + num_workers > limit:
+        raise ValueError(f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
+                         f"{num_shards + num_workers} local processes, more than the {limit} this machine allows; "
+                         f"a job that large runs on a cluster (persia submit)")
 
 
 class ProgressRelay:
@@ -103,7 +113,7 @@ class ProgressRelay:
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self.offset)
-                chunk = f.read(1 << 20)
+                chunk = f.read()
         except OSError:
             return
         self.offset += len(chunk)
@@ -124,7 +134,8 @@ class ProgressRelay:
 
 
 STOPPED_FAIL_S = 20.0
-"""Seconds a child may stay stopped (``/proc/<pid>/stat`` state ``T`` or ``t``) before the job fails."""
+"""Seconds a child may stay stopped (``/proc/<pid>/stat`` state ``T``; not ``t``, a debugger's stop) before the
+job fails."""
 
 
 def process_state(pid: int) -> str:
@@ -163,6 +174,12 @@ class _Proc:
         return f"exited with code {rc}"
 
 
+def _failed(p: _Proc, what: str) -> "TrainingFailed":
+    """``TrainingFailed`` naming ``p``, what happened to it, and its last log lines."""
+    return TrainingFailed(f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
+                          f"{os.path.dirname(p.log_path)}):\n{p.tail()}")
+
+
 def shard_file_name(shard: int) -> str:
     return f"shards/shard-{shard:05d}.npz"
 
@@ -182,11 +199,7 @@ class LocalCluster:
     def __init__(self, config_path: str, num_shards: int, num_workers: int, work_dir: str, plan_path: str = "",
                  init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0,
                  storage_roots: list[str] | None = None):
-        limit = max_local_processes()
-        if num_shards + num_workers > limit:
-            raise ValueError(f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
-                             f"{num_shards + num_workers} local processes, more than the {limit} this machine "
-                             f"({os.cpu_count()} CPUs) is allowed; a job that large runs on a cluster (persia submit)")
+        check_local_process_count(num_shards, num_workers)
         self.config_path = config_path
         self.num_shards = num_shards
         self.num_workers = num_workers
@@ -295,23 +308,18 @@ class LocalCluster:
     def _check_alive(self, procs: list[_Proc], allow_clean_exit: bool = False) -> None:
         dead = [p for p in procs if p.popen.poll() is not None and (p.popen.returncode != 0 or not allow_clean_exit)]
         if dead:
-            first = dead[0]
             others = "".join(f"; {p.name} (pid {p.popen.pid}) {p.how()}" for p in dead[1:])
-            raise TrainingFailed(f"{first.name} (pid {first.popen.pid}) {first.how()}{others}; last log lines of "
-                                 f"{first.name} (all logs kept in {os.path.dirname(first.log_path)}):\n"
-                                 f"{first.tail()}")
+            raise _failed(dead[0], dead[0].how() + others)
         now = time.monotonic()
         for p in procs:
-            if p.popen.returncode is not None or process_state(p.popen.pid) not in ("T", "t"):
+            if p.popen.returncode is not None or process_state(p.popen.pid) != "T":  # not "t": a debugger's stop
                 p.stopped_since = None
                 continue
             if p.stopped_since is None:
                 p.stopped_since = now
             elif now - p.stopped_since >= STOPPED_FAIL_S:
-                raise TrainingFailed(f"{p.name} (pid {p.popen.pid}) has been stopped (SIGSTOP or a frozen container) "
-                                     f"for {now - p.stopped_since:.0f} s, and the job cannot go on without it; "
-                                     f"last log lines of {p.name} (all logs kept in {os.path.dirname(p.log_path)}):"
-                                     f"\n{p.tail()}")
+                raise _failed(p, f"has been stopped (SIGSTOP) for {now - p.stopped_since:.0f} s, and the job "
+                                 f"cannot go on without it")
 
     def check(self) -> None:
         """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""
@@ -495,6 +503,7 @@ def sigterm_as_interrupt():
         return
 
     def raise_terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
@@ -533,6 +542,7 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
     from persia_core.ps.client import EmbeddingClient
     from persia_core.train import checkpoint as ckpt
 
+    check_local_process_count(config.embedding.num_shards, config.trainer.num_workers)
     schema = read_schema(data_dir)
     check_config_matches_data(config, schema, data_dir)
     settings = checkpoint_settings(config, model_dir, checkpoint)

@@ -304,6 +304,14 @@ def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_pat
     path.write_text(text)
     with pytest.raises(ValueError, match=r"duplicate key 'batch_size'[\s\S]*line \d+"):
         load_config(str(path))
+    # YAML merge keys stay valid: a key merged from an anchor may be given again, overriding it
+    import yaml
+
+    from persia_core.config import _UniqueKeyLoader
+
+    text = "a: &opt {name: adagrad, lr: 0.1}\nb: {<<: *opt, lr: 0.2}\n"
+    assert yaml.load(text, Loader=_UniqueKeyLoader) == yaml.safe_load(text)
+    assert yaml.safe_load(text)["b"] == {"name": "adagrad", "lr": 0.2}
 
 
 def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before_any_starts(tmp_path):
@@ -324,8 +332,12 @@ def test_cli_init_shards_refuses_a_warm_start_location_where_nothing_exists_but_
     args = ["init-shards", "--data", data, "--config", str(cfg)]
     assert main([*args, "--output", str(tmp_path / "a"), "--warm-start-from", str(tmp_path / "blesed")]) == 2
     assert "--warm-start-from" in capsys.readouterr().err and not os.path.exists(tmp_path / "a")
-    (tmp_path / "blessed").mkdir()  # the first day of a schedule: the location exists, nothing blessed yet
-    assert main([*args, "--output", str(tmp_path / "b"), "--warm-start-from", str(tmp_path / "blessed")]) == 0
+    # the first day of a schedule, said on purpose (on Cloud Storage there is no empty folder to create)
+    assert main([*args, "--output", str(tmp_path / "b"), "--warm-start-from", str(tmp_path / "blessed"),
+                 "--cold-start-if-missing"]) == 0
+    assert json.loads(capsys.readouterr().out)["warm_start"]["cold_start"] == "no model blessed there yet"
+    (tmp_path / "blessed").mkdir()  # or the location exists, nothing blessed yet
+    assert main([*args, "--output", str(tmp_path / "c"), "--warm-start-from", str(tmp_path / "blessed")]) == 0
     assert json.loads(capsys.readouterr().out)["warm_start"]["cold_start"] == "no model blessed there yet"
 
 

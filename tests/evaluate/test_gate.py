@@ -196,6 +196,9 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
     # the re-scored baseline never ends up in the next marker's stored metrics
     bless(model, {**new, RESCORED_KEY: base}, blessed)
     assert RESCORED_KEY not in read_marker(blessed)["metrics"]
+    # that bless made another model the latest: the baseline re-scored before it is stale and not used
+    late = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0)
+    assert late["baseline_source"].startswith("the metrics stored") and "model" not in late["baseline"]
 
 
 def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored_metrics(tmp_path, trained):

@@ -350,6 +350,21 @@ def test_cr_only_line_ends_give_one_row_per_line(tmp_path, helpers):
     assert result["rows"]["read"] == 50 and result["rows"]["malformed"] == 0
 
 
+def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
+    # a quoted MovieLens tag may hold a CR: it must not split the line (and shift every later line number)
+    fn = pipeline.ReadFileLinesFn(skip_header=False, max_lines=0)
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".csv", delete=False) as f:
+        f.write(b'15,339,"sand\rra bullock",1138537770\n16,340,tag,1138537771\n')
+    try:
+        lines = [e for e in fn.process((0, f.name)) if isinstance(e, tuple)]
+    finally:
+        os.unlink(f.name)
+    assert [(ln[2], ln[4]) for ln in lines] == [(1, '15,339,"sand\rra bullock",1138537770'),
+                                                (2, "16,340,tag,1138537771")]
+
+
 def test_parse_error_reasons_are_counted_by_kind():
     e = layouts.ParseError("unparsable number in I3: 'abc'", "unparsable number")
     dead = pipeline._dead_letter("f", 3, "raw", e, True)

@@ -266,6 +266,9 @@ def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn
     ({"PERSIA_VERTEX_REGION": "us-central"}, "not a Google Cloud region"),
     ({"PERSIA_PS_MACHINE_TYPE": "highmem"}, "not a Compute Engine machine type"),
     ({"PERSIA_ACCELERATOR_COUNT": "3"}, "a2-highgpu-1g carries 1 GPU(s), not accelerator_count=3"),
+    ({"PERSIA_ACCELERATOR_TYPE": "nvidia-tesla-a100", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"},
+     "NVIDIA_TESLA_A100 GPUs come only on a2-* machines"),
+    ({"PERSIA_ACCELERATOR_TYPE": "NVIDIA_GTX_1080"}, "not a GPU this project knows"),
 ])
 def test_vertex_settings_refuse_values_vertex_would_refuse_at_job_start(env, says):
     # before: compiled without a word, and the job failed on Vertex AI
@@ -277,5 +280,8 @@ def test_vertex_settings_take_a_lower_case_gpu_name_and_warn_of_gpus_without_a_c
     s = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_CUDA_IMAGE": CUDA_IMAGE,
                                         "PERSIA_ACCELERATOR_TYPE": "nvidia_tesla_a100"})
     assert s.worker_pool_specs()[0]["machineSpec"]["acceleratorType"] == "NVIDIA_TESLA_A100"
+    for machine in ("e2-medium", "c3-standard-4-lssd", "n2-custom-8-65536"):  # other valid machine names
+        assert vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
+                                               "PERSIA_PS_MACHINE_TYPE": machine}).ps_machine_type == machine
     with pytest.warns(UserWarning, match="no CUDA image is set"):
         vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE})
