@@ -177,31 +177,40 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
 
 
+def _signal_once_training(model: str, work: str, role: str, sig: int, box: dict) -> threading.Thread:
+    """A started thread that sends ``sig`` to ``role`` (``ps-1`` or ``nn_worker-1``) of the run in ``work`` once its
+    first checkpoint exists, noting when in ``box["signalled_at"]``."""
+    def run():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if list_checkpoints(os.path.join(model, "checkpoints")):
+                if role == "ps-1":
+                    (pid,) = _children(os.path.join(work, "ps-1.port"))  # the server of shard 1
+                else:
+                    (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
+                              and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+                box["signalled_at"] = time.monotonic()
+                os.kill(pid, sig)
+                return
+            time.sleep(0.005)
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th
+
+
 def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_too(runs):
     root = runs["root"]
     model, work = str(root / "worker-killed"), str(root / "worker-killed-work")
     box = {}
-
-    def kill_worker_once_training():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if list_checkpoints(os.path.join(model, "checkpoints")):
-                (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
-                          and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
-                box["killed_at"] = time.monotonic()
-                os.kill(pid, 9)
-                return
-            time.sleep(0.005)
-
-    killer = threading.Thread(target=kill_worker_once_training)
-    killer.start()
+    killer = _signal_once_training(model, work, "nn_worker-1", 9, box)
     with pytest.raises(TrainingFailed, match=r"nn_worker-1 \(pid \d+\) was killed by SIGKILL") as err:
         train(_config(network_delay_s=0.004), runs["data"], model, work_dir=work, checkpoint=SETTINGS)
     raised_at = time.monotonic()
     killer.join()
     assert "last log lines" in str(err.value)
     assert f"all logs kept in {os.path.join(work, 'logs')}" in str(err.value)  # where to look, named
-    assert raised_at - box["killed_at"] < 60
+    assert raised_at - box["signalled_at"] < 60
     assert _children(work) == []
 
 
@@ -218,30 +227,14 @@ def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_lea
     root = runs["root"]
     model, work = str(root / f"stopped-{role}"), str(root / f"stopped-{role}-work")
     box = {}
-
-    def stop_once_training():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if list_checkpoints(os.path.join(model, "checkpoints")):
-                if role == "ps-1":
-                    (pid,) = _children(os.path.join(work, "ps-1.port"))
-                else:
-                    (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
-                              and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
-                box["stopped_at"] = time.monotonic()
-                os.kill(pid, signal.SIGSTOP)
-                return
-            time.sleep(0.005)
-
-    stopper = threading.Thread(target=stop_once_training)
-    stopper.start()
+    stopper = _signal_once_training(model, work, role, signal.SIGSTOP, box)
     with pytest.raises(TrainingFailed, match=rf"{role} \(pid \d+\) has been stopped") as err:
         train(_config(network_delay_s=0.004), runs["data"], model, work_dir=work, checkpoint=SETTINGS)
     raised_at = time.monotonic()
     stopper.join()
-    assert "stopped_at" in box, "training finished before the child was stopped"
+    assert "signalled_at" in box, "training finished before the child was stopped"
     assert "last log lines" in str(err.value)
-    assert 3.0 <= raised_at - box["stopped_at"] < 30
+    assert 3.0 <= raised_at - box["signalled_at"] < 30
     deadline = time.monotonic() + 10
     while _children(work) and time.monotonic() < deadline:
         time.sleep(0.1)
