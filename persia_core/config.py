@@ -392,8 +392,8 @@ class TrainerConfig:
             raise _fail("trainer.seed", "must be >= 0")
         if self.dense_lr <= 0:
             raise _fail("trainer.dense_lr", "must be > 0")
-        if self.rpc_timeout_s <= 0:
-            raise _fail("trainer.rpc_timeout_s", "must be > 0")
+        if not 0 < self.rpc_timeout_s <= 86400:  # gRPC refuses deadlines far beyond a day outright
+            raise _fail("trainer.rpc_timeout_s", "must be in (0, 86400] seconds")
         if self.network_delay_s < 0 or self.network_bandwidth_bytes_per_s < 0:
             raise _fail("trainer.network_delay_s/network_bandwidth_bytes_per_s", "must be >= 0")
         for name in ("checkpoint_every_steps", "checkpoint_every_s", "delta_every_s"):
@@ -491,6 +491,10 @@ def _override_child(node: Any, part: str, key: str) -> Any:
     raise ValueError(f"config override '{key}': unknown key '{part}'")
 
 
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent notation without a dot (``1e-3``), which YAML 1.1 leaves a string."""
+
+
 def _build(tp: Any, value: Any, path: str) -> Any:
     """Convert ``value`` into type ``tp`` (dataclass, list[...], or a scalar), naming ``path`` on error."""
     origin = typing.get_origin(tp)
@@ -533,6 +537,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ValueError(f"config key '{path}': {value} does not fit in a 64-bit integer")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_TEXT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key '{path}': expected a number, got {value!r}")
         if not math.isfinite(value):
@@ -601,5 +607,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--set expects key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.load(value, Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {key.strip()}: not a valid YAML value: {e}") from e
     return out

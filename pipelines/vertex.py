@@ -240,7 +240,10 @@ def resolve_data_path(template: str, schedule_time: str, now: _dt.datetime | Non
             when = t + delta if sign == "+" else t - delta
         return when.strftime(fmt or "%Y-%m-%d")
 
-    out = _DATE_TOKEN.sub(fill, template)
+    try:
+        out = _DATE_TOKEN.sub(fill, template)
+    except OverflowError:
+        raise ValueError(f"data path {template!r}: a date offset beyond the calendar") from None
     if "{date" in out:
         raise ValueError(f"data path {template!r}: unrecognized date token (use {{date}}, {{date:%Y%m%d}}, "
                          f"{{date-1d}}, {{date+3h:%H}})")

@@ -186,9 +186,9 @@ def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) ->
 
     try:
         m = evaluate(io.join(blessed_dir, marker["model"]), data_dir, batch_size=batch_size, user_slot="")["metrics"]
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        log.warning("the latest blessed model in %s cannot score %s (%s): the gate compares with the metrics "
-                    "stored when it was blessed", blessed_dir, data_dir, e)
+    except Exception as e:  # noqa: BLE001 - any failure of the old model must not fail today's run
+        log.warning("the latest blessed model in %s cannot score %s (%s: %s): the gate compares with the metrics "
+                    "stored when it was blessed", blessed_dir, data_dir, type(e).__name__, e)
         return None
     return {**m, "source": "re-scored", "model": marker["model"]}
 

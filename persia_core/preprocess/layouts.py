@@ -79,7 +79,7 @@ def _parse_int(text: str, name: str) -> int:
     """A decimal integer within int64 (``_`` digit separators, which Python's ``int`` accepts, are refused)."""
     s = text.strip()
     try:
-        if "_" in s:
+        if "_" in s or not s.isascii():  # Python's int() also takes '1_000' and non-ASCII digits ('١٢٣')
             raise ValueError
         x = int(s)
     except ValueError:
@@ -100,7 +100,7 @@ def _parse_timestamp(text: str, name: str) -> int:
 def _parse_float(text: str, name: str) -> float:
     """A finite number (``_`` digit separators refused)."""
     try:
-        x = math.nan if "_" in text else float(text)
+        x = math.nan if "_" in text or not text.isascii() else float(text)
     except ValueError:
         x = math.nan
     if not math.isfinite(x):

@@ -131,6 +131,10 @@ def read_manifest(path: str) -> dict:
         manifest = json.loads(io.read_text(mpath))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest: {e}") from e
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list) or not all(
+            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("bytes"), int)
+            and isinstance(e.get("crc32c"), int) for e in manifest.get("files", [])):
+        raise CheckpointError(f"{mpath}: malformed manifest (each file needs path, bytes and crc32c)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
     if "manifest_crc32c" in manifest and _manifest_crc(manifest) != manifest["manifest_crc32c"]:

@@ -591,7 +591,15 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
                 worker_args.append("--no-checkpoint-at-end")
         if chosen is not None:
             ckpt.check_lineage(chosen[1], info, chosen[0])
-            inits = _checkpoint_inits(chosen[0], chosen[1], n, config, plan_path, work_dir)
+            try:
+                inits = _checkpoint_inits(chosen[0], chosen[1], n, config, plan_path, work_dir)
+            except ckpt.CheckpointError as e:  # a shard file refused while re-sharding it
+                if resume_from != "auto":
+                    raise
+                log.warning("checkpoint %s refused while re-sharding it, trying the previous one: %s", chosen[0], e)
+                reasons.append(str(e))
+                refused.add(chosen[0])
+                continue
             worker_args += ["--resume", chosen[0]]
             log.info("resuming from %s (step %d)", chosen[0], chosen[1]["step"])
         elif plan.get("warm_start", {}).get("dense_file"):

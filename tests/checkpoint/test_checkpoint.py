@@ -115,6 +115,17 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
         ckpt.verify(newest)
 
 
+@pytest.mark.parametrize("content", ["null", '{"format": "persia-checkpoint/1", "files": [{"path": "dense.pt"}]}',
+                                     '{"format": "persia-checkpoint/1", "files": "dense.pt"}'])
+def test_a_malformed_manifest_is_refused_as_a_checkpoint_error(tmp_path, content):
+    # before: AttributeError or KeyError, which escaped find_latest and failed the run instead of falling back
+    path = tmp_path / "ckpt-0000000001"
+    path.mkdir()
+    (path / ckpt.MANIFEST).write_text(content)
+    with pytest.raises(ckpt.CheckpointError, match="malformed manifest"):
+        ckpt.verify(str(path))
+
+
 def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_starting_afresh(tmp_path):
     folder, paths = _two_checkpoints(tmp_path)
     for p in paths:

@@ -177,6 +177,28 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
 
 
+def test_a_corrupt_newest_checkpoint_refused_while_re_sharding_it_falls_back_to_the_previous_one(runs, tmp_path):
+    # before: with another shard count, the re-shard read the flipped shard file, raised, and the run failed (exit
+    # 2) though the previous checkpoint was sound
+    import shutil
+
+    src = os.path.join(runs["reference"], "checkpoints")
+    folder = str(tmp_path / "checkpoints")
+    shutil.copytree(src, folder)
+    newest, previous = [p for _, p in list_checkpoints(folder)][:2]
+    shard = os.path.join(newest, "shards", "shard-00000.npz")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    cfg = _config().with_overrides({"embedding.num_shards": 3})
+    settings = CheckpointSettings(dir=folder, every_steps=20, keep=3)
+    manifest = train(cfg, runs["data"], str(tmp_path / "model"), work_dir=str(tmp_path / "work"), checkpoint=settings)
+    assert manifest["resumed_from"] == previous
+    assert any("CRC-32C" in r or "crc" in r.lower() for r in manifest["checkpoints_refused"])
+
+
 def _signal_once_training(model: str, work: str, role: str, sig: int, box: dict) -> threading.Thread:
     """A started thread that sends ``sig`` to ``role`` (``ps-1`` or ``nn_worker-1``) of the run in ``work`` once its
     first checkpoint exists, noting when in ``box["signalled_at"]``."""

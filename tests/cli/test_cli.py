@@ -283,6 +283,8 @@ def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):
     ("embedding.tables.default.optimizer.weight_decay", "-5", "must be >= 0"),
     ("trainer.seed", "-1", "must be >= 0"),
     ("embedding.shard_memory_bytes", "1.0e+20", "does not fit in a 64-bit integer"),
+    ("trainer.rpc_timeout_s", "1.0e+10", "must be in (0, 86400] seconds"),  # gRPC failed every call at once
+    ("embedding.tables.default.optimizer", "{name: adagrad, name: sgd}", "duplicate key 'name'"),
 ])
 def test_cli_non_finite_negative_or_oversized_values_exit_2_naming_the_key(tmp_path, capsys, key, value, says):
     # before: NaN learning rates, an infinite delay or a 1e20-byte budget passed validation and failed (or not)
@@ -296,6 +298,13 @@ def test_cli_non_finite_negative_or_oversized_values_exit_2_naming_the_key(tmp_p
     assert rc == 2, err
     assert says in err and key.rsplit(".", 1)[-1] in err
     assert not os.path.exists(tmp_path / "shards")
+
+
+def test_a_number_in_exponent_notation_without_a_dot_is_a_number():
+    # YAML 1.1 reads 1e-3 as a string; before, --set trainer.dense_lr=1e-3 was refused as "expected a number"
+    from persia_core.config import parse_overrides
+
+    assert tiny_config().with_overrides(parse_overrides(["trainer.dense_lr=1e-3"])).trainer.dense_lr == 0.001
 
 
 def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_path):

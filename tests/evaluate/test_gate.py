@@ -209,6 +209,13 @@ def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored
     assert rescore_baseline(blessed, data) is None and rescore_baseline("", data) is None  # nothing blessed
     bless(_fake_model(tmp_path / "m", "old format"), BASE, blessed)  # no config: it cannot score anything
     assert rescore_baseline(blessed, data) is None
+    # a blessed model whose dense.pt is garbage (before: UnpicklingError failed today's evaluate step)
+    model, _ = trained
+    other = str(tmp_path / "blessed2")
+    marker = bless(model, BASE, other)
+    with open(os.path.join(other, marker["model"], "dense.pt"), "wb") as f:
+        f.write(b"not a torch file" * 100)
+    assert rescore_baseline(other, data) is None
     d = gate({"auc": 0.76, "logloss": 0.49, "ne": 0.8}, blessed)
     assert d["decision"] == "bless" and d["baseline"] == BASE
     assert "stored when the latest blessed model was blessed" in d["baseline_source"]

@@ -47,6 +47,8 @@ def test_rating_label_is_one_at_or_above_threshold_and_ids_stay_strings():
         ("1,16,4.0,253402300800", "timestamp beyond year 9999 in timestamp: '253402300800'"),
         ("1,16,4.0,1_217_897_793", "unparsable integer in timestamp: '1_217_897_793'"),
         ("1,16,4_0,1217897793", "unparsable number in rating: '4_0'"),
+        ("1,16,4.0,١٢٣", "unparsable integer in timestamp: '١٢٣'"),  # Arabic-Indic digits: int() takes them
+        ("1,16,٤.0,1217897793", "unparsable number in rating: '٤.0'"),
     ],
 )
 def test_malformed_rating_raises_parse_error_with_short_reason(line, reason):
