@@ -226,6 +226,12 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
                                     [None] * len(manifest["shard_files"]))]
         dense_rel = manifest["dense_file"]
     elif fmt.startswith("persia-checkpoint/"):
+        from persia_core.train.checkpoint import CheckpointError, verify
+
+        try:  # the checks a resume makes: the manifest's own CRC, every shard listed, sizes and CRCs
+            manifest = verify(source, deep=True, deep_roles=("dense",))
+        except CheckpointError as e:
+            raise WarmStartError(f"warm start from {source} refused: {e}") from e
         old_config = manifest["lineage"]["config"]
         old_dense = schema["dense"]  # a checkpoint of a run on the same preprocess layout
         shards = sorted((e for e in manifest["files"] if e.get("role") == "shard"), key=lambda e: e["shard"])

@@ -177,6 +177,27 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
 
 
+def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tmp_path):
+    # before: a manifest that had lost a shard entry (its CRC recomputed) warm-started from half the rows
+    import shutil
+
+    from persia_core.train import checkpoint as ckpt
+
+    newest = [p for _, p in list_checkpoints(os.path.join(runs["reference"], "checkpoints"))][0]
+    copy = str(tmp_path / os.path.basename(newest))
+    shutil.copytree(newest, copy)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
+    plan = init_shards(cfg, runs["data"], str(tmp_path / "ok"), warm_start_from=copy)  # a sound one is taken
+    assert plan["warm_start"]["previous_num_shards"] == 2
+    mpath = os.path.join(copy, ckpt.MANIFEST)
+    manifest = json.load(open(mpath))
+    manifest["files"] = [e for e in manifest["files"] if e["path"] != ckpt.shard_rel(1)]
+    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(WarmStartError, match=r"refused: .*lists no shards/shard-00001\.npz"):
+        init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=copy)
+
+
 def test_a_corrupt_newest_checkpoint_refused_while_re_sharding_it_falls_back_to_the_previous_one(runs, tmp_path):
     # before: with another shard count, the re-shard read the flipped shard file, raised, and the run failed (exit
     # 2) though the previous checkpoint was sound
