@@ -231,7 +231,7 @@ def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_ro
         why = "; ".join(refusals[-3:]) if refusals else "refused by a parameter server"
         raise CheckpointError(f"every checkpoint under {ckpt_dir} is refused ({len(complete_refused)} complete "
                               f"ones: {why}); not starting afresh silently (to start afresh on purpose: a new "
-                              f"output folder, or resume_from='' / train --resume-from '')")
+                              f"output folder, or remove the checkpoints)")
     return None
 
 
@@ -417,7 +417,7 @@ def check_lineage(manifest: dict, current: dict, where: str) -> None:
     if problems:
         raise CheckpointError(f"{where} was written by another run; refusing to resume from it: "
                               + "; ".join(problems[:10]) + ("" if len(problems) <= 10 else " ...")
-                              + " (to start afresh: a new output folder, or resume_from='' / train --resume-from '')")
+                              + " (to start afresh: a new output folder, or remove the checkpoints)")
 
 
 # ---- the dense model, RNG states ------------------------------------------------------------------------------

@@ -548,6 +548,13 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
     settings = checkpoint_settings(config, model_dir, checkpoint)
     if resume_from not in ("", "auto") and not io.exists(resume_from):
         raise FileNotFoundError(f"resume_from {resume_from}: no such checkpoint folder")
+    if resume_from == "" and (settings.periodic or settings.at_end):
+        earlier = [p for _, p in ckpt.list_checkpoints(settings.dir) if io.exists(io.join(p, ckpt.MANIFEST))]
+        if earlier:  # they would prune this run's checkpoints (higher steps), and a retry would resume them
+            raise ValueError(f"resume_from '': {settings.dir} holds checkpoints of an earlier run "
+                             f"({', '.join(os.path.basename(p) for p in earlier[:3])}"
+                             f"{' ...' if len(earlier) > 3 else ''}); to start afresh, remove them or write to a new "
+                             f"output (or checkpoint) folder")
     plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
     plan = {}
     if init_dir:

@@ -177,6 +177,19 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
 
 
+def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused_before_anything_starts(runs, tmp_path):
+    # before: the new run's checkpoints (lower steps) were pruned as soon as written, and a retry resumed the
+    # earlier run's, beyond the new run's last step
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(runs["reference"], "checkpoints"), model / "checkpoints")
+    with pytest.raises(ValueError, match=r"resume_from '': .*holds checkpoints of an earlier run \(ckpt-"):
+        train(_config(), runs["data"], str(model), work_dir=str(tmp_path / "work"), checkpoint=SETTINGS,
+              resume_from="")
+    assert not (model / "manifest.json").exists() and not (tmp_path / "work").exists()
+
+
 def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tmp_path):
     # before: a manifest that had lost a shard entry (its CRC recomputed) warm-started from half the rows
     import shutil
