@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -135,6 +136,33 @@ def _this_run(root: str, before: set[str], output: str) -> str:
     return ""
 
 
+def terminate_descendants(sig: int = signal.SIGTERM) -> list[int]:
+    """Send ``sig`` to every process below this one (from ``/proc``; nothing where there is none): the running
+    task's shell, its Python executor and, where they are still there, the processes it started. Returns the
+    pids signalled."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Run the persia-kfp pipeline with kfp.local on this machine.")
     p.add_argument("--data", default="data/movielens", help="raw data: folder, file or glob")
@@ -210,6 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         print(f"kfp.local output: {log_path}")
     failure = None
+    terminated = []
+
+    def on_sigterm(signum, frame):  # a cancel: the running task's processes go too (Ctrl-C reaches them itself)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        terminated.append(True)
+        terminate_descendants()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     with captured_output(log_path, args.verbose) as last_lines:
         try:
             result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
@@ -221,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
             failure = (e, last_lines(80))
         except KeyboardInterrupt:
             failure = (None, "")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     if failure is not None and failure[0] is None:
-        print(f"\nrun_local: interrupted after {time.time() - t0:.0f} s; nothing was blessed by this run "
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"\nrun_local: {how} after {time.time() - t0:.0f} s; nothing was blessed by this run "
               f"(outputs so far under {root}, kfp.local's output in {log_path})", file=sys.stderr)
-        return 130
+        return 143 if terminated else 130
     if failure is not None:
         e, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"

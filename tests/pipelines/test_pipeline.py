@@ -90,6 +90,51 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
+@pytest.mark.timeout(180)
+def test_sigterm_to_run_local_ends_the_running_task_and_its_processes_and_exits_143(tmp_path):
+    # before: run_local exited, while the train task's launcher, servers and workers ran on to the end
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = str(tmp_path / "out")
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.run_local", "--pipeline-root", root, "--epochs", "30",
+                             "--max-rows", "20000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline and " train: step " not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, proc.stderr.read()
+        assert " train: step " in line, "training never started"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "run_local: terminated (SIGTERM)" in err
+    time.sleep(1)
+
+    def ours():
+        out = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if root.encode() in cmd and state != "Z":
+                out.append(int(pid))
+        return out
+
+    deadline = time.monotonic() + 15
+    while ours() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ours() == []
+
+
 def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(tmp_path, capfd, monkeypatch):
     # a local cron job reads its own day's partition, as a Vertex AI schedule does (before: the token was taken
     # literally and no file matched)
