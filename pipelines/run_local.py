@@ -137,24 +137,11 @@ def _this_run(root: str, before: set[str], output: str) -> str:
 
 
 def terminate_descendants(sig: int = signal.SIGTERM) -> list[int]:
-    """Send ``sig`` to every process below this one (from ``/proc``; nothing where there is none): the running
-    task's shell, its Python executor and, where they are still there, the processes it started. Returns the
-    pids signalled."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+    """Send ``sig`` to every process below this one: the running task's shell, its Python executor and, where
+    they are still there, the processes it started. Returns the pids signalled."""
+    from persia_core.train.launcher import descendants
+
+    found = descendants(os.getpid())
     for pid in found:
         try:
             os.kill(pid, sig)

@@ -138,16 +138,37 @@ STOPPED_FAIL_S = 20.0
 job fails."""
 
 
-def process_state(pid: int) -> str:
-    """The one-letter state of process ``pid`` from ``/proc/<pid>/stat`` (``R``, ``S``, ``D``, ``T``, ``t``,
-    ``Z``...), or ``""`` where it cannot be read (no ``/proc``, the process gone)."""
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of process ``pid`` from ``/proc/<pid>/stat`` (state: ``R``, ``S``, ``D``, ``T``,
+    ``t``, ``Z``...), or None where it cannot be read (no ``/proc``, the process gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
-        return ""
-    end = stat.rfind(b")")  # the command name, in parentheses, may itself hold spaces or ')'
-    return stat[end + 2 : end + 3].decode("ascii", "replace") if end >= 0 else ""
+        fields = stat[stat.rindex(b")") + 2 :].split()  # the command name, in parentheses, may hold ' ' or ')'
+        return fields[0].decode("ascii", "replace"), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` (``proc_stat``), or ``""`` where it cannot be read."""
+    st = proc_stat(pid)
+    return st[0] if st else ""
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every live process below ``pid`` (children, their children...), from ``/proc``; [] without it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        st = proc_stat(int(entry)) if entry.isdigit() else None
+        if st is not None and st[0] != "Z":
+            children.setdefault(st[1], []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 @dataclass

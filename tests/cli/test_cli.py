@@ -148,6 +148,8 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
     import glob
     import time
 
+    from persia_core.train.launcher import descendants, process_state
+
     data = write_dataset(str(tmp_path / "data"), rows=256)
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(tiny_config(epochs=500, network_delay_s=0.002, num_workers=2).to_yaml())
@@ -161,7 +163,7 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
                 open(f, errors="replace").read() for f in glob.glob(str(work / "logs" / "nn_worker-*.log"))):
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
-        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == proc.pid]
+        children = descendants(proc.pid)
         assert len(children) >= 4  # 2 servers + 2 NN workers
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -170,25 +172,11 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
             proc.kill()
     assert proc.returncode == 143, err
     assert "persia train: terminated (SIGTERM)" in err
-    assert not [c for c in children if os.path.exists(f"/proc/{c}") and _state(c) != "Z"]
+    assert not [c for c in children if process_state(c) not in ("", "Z")]
     from persia_core.ps.shm import PREFIX, SHM_DIR
 
     mine = tuple(f"{PREFIX}{c & 0xFFFFFFFF:08x}" for c in children)
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(mine)] if os.path.isdir(SHM_DIR) else True
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
-
-
-def _state(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
