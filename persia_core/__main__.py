@@ -135,10 +135,7 @@ def cmd_evaluate(args, _extra) -> int:
                     "baseline": decision["baseline"]}}
     if args.bless:
         if decision["bless"]:
-            from persia_core.evaluate.run import read_manifest
-
-            model_dir, _ = read_manifest(args.model)  # a blessed-model location: the model it names
-            marker = bless(model_dir, m, args.blessed_dir, decision)
+            marker = bless(r["model_dir"], m, args.blessed_dir, decision)  # a blessed location: the model scored
             out["blessed_model"] = io.join(args.blessed_dir, marker["model"])
     if args.metrics_json:
         io.write_text(args.metrics_json, json.dumps(out, indent=1, default=str) + "\n")

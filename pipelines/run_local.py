@@ -3,7 +3,8 @@
 Each task runs in this interpreter's environment, where the project is installed. kfp.local's own output (every
 task's executor input and output, streamed logs) goes to ``<pipeline root>/logs/run-<time>.log``; the terminal
 gets one line per task as it starts and ends (and the train task's progress, at most every 10 s), the log's tail
-when a task fails (``--verbose``: everything, as kfp.local prints it), then where the outputs are and, as its last line, ``eval: AUC=... logloss=... NE=...``.
+when a task fails (``--verbose``: everything, as kfp.local prints it), then where the outputs are and, as its
+last line, ``eval: AUC=... logloss=... NE=...``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import sys
 import threading
 import time
 
+from persia_core.logging_utils import PROGRESS_PATTERN
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([^']+)'")
 _FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
-_PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (step \d+/\d+ loss \S+ samples/s \S+ staleness \d+)")
+_PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (" + PROGRESS_PATTERN + ")")
 
 
 @contextlib.contextmanager
@@ -172,13 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = " + ("all)" if name == "max_rows" else "the config's value)"))
+            zero = "all" if name == "max_rows" else "the config's value"
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = {zero})")
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
-    if not 0.0 <= args.min_auc <= 1.0:  # the gate's own checks, made before preprocess and train rather than after
-        p.error(f"--min-auc must be in [0, 1], got {args.min_auc}")
-    if not args.max_ne > 0:
-        p.error(f"--max-ne must be > 0, got {args.max_ne}")
+    from persia_core.evaluate.gate import check_thresholds
+
+    try:  # the gate's own checks, made before preprocess and train rather than after
+        check_thresholds(min_auc=args.min_auc, max_ne=args.max_ne, as_flags=True)
+    except ValueError as e:
+        p.error(str(e))
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
         from persia_core.config import load_config
         from pipelines.vertex import resolve_data_path

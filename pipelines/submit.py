@@ -175,10 +175,10 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
             shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
             if cfg not in shipped:
                 raise ValueError(f"config {cfg!r} is not a shipped run config {shipped} (or give a gs:// YAML path)")
-    if "min_auc" in specs and not 0.0 <= float(value("min_auc") or 0) <= 1.0:
-        raise ValueError(f"min_auc must be in [0, 1], got {value('min_auc')}")
-    if "max_ne" in specs and value("max_ne") not in (None, "") and not float(value("max_ne")) > 0:
-        raise ValueError(f"max_ne must be > 0, got {value('max_ne')}")
+    from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+
+    check_thresholds(min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
+                     max_ne=float(value("max_ne")) if "max_ne" in specs and value("max_ne") else DEFAULT_MAX_NE)
     resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
     left = re.findall(r"\{[^}]*\}", resolved)
     if left:

@@ -53,6 +53,25 @@ def _num(v) -> float | None:
         return None
 
 
+def check_thresholds(min_auc: float = DEFAULT_MIN_AUC, max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+                     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE,
+                     as_flags: bool = False) -> None:
+    """The gate's own checks of its thresholds, also made by the entry points before a run starts (rather than at
+    its last step). Raises ``ValueError`` naming the threshold (``--min-auc`` with ``as_flags``) for a ``max_ne``
+    <= 0, a ``min_auc`` outside [0, 1] or a negative tolerance."""
+    def name(n: str) -> str:
+        return "--" + n.replace("_", "-") if as_flags else n
+
+    if not max_ne > 0:
+        raise ValueError(f"{name('max_ne')} must be > 0, got {max_ne}")
+    if not 0.0 <= min_auc <= 1.0:
+        raise ValueError(f"{name('min_auc')} must be in [0, 1], got {min_auc}")
+    if max_auc_drop < 0:
+        raise ValueError(f"{name('max_auc_drop')} must be >= 0, got {max_auc_drop}")
+    if max_logloss_increase < 0:
+        raise ValueError(f"{name('max_logloss_increase')} must be >= 0, got {max_logloss_increase}")
+
+
 def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MIN_AUC,
            max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
            max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
@@ -75,14 +94,7 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
 
     Raises ``ValueError`` for a negative tolerance, a ``min_auc`` outside [0, 1] or a ``max_ne`` <= 0.
     """
-    if not max_ne > 0:
-        raise ValueError(f"max_ne must be > 0, got {max_ne}")
-    if not 0.0 <= min_auc <= 1.0:
-        raise ValueError(f"min_auc must be in [0, 1], got {min_auc}")
-    if max_auc_drop < 0:
-        raise ValueError(f"max_auc_drop must be >= 0, got {max_auc_drop}")
-    if max_logloss_increase < 0:
-        raise ValueError(f"max_logloss_increase must be >= 0, got {max_logloss_increase}")
+    check_thresholds(min_auc, max_auc_drop, max_logloss_increase, max_ne)
     reasons: list[str] = []
     ok = True
     auc = _num(new_metrics.get("auc"))

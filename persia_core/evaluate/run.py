@@ -175,7 +175,8 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
          "roc": {"fpr", "tpr", "thresholds"} | None (one class),
          "labels": float32[N], "preds": float32[N], "config": dict, "train_history": dict | None,
          "coverage": {slot: id_coverage dict},          share of eval IDs without a trained row, per slot
-         "user_split": {"slot": user_slot, "seen": {...metrics, gauc}, "unseen": {...metrics, gauc}} | None}
+         "user_split": {"slot": user_slot, "seen": {...metrics, gauc}, "unseen": {...metrics, gauc}} | None,
+         "model_dir": the Model folder scored (a blessed-model location resolved to its latest blessed model)}
 
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
     for a missing model or dataset file, ``ValueError`` for invalid ones."""
@@ -209,7 +210,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
     log.info("evaluate: %d rows, AUC=%s logloss=%.4f", metrics["count"], metrics["auc"], metrics["logloss"])
     return {"metrics": metrics, "roc": roc_points(labels, preds_all) if metrics["auc"] is not None else None,
             "labels": labels, "preds": preds_all, "config": model.manifest["config"],
-            "train_history": history, "coverage": coverage, "user_split": user_split}
+            "train_history": history, "coverage": coverage, "user_split": user_split, "model_dir": model_dir}
 
 
 def flat_metrics(result: dict) -> dict[str, float]:

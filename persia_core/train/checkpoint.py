@@ -154,11 +154,11 @@ def _check_complete(path: str, manifest: dict) -> None:
     ``num_workers`` and ``num_shards``). Raises ``CheckpointError`` naming what is missing."""
     if "num_shards" not in manifest or "num_workers" not in manifest:
         return
+    listed = {e["path"] for e in manifest.get("files", [])}
     try:
-        listed = {e.get("path") for e in manifest.get("files", [])}
         wanted = [DENSE_FILE, *(rank_file(r) for r in range(int(manifest["num_workers"]))),
                   *(shard_rel(s) for s in range(int(manifest["num_shards"])))]
-    except (TypeError, ValueError, AttributeError) as e:
+    except (TypeError, ValueError) as e:  # counts that are no integers (read_manifest checked the file list)
         raise CheckpointError(f"{io.join(path, MANIFEST)}: malformed manifest ({e})") from e
     missing = [w for w in wanted if w not in listed]
     if missing:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from persia_core import io
 from persia_core.config import RunConfig
+from persia_core.logging_utils import PROGRESS_PATTERN
 
 FORMAT = "persia-model/1"
 _PR_SET_PDEATHSIG = 1
@@ -100,7 +101,7 @@ class ProgressRelay:
     in the launcher's own log, at most one every ``interval_s`` seconds (and the last step's always), so that
     ``persia train`` and a pipeline's train task show progress instead of silence until the end."""
 
-    PATTERN = re.compile(r"\bstep (\d+)/(\d+) loss \S+ samples/s \S+ staleness \d+")
+    PATTERN = re.compile(r"\b" + PROGRESS_PATTERN)
 
     def __init__(self, log_path: str, name: str = "nn_worker-0", interval_s: float = 10.0):
         self.log_path, self.name, self.interval_s = log_path, name, interval_s

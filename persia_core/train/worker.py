@@ -34,6 +34,7 @@ import torch.distributed as dist
 from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.logging_utils import PROGRESS_FORMAT
 from persia_core.models import build_model
 from persia_core.train import checkpoint as ckpt
 from persia_core.train.hybrid import HybridTrainPipeline, make_schedule, model_slot_order, table_layouts
@@ -192,7 +193,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             if r.step % progress_every == 0 or r.step == total_steps - 1:
                 flush()
                 if rank == 0:
-                    log.info("step %d/%d loss %.4f samples/s %.0f staleness %d", r.step + 1, total_steps,
+                    log.info(PROGRESS_FORMAT, r.step + 1, total_steps,
                              history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()
