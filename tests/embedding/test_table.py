@@ -365,3 +365,54 @@ def test_lookups_copy_each_ids_own_row_on_the_streaming_store_path(dim):
     t.weights = np.asfortranarray(t.weights)
     np.testing.assert_array_equal(t.lookup_readonly(ids), expected)
     np.testing.assert_array_equal(t.lookup(ids), expected)
+
+
+def test_output_pool_reuses_memory_only_once_no_array_or_tensor_refers_to_it():
+    from persia_core.embedding.table import OutputPool
+
+    pool = OutputPool(min_bytes=1 << 16)
+    shape = (4096, 16)  # 256 KiB
+    a = pool.take(shape, np.float32)
+    assert a.ctypes.data % 64 == 0 and a.flags.writeable and a.flags.c_contiguous and a.shape == shape
+    addr = a.ctypes.data
+    view = a[10:20].T  # numpy collapses view chains; the view must still pin the memory
+    tensor = torch.from_numpy(a[100:200])
+    del a
+    view[:] = 1.0
+    tensor[:] = 2.0
+    b = pool.take(shape, np.float32)
+    assert b.ctypes.data != addr  # still referred to: not reused
+    b[:] = 7.0
+    assert (view == 1.0).all() and (tensor == 2.0).all()
+    del view
+    c = pool.take(shape, np.float32)
+    assert c.ctypes.data != addr  # the tensor still holds it
+    del tensor
+    assert pool.held_bytes > 0
+    d = pool.take(shape, np.float32)
+    assert d.ctypes.data == addr  # now free: reused
+    # a free buffer over twice the size asked for is not handed out (the pool holds it meanwhile)
+    del b, c, d
+    assert pool.held_bytes == 2 * (4096 * 16 * 4 + 64)  # keep=2: the third freed buffer was let go
+    small = pool.take((1024, 16), np.float32)
+    assert small.shape == (1024, 16) and pool.held_bytes == 2 * (4096 * 16 * 4 + 64)
+
+
+def test_lookup_outputs_in_reused_memory_hold_their_own_rows_and_kept_outputs_stay_intact():
+    # outputs of 1 MiB and more come from the table's output pool: an output the caller keeps must never be
+    # overwritten by a later lookup, and one written into reused memory must equal a fresh reference
+    t = EmbeddingTable(16, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 200_000, 0.5, 0)
+    rng = np.random.default_rng(3)
+    a_ids = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64, endpoint=True)  # 20,000 x 64 B = 1.28 MB
+    b_ids = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64, endpoint=True)
+    kept = t.lookup(a_ids)
+    kept_copy = kept.copy()
+    for _ in range(3):  # each output dropped at once: the next lookup reuses its memory
+        t.lookup(b_ids)
+    np.testing.assert_array_equal(kept, kept_copy)
+    from persia_core.embedding import kernels as K
+
+    ro = t.lookup_readonly(np.concatenate([b_ids, a_ids]))
+    np.testing.assert_array_equal(ro, t.weights[K.find_rows(np.concatenate([b_ids, a_ids]), t.index, t.keys)])
+    np.testing.assert_array_equal(ro[20_000:], kept_copy)
+    assert t._outputs.held_bytes > 0
