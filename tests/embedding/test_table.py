@@ -416,3 +416,21 @@ def test_lookup_outputs_in_reused_memory_hold_their_own_rows_and_kept_outputs_st
     np.testing.assert_array_equal(ro, t.weights[K.find_rows(np.concatenate([b_ids, a_ids]), t.index, t.keys)])
     np.testing.assert_array_equal(ro[20_000:], kept_copy)
     assert t._outputs.held_bytes > 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 5_000, 300_000])
+def test_dedup_matches_numpy_unique_in_first_seen_order(n):
+    # reference: numpy's sort-based unique, reordered by first occurrence; Zipf-like repeats, colliding home
+    # slots and the extreme IDs 0, 2^63 and 2^64-1 included
+    from persia_core.embedding.kernels import dedup
+
+    rng = np.random.default_rng(n)
+    pool = np.concatenate([rng.integers(0, 2**64 - 1, max(n // 4, 1), dtype=np.uint64, endpoint=True),
+                           _ids(0, 2**63, 2**64 - 1)])
+    ids = pool[np.minimum(rng.zipf(1.3, n) - 1, len(pool) - 1)].astype(np.uint64)
+    uniq, inverse = dedup(ids)
+    ref, first = np.unique(ids, return_index=True)
+    np.testing.assert_array_equal(uniq, ids[np.sort(first)])
+    assert inverse.dtype == np.int64 and inverse.shape == (n,)
+    np.testing.assert_array_equal(uniq[inverse], ids)
+    assert len(uniq) == len(ref)
