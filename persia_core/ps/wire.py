@@ -26,10 +26,12 @@ def encode(meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None
         a = np.ascontiguousarray(arr)
         if a.dtype.name not in ALLOWED:
             raise ValueError(f"array {name!r} has dtype {a.dtype}, not one of {sorted(ALLOWED)}")
-        b = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        entries.append([name, a.dtype.name, list(a.shape), offset, len(b)])
+        # a byte view, not a copy: the join below is then the only copy of the array's bytes
+        b = memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False)).reshape(-1)
+                       .view(np.uint8))
+        entries.append([name, a.dtype.name, list(a.shape), offset, b.nbytes])
         bufs.append(b)
-        offset += len(b)
+        offset += b.nbytes
     header = json.dumps({"meta": meta or {}, "arrays": entries}).encode("utf-8")
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, *bufs])
 
@@ -64,7 +66,7 @@ def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if count * dt.itemsize != nbytes or offset + nbytes > len(body):
             raise ValueError(f"array {name!r}: size or bounds do not match")
-        arrays[name] = np.frombuffer(body, dtype=dt, count=count, offset=offset).reshape(shape)
+        arrays[name] = np.frombuffer(body, dtype=dt, count=count, offset=offset).reshape(tuple(shape))
     return header.get("meta", {}), arrays
 
 

@@ -177,6 +177,20 @@ def test_wire_decode_refuses_malformed_headers_with_value_error(header):
         wire.decode(msg)
 
 
+def test_wire_round_trip_keeps_values_of_strided_big_endian_empty_and_scalar_arrays():
+    # encode writes byte views, not copies: every layout must still arrive as its values in little-endian order
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(300, 16)).astype(np.float32)
+    arrays = {"rows": rows, "strided": rows[::3, 1:9].T, "big": rows.astype(">f4"),
+              "ids": np.array([0, 2**63, 2**64 - 1], dtype=">u8"), "empty": np.zeros((0, 4), np.int32),
+              "scalar": np.array(7, dtype=np.int64)}
+    meta, got = wire.decode(wire.encode({"k": 1}, arrays))
+    assert meta == {"k": 1} and set(got) == set(arrays)
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype.newbyteorder("<") and got[name].shape == a.shape
+        np.testing.assert_array_equal(got[name], a)
+
+
 def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
