@@ -23,12 +23,12 @@ def encode(meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None
     arrays = arrays or {}
     entries, bufs, offset = [], [], 0
     for name, arr in arrays.items():
-        a = np.ascontiguousarray(arr)
+        a = np.asarray(arr)
         if a.dtype.name not in ALLOWED:
             raise ValueError(f"array {name!r} has dtype {a.dtype}, not one of {sorted(ALLOWED)}")
-        # a byte view, not a copy: the join below is then the only copy of the array's bytes
-        b = memoryview(np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False)).reshape(-1)
-                       .view(np.uint8))
+        # a byte view, not a copy (unless strided or big-endian): the join below is then the only copy
+        little = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), copy=False))
+        b = memoryview(little.reshape(-1).view(np.uint8))
         entries.append([name, a.dtype.name, list(a.shape), offset, b.nbytes])
         bufs.append(b)
         offset += b.nbytes
