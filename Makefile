@@ -22,6 +22,10 @@ TF_PY   := $(TF_VENV)/bin/python
 TFRECORD ?=
 OUT ?=
 
+# this checkout's code first, for every command and the processes it starts, even where the venv's editable
+# install was made from another copy of the repository (a moved checkout, a second clone sharing the venv)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
 .DEFAULT_GOAL := help
 .PHONY: help venv run compile test clean clean-all image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
 
