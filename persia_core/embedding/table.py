@@ -18,6 +18,7 @@ stays fp32.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import weakref
@@ -85,7 +86,7 @@ class OutputPool:
     write it any more. A caller that keeps its outputs keeps their memory, and the pool allocates anew.
 
     Args:
-        keep: the most free buffers held (the largest are kept): at most ``keep`` times the largest recent output
+        keep: the most free buffers held, the most recently returned: at most ``keep`` recent outputs' memory
             stays allocated while no lookup runs.
         min_bytes: smaller outputs are plain allocations (malloc already reuses small blocks).
         max_bytes: larger outputs are never kept.
@@ -95,7 +96,10 @@ class OutputPool:
         self.keep = int(keep)
         self.min_bytes = int(min_bytes)
         self.max_bytes = int(max_bytes)
-        self._free: list[np.ndarray] = []
+        self._free: list[np.ndarray] = []  # oldest returned first
+        # buffers returned by finalizers: they may run in any thread, even inside ``take`` under the lock (the
+        # cyclic garbage collector starts on any allocation), so they only append here (atomic, never blocks)
+        self._returned: collections.deque[np.ndarray] = collections.deque(maxlen=self.keep)
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -108,6 +112,7 @@ class OutputPool:
         need = nbytes + CACHE_LINE
         raw = None
         with self._lock:
+            self._collect()
             fits = [i for i, b in enumerate(self._free) if need <= b.nbytes <= 2 * need]
             if fits:
                 raw = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
@@ -115,20 +120,24 @@ class OutputPool:
             raw = np.empty(need, dtype=np.uint8)
         start = -raw.ctypes.data % CACHE_LINE
         holder = (ctypes.c_char * nbytes).from_buffer(raw, start)
-        weakref.finalize(holder, self._give, raw).atexit = False
+        weakref.finalize(holder, self._returned.append, raw).atexit = False
         return np.frombuffer(holder, dtype=dtype).reshape(shape)
 
-    def _give(self, raw: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(raw)
-            if len(self._free) > self.keep:
-                self._free.sort(key=lambda b: b.nbytes)
-                del self._free[0]
+    def _collect(self) -> None:
+        """Move returned buffers to the free list and keep only the ``keep`` most recently returned (caller holds
+        the lock), so that buffers of an old burst of large outputs do not stay for good."""
+        while True:
+            try:
+                self._free.append(self._returned.popleft())
+            except IndexError:
+                break
+        del self._free[: max(0, len(self._free) - self.keep)]
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the free buffers held now."""
         with self._lock:
+            self._collect()
             return sum(b.nbytes for b in self._free)
 
 

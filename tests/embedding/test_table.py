@@ -398,24 +398,60 @@ def test_output_pool_reuses_memory_only_once_no_array_or_tensor_refers_to_it():
     assert small.shape == (1024, 16) and pool.held_bytes == 2 * (4096 * 16 * 4 + 64)
 
 
+def test_output_pool_takes_back_an_output_freed_while_its_own_lock_is_held():
+    # an output in a reference cycle is freed by the garbage collector, which may start on any allocation, also
+    # one made inside the pool's own locked section (take, held_bytes): returning the buffer there must not wait
+    # on that lock. Freed here deterministically while the lock is held, in a thread, so a deadlock fails the test
+    import threading
+
+    from persia_core.embedding.table import OutputPool
+
+    pool = OutputPool(min_bytes=1 << 16)
+    done = []
+
+    def work():
+        a = pool.take((4096, 16), np.float32)
+        addr = a.ctypes.data
+        with pool._lock:
+            del a  # the finalizer runs here, in this thread, under the lock
+        b = pool.take((4096, 16), np.float32)
+        done.append(b.ctypes.data == addr)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "the pool deadlocked on a buffer freed under its own lock"
+    assert done == [True]  # and the buffer was reused
+
+
 def test_lookup_outputs_in_reused_memory_hold_their_own_rows_and_kept_outputs_stay_intact():
     # outputs of 1 MiB and more come from the table's output pool: an output the caller keeps must never be
-    # overwritten by a later lookup, and one written into reused memory must equal a fresh reference
+    # overwritten by a later lookup, and one written into reused (dirty) memory must hold exactly its own rows,
+    # zero rows for unseen IDs included
+    from persia_core.embedding import kernels as K
+
     t = EmbeddingTable(16, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 200_000, 0.5, 0)
     rng = np.random.default_rng(3)
     a_ids = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64, endpoint=True)  # 20,000 x 64 B = 1.28 MB
     b_ids = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64, endpoint=True)
     kept = t.lookup(a_ids)
     kept_copy = kept.copy()
-    for _ in range(3):  # each output dropped at once: the next lookup reuses its memory
-        t.lookup(b_ids)
+    first_b = t.lookup(b_ids)
+    first_b_copy, first_addr = first_b.copy(), first_b.ctypes.data
+    del first_b
+    for _ in range(3):  # each output dropped before the next lookup, which reuses its memory
+        again = t.lookup(b_ids)
+        assert again.ctypes.data == first_addr
+        np.testing.assert_array_equal(again, first_b_copy)
+        del again
     np.testing.assert_array_equal(kept, kept_copy)
-    from persia_core.embedding import kernels as K
-
-    ro = t.lookup_readonly(np.concatenate([b_ids, a_ids]))
-    np.testing.assert_array_equal(ro, t.weights[K.find_rows(np.concatenate([b_ids, a_ids]), t.index, t.keys)])
-    np.testing.assert_array_equal(ro[20_000:], kept_copy)
-    assert t._outputs.held_bytes > 0
+    unseen = rng.integers(0, 2**64 - 1, 5_000, dtype=np.uint64, endpoint=True)
+    query = np.concatenate([b_ids[:15_000], unseen])  # the size of the freed output: it gets that memory
+    ro = t.lookup_readonly(query)
+    assert ro.ctypes.data == first_addr
+    np.testing.assert_array_equal(ro[:15_000], first_b_copy[:15_000])
+    np.testing.assert_array_equal(ro[:15_000], t.weights[K.find_rows(b_ids[:15_000], t.index, t.keys)])
+    assert not ro[15_000:].any()
 
 
 @pytest.mark.parametrize("n", [0, 1, 17, 5_000, 300_000])
