@@ -195,6 +195,25 @@ def read_bytes(path: str) -> bytes:
         raise FileNotFoundError(f"{path}: no such object") from e
 
 
+def read_state_dict(path: str) -> dict:
+    """A torch-saved dict (a dense model's ``state_dict``) from ``path``, local or ``gs://``, loaded on the CPU with
+    ``torch.load(..., weights_only=True)`` (no pickled code runs). Raises ``FileNotFoundError`` when absent and
+    ``ValueError`` naming ``path`` when torch cannot read it (truncated, corrupt, or not a torch file)."""
+    import io as _io
+
+    import torch
+
+    data = read_bytes(path)
+    try:
+        state = torch.load(_io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... by what is wrong
+        raise ValueError(f"{path}: not a readable dense-model file ({len(data)} bytes; torch.load: "
+                         f"{type(e).__name__}: {e})") from e
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
 def read_text(path: str) -> str:
     return read_bytes(path).decode("utf-8")
 

@@ -252,9 +252,14 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         rel = shard_file_name(s)
         write_shard_arrays(io.join(output_dir, rel), tables)
         files.append(rel)
-    state = torch.load(_io.BytesIO(io.read_bytes(io.join(source, dense_rel))), weights_only=True, map_location="cpu")
-    if fmt != "persia-model/1":
-        state = state["model"]
+    dense_path = io.join(source, dense_rel)
+    try:
+        state = io.read_state_dict(dense_path)
+        if fmt != "persia-model/1":
+            state = state["model"]
+    except (ValueError, KeyError) as e:
+        raise WarmStartError(f"warm start from {source}: its dense weights {dense_path} cannot be read: "
+                             f"{e}") from e
     buf = _io.BytesIO()
     torch.save(state, buf)
     io.write_bytes(io.join(output_dir, WARM_DENSE), buf.getvalue())

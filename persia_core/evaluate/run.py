@@ -14,7 +14,6 @@ batch), ``evaluate`` reports, from the same predictions:
 
 from __future__ import annotations
 
-import io as _io
 import json
 import logging
 
@@ -86,9 +85,7 @@ class LoadedModel:
         self.embedding.load([io.join(model_dir, f) for f in self.manifest["shard_files"]])  # the resolved folder
         self.dense = build_model(self.config.model, len(self.slots), self.layouts[0].dim, len(self.manifest["dense"]),
                                  self.manifest["dense_mean"], self.manifest["dense_std"])
-        state = torch.load(_io.BytesIO(io.read_bytes(io.join(model_dir, self.manifest["dense_file"]))),
-                           weights_only=True)
-        self.dense.load_state_dict(state)
+        self.dense.load_state_dict(io.read_state_dict(io.join(model_dir, self.manifest["dense_file"])))
         self.dense.eval()
 
     @torch.no_grad()

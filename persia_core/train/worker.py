@@ -103,8 +103,7 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
     samples0 = samples
     if resume is None and init_dense:
-        state_dict = torch.load(_io.BytesIO(io.read_bytes(init_dense)), weights_only=True, map_location="cpu")
-        model.load_state_dict(state_dict)
+        model.load_state_dict(io.read_state_dict(init_dense))
         log.info("dense weights warm-started from %s", init_dense)
     if world > 1:
         # the model's buffers (dense-feature normalization, index tables) are constants built identically on every

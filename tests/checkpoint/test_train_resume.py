@@ -211,6 +211,24 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=copy)
 
 
+def test_a_model_whose_dense_file_is_corrupt_is_refused_naming_that_file(runs, tmp_path):
+    # before: a warm start or an evaluation of such a model stopped with torch's own message (which names no file)
+    import shutil
+
+    model = str(tmp_path / "model")
+    shutil.copytree(runs["reference"], model, ignore=shutil.ignore_patterns("checkpoints"))
+    manifest = json.load(open(os.path.join(model, "manifest.json")))
+    dense = os.path.join(model, manifest["dense_file"])
+    data = open(dense, "rb").read()
+    open(dense, "wb").write(data[: len(data) // 2])  # truncated, as by a copy cut short
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
+    with pytest.raises(WarmStartError, match=r"dense weights .*%s cannot be read: .*not a readable dense-model "
+                                              r"file \(%d bytes" % (manifest["dense_file"], len(data) // 2)):
+        init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=model)
+    with pytest.raises(ValueError, match=r"%s: not a readable dense-model file" % manifest["dense_file"]):
+        LoadedModel(model)
+
+
 def test_a_corrupt_newest_checkpoint_refused_while_re_sharding_it_falls_back_to_the_previous_one(runs, tmp_path):
     # before: with another shard count, the re-shard read the flipped shard file, raised, and the run failed (exit
     # 2) though the previous checkpoint was sound
