@@ -27,7 +27,7 @@ OUT ?=
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test clean clean-all image venv-tfrecord test-tfrecord tfrecord bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -96,8 +96,11 @@ venv-tfrecord: $(TF_VENV)/.installed ## create .venv-tfrecord (tensorflow + tens
 test-tfrecord: venv venv-tfrecord ## run the TFRecord tests in .venv-tfrecord (preprocess runs in .venv)
 	PERSIA_TFRECORD_REQUIRED=1 PERSIA_MAIN_PYTHON=$(abspath $(PY)) $(TF_PY) -m pytest -q tests/tfrecord $(PYTEST_ARGS)
 
-tfrecord: venv-tfrecord ## TFRecord Examples -> delimited text for preprocess: make tfrecord TFRECORD=<file|glob|folder> OUT=<folder> CONFIG=criteo
+tfrecord-args:
 	@test -n "$(TFRECORD)" -a -n "$(OUT)" || { echo "make tfrecord: give TFRECORD=<file, glob or folder> and OUT=<folder>" >&2; exit 2; }
+
+# the arguments are checked before the 1.6 GB environment is built
+tfrecord: tfrecord-args venv-tfrecord ## TFRecord Examples -> delimited text for preprocess: make tfrecord TFRECORD=<file|glob|folder> OUT=<folder> CONFIG=criteo
 	$(TF_PY) -m persia_core.data.tfrecord --input "$(TFRECORD)" --output "$(OUT)" --config "$(CONFIG)"
 
 clean: ## remove run outputs but the blessed models (keeps .venv and $(PIPELINE_ROOT)/blessed, tomorrow's warm start)
