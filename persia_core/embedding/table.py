@@ -74,8 +74,8 @@ class OutputPool:
 
     A fresh output of 1M rows at dim 16 is 64 MB of newly mapped pages, which the kernel zeroes on first touch just
     before the lookup overwrites them. How much that costs varies with the machine's memory state: measured here,
-    a lookup of 1M Zipf-drawn IDs took 12.8 ms into reused memory and 12.2-16.2 ms into fresh memory, and across
-    six runs of ``make bench-ps`` the table looked up 77-79M IDs/s with reuse but 65-80M without. A parameter
+    a lookup of 1M Zipf-drawn IDs took 12.2-12.8 ms into reused memory and 12.2-16.2 ms into fresh memory, and
+    ``make bench-ps`` measured 76-80M lookups/s with reuse (11 runs) but 65-83M without (7 runs). A parameter
     server answers one lookup after another and drops each output once it is serialized, so the next output can
     take those pages, already mapped, as a caching allocator does (PyTorch's CUDA allocator; glibc returns blocks
     above 32 MiB to the kernel on every free).
