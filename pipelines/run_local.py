@@ -193,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             args.data = resolve_data_path(args.data, "")
             print(f"data: {args.data}")
         cfg = load_config(args.config)
+        from persia_core.train.launcher import check_local_process_count
+
+        check_local_process_count(args.parameter_servers or cfg.embedding.num_shards,
+                                  args.nn_workers or cfg.trainer.num_workers)
         if "://" not in args.data:
             from persia_core.preprocess.pipeline import resolve_inputs
 

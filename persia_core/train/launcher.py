@@ -93,7 +93,7 @@ def check_local_process_count(num_shards: int, num_workers: int) -> None:
     if num_shards + num_workers > limit:
         raise ValueError(f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
                          f"{num_shards + num_workers} local processes, more than the {limit} this machine allows; "
-                         f"a job that large runs on a cluster (persia submit)")
+                         f"a job that large runs on a cluster (python -m pipelines.submit)")
 
 
 class ProgressRelay:

@@ -314,7 +314,7 @@ def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_pat
 def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before_any_starts(tmp_path):
     from persia_core.train.launcher import LocalCluster, max_local_processes
 
-    with pytest.raises(ValueError, match=r"embedding.num_shards=100000 .*persia submit"):
+    with pytest.raises(ValueError, match=r"embedding.num_shards=100000 .*python -m pipelines\.submit"):
         LocalCluster(str(tmp_path / "cfg.yaml"), 100000, 2, str(tmp_path / "work"))
     assert max_local_processes() >= 64
     assert not os.path.exists(tmp_path / "work")

@@ -151,6 +151,17 @@ def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(
     assert not (tmp_path / "out").exists()
 
 
+def test_more_local_processes_than_the_machine_allows_are_refused_before_any_task(tmp_path, capfd, monkeypatch):
+    # before: preprocess ran, then the train task failed the same way three times, 60 s and 120 s apart
+    monkeypatch.chdir(ROOT)
+    rc = run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
+                    "--nn-workers", "5000"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and "trainer.num_workers=5000" in err and "python -m pipelines.submit" in err
+    assert len(err.strip().splitlines()) == 1 and not out
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("flag, value, says", [("--min-auc", "1.5", "--min-auc must be in [0, 1]"),
                                                ("--max-ne", "0", "--max-ne must be > 0")])
 def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
