@@ -182,22 +182,36 @@ RESCORED_KEY = "baseline_on_this_eval_data"
 gate, inside the new model's metrics JSON (:func:`rescore_baseline`)."""
 
 
+UNLOADABLE = "unloadable"
+"""``source`` of what :func:`rescore_baseline` returns when the latest blessed model itself cannot be loaded."""
+
+
 def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) -> dict | None:
     """The latest blessed model of ``blessed_dir`` scored on the evaluation split of ``data_dir``: the baseline
     the new model, scored on the same rows, is compared with. The metrics stored at blessing came from that day's
     evaluation rows, and two evaluation splits differ by more than two models do (MovieLens: 0.0003 AUC between
     identical retrains, more between days), so comparing across them blessed or kept a model by the data's luck.
 
-    Returns its metrics (``auc``, ``logloss``, ``ne``, ``count``, ...) with ``"source": "re-scored"``, or None
-    when nothing is blessed there, or when the blessed model cannot score this data (other slots): the gate then
-    falls back to the stored metrics, and says so."""
+    Returns its metrics (``auc``, ``logloss``, ``ne``, ``count``, ...) with ``"source": "re-scored"``; None when
+    nothing is blessed there, or when the blessed model cannot score this data (other slots): the gate then falls
+    back to the stored metrics, and says so; or ``{"source": UNLOADABLE, "model", "error"}`` when the blessed
+    model itself cannot be loaded (a corrupt or missing file): the gate then judges the new model on the
+    absolute thresholds alone, so that a sound model replaces a broken one, which a warm start could not use."""
     marker = read_marker(blessed_dir) if blessed_dir else None
     if marker is None:
         return None
-    from persia_core.evaluate.run import evaluate
+    from persia_core.evaluate.run import LoadedModel, evaluate
 
+    path = io.join(blessed_dir, marker["model"])
     try:
-        m = evaluate(io.join(blessed_dir, marker["model"]), data_dir, batch_size=batch_size, user_slot="")["metrics"]
+        model = LoadedModel(path)
+    except Exception as e:  # noqa: BLE001 - a broken blessed model must not fail today's run
+        error = f"{type(e).__name__}: {e}"[:500]
+        log.warning("the latest blessed model %s cannot be loaded (%s): the gate judges the new model on the "
+                    "absolute thresholds alone", path, error)
+        return {"source": UNLOADABLE, "model": marker["model"], "error": error}
+    try:
+        m = evaluate(path, data_dir, batch_size=batch_size, user_slot="", model=model)["metrics"]
     except Exception as e:  # noqa: BLE001 - any failure of the old model must not fail today's run
         log.warning("the latest blessed model in %s cannot score %s (%s: %s): the gate compares with the metrics "
                     "stored when it was blessed", blessed_dir, data_dir, type(e).__name__, e)
@@ -223,7 +237,9 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
          max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
     """:func:`decide` against the latest blessed model in ``blessed_dir`` (none when it is empty or holds no
     marker): its metrics on the same evaluation rows when ``metrics`` carries them (``metrics[RESCORED_KEY]``,
-    from :func:`rescore_baseline`), else the metrics stored when it was blessed. Returns the decision with
+    from :func:`rescore_baseline`), else the metrics stored when it was blessed; none when the re-score found
+    the latest blessed model unloadable (the new model is then judged on the absolute thresholds, so a sound
+    one replaces a broken one). Returns the decision with
     ``"baseline"`` (the baseline metrics or None), ``"baseline_source"`` and ``"blessed_dir"`` added; the reasons
     say which baseline was used."""
     metrics = dict(metrics)
@@ -233,9 +249,14 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
     # the re-scored baseline counts only if it is still the latest blessed model (another run may have blessed
     # one between the evaluate and gate steps)
     current = rescored is not None and marker is not None and rescored.get("model") == marker["model"]
-    baseline = rescored if current else stored
+    unloadable = current and rescored.get("source") == UNLOADABLE
+    baseline = None if unloadable else rescored if current else stored
     out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
-    if baseline is None:
+    if unloadable:
+        source = (f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "
+                  f"the new model is judged on the absolute thresholds alone, so a sound one replaces it")
+        out["reasons"].append(f"baseline: {source}")
+    elif baseline is None:
         source = "none"
     elif baseline is rescored:
         source = f"the latest blessed model re-scored on this evaluation data ({rescored.get('count')} rows)"

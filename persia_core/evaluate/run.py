@@ -158,8 +158,10 @@ def _gauc(labels: np.ndarray, preds: np.ndarray, user: np.ndarray, rows: np.ndar
     return group_auc(labels[rows], preds[rows], user[rows]) if rows.any() else None
 
 
-def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user") -> dict:
-    """Score the evaluation split of ``data_dir`` with the model in ``model_dir``.
+def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user",
+             model: LoadedModel | None = None) -> dict:
+    """Score the evaluation split of ``data_dir`` with the model in ``model_dir`` (``model``: that model already
+    loaded, which is then not loaded again).
 
     ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split). When it is ``""``,
     or the default ``"user"`` and the model has no such slot, both are skipped (``metrics`` has no ``gauc`` and
@@ -181,7 +183,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
     use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest["config"])),
                                     model_dir)
     read_schema(data_dir)
-    model = LoadedModel(model_dir)
+    model = model if model is not None else LoadedModel(model_dir)
     examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots, num_dense=len(model.manifest["dense"]))
     stream = StreamingMetrics()
     preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)

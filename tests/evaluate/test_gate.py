@@ -5,6 +5,7 @@ No ``from __future__ import annotations`` here: KFP reads the pipeline's annotat
 
 import json
 import os
+import re
 
 import pytest
 
@@ -202,20 +203,66 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
 
 
 def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored_metrics(tmp_path, trained):
+    import shutil
+
+    import pyarrow.parquet as pq
+
     from persia_core.evaluate.gate import gate, rescore_baseline
 
-    _, data = trained
+    model, data = trained
     blessed = str(tmp_path / "blessed")
     assert rescore_baseline(blessed, data) is None and rescore_baseline("", data) is None  # nothing blessed
-    bless(_fake_model(tmp_path / "m", "old format"), BASE, blessed)  # no config: it cannot score anything
-    assert rescore_baseline(blessed, data) is None
-    # a blessed model whose dense.pt is garbage (before: UnpicklingError failed today's evaluate step)
-    model, _ = trained
-    other = str(tmp_path / "blessed2")
-    marker = bless(model, BASE, other)
-    with open(os.path.join(other, marker["model"], "dense.pt"), "wb") as f:
-        f.write(b"not a torch file" * 100)
-    assert rescore_baseline(other, data) is None
+    bless(model, BASE, blessed)
+    # today's evaluation rows lack one of the model's slots: the model loads but cannot score them
+    other = str(tmp_path / "other-data")
+    shutil.copytree(data, other)
+    for d, _, files in os.walk(os.path.join(other, "eval")):
+        for f in files:
+            if f.endswith(".parquet"):
+                t = pq.read_table(os.path.join(d, f))
+                pq.write_table(t.drop_columns(["slot_b"]), os.path.join(d, f))
+    assert rescore_baseline(blessed, other) is None
     d = gate({"auc": 0.76, "logloss": 0.49, "ne": 0.8}, blessed)
     assert d["decision"] == "bless" and d["baseline"] == BASE
     assert "stored when the latest blessed model was blessed" in d["baseline_source"]
+
+
+@pytest.mark.parametrize("damage", ["dense", "shard", "no config"])
+def test_a_blessed_model_that_cannot_be_loaded_is_replaced_by_a_sound_new_model(tmp_path, trained, damage):
+    # before: the gate fell back to the broken model's stored metrics and kept it (its files unusable by any warm
+    # start) against a sound new model that scored a little lower on another day's rows; the reason was only in
+    # kfp.local's log
+    from persia_core.evaluate.gate import RESCORED_KEY, UNLOADABLE, evaluate_gate, gate, rescore_baseline
+
+    model, data = trained
+    blessed = str(tmp_path / "blessed")
+    if damage == "no config":
+        marker = bless(_fake_model(tmp_path / "m", "old format"), BASE, blessed)
+        expect = r"KeyError"
+    else:
+        marker = bless(model, BASE, blessed)
+        folder = os.path.join(blessed, marker["model"])
+        if damage == "dense":
+            with open(os.path.join(folder, "dense.pt"), "wb") as f:
+                f.write(b"not a torch file" * 100)
+            expect = r"dense\.pt: not a readable dense-model file"
+        else:
+            path = os.path.join(folder, "shards", "shard-00001.npz")
+            raw = bytearray(open(path, "rb").read())
+            raw[len(raw) // 2] ^= 0xFF
+            open(path, "wb").write(bytes(raw))
+            expect = r"ShardFileError: .*shard-00001\.npz"
+    base = rescore_baseline(blessed, data)
+    assert base["source"] == UNLOADABLE and base["model"] == marker["model"]
+    assert re.search(expect, base["error"]), base["error"]
+    # below the stored AUC (0.75), above min_auc: blessed, and the reason says why no baseline was used
+    new = {"auc": 0.74, "logloss": 0.51, "ne": 0.8}
+    d = gate({**new, RESCORED_KEY: base}, blessed)
+    assert d["decision"] == "bless" and d["baseline"] is None, d["reasons"]
+    assert any(r.startswith(f"baseline: none: the latest blessed model {marker['model']} cannot be loaded")
+               for r in d["reasons"])
+    assert gate(new, blessed)["decision"] == "reject"  # without the re-score: the stored metrics, as before
+    assert not gate({"auc": 0.4, "logloss": 0.51, "ne": 0.8, RESCORED_KEY: base}, blessed, min_auc=0.5)["bless"]
+    decision, carried = evaluate_gate(new, blessed, data)
+    assert decision["decision"] == "bless" and carried[RESCORED_KEY]["source"] == UNLOADABLE
+    json.dumps(carried)  # handed to the gate step as JSON
