@@ -399,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = passthrough
         elif extra and args.command != "preprocess":
             parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra and args.command == "preprocess":  # Beam's options pass through; anything else is a typo
+            from persia_core.preprocess.pipeline import refuse_unknown_flags
+
+            refuse_unknown_flags(parser.commands["preprocess"], extra)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_BAD_INPUT)
     from persia_core.logging_utils import setup_logging

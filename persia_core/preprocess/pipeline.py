@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import base64
 import bisect
+import contextlib
+import difflib
 import functools
 import json
 import logging
@@ -696,16 +698,58 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
 
 
 
+def unknown_beam_flags(beam_args: list[str]) -> list[str]:
+    """The flags of ``beam_args`` that no Beam ``PipelineOptions`` class knows, as typed (``--sett``): Beam only
+    logs a warning and drops them, so a mistyped flag of ours would otherwise be ignored without a word."""
+    options = PipelineOptions(list(beam_args))
+    with _quiet_beam_options():
+        names = set(options.get_all_options(retain_unknown_options=True)) - set(options.get_all_options())
+    typed = [a.split("=", 1)[0] for a in beam_args if a.startswith("-")]
+    return [t for t in typed if t.lstrip("-").replace("-", "_") in names]
+
+
+def refuse_unknown_flags(parser: argparse.ArgumentParser, beam_args: list[str]) -> None:
+    """``parser.error`` (exit 2) listing the flags of ``beam_args`` that are neither ``parser``'s nor Beam
+    options, each with the closest of ``parser``'s flags (``--sett: did you mean --set?``); nothing when all are
+    known."""
+    unknown = unknown_beam_flags(beam_args)
+    if not unknown:
+        return
+    ours = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    hints = []
+    for flag in unknown:
+        if flag.lstrip("-").replace("-", "_") in ("max_rows", "maxrows"):
+            hints.append(f"{flag}: use --set split.max_rows=N")
+        else:
+            close = difflib.get_close_matches(flag, ours, n=1, cutoff=0.6)
+            hints.append(f"{flag}: did you mean {close[0]}?" if close else flag)
+    parser.error(f"unknown flag(s), neither {parser.prog}'s own ({', '.join(ours)}) nor Apache Beam pipeline "
+                 f"options (Beam would ignore them): " + "; ".join(hints))
+
+
+@contextlib.contextmanager
+def _quiet_beam_options():
+    """Silences Beam's "Discarding unparseable args" warning while the flags are checked here."""
+    log_ = logging.getLogger("apache_beam.options.pipeline_options")
+    level = log_.level
+    log_.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log_.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Command line: ``--data``, ``--output``, ``--config`` (shipped name or YAML path), ``--set key=value``
     (repeatable); every other flag is a Beam pipeline option. Prints the row counts; returns the schema dict."""
-    parser = argparse.ArgumentParser(description="persia preprocess: raw files -> Parquet shards + schema.json",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="persia preprocess", allow_abbrev=False,
+                                     description="persia preprocess: raw files -> Parquet shards + schema.json")
     parser.add_argument("--data", required=True, help="MovieLens folder, or a delimited file / folder / glob")
     parser.add_argument("--output", required=True, help="output folder (local or gs://)")
     parser.add_argument("--config", default="movielens", help="shipped config name or a YAML path")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args, beam_args = parser.parse_known_args(argv)
+    refuse_unknown_flags(parser, beam_args)
     from persia_core.logging_utils import setup_logging
 
     setup_logging("preprocess")

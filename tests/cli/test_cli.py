@@ -252,6 +252,13 @@ def test_cli_preprocess_runs_beam_on_raw_files_and_applies_overrides(tmp_path, c
     assert summary["rows"]["train"] + summary["rows"]["eval"] == 5
     assert load_config(os.path.join(out, "run_config.yaml")).split.num_train_shards == 1
     assert main(["preprocess", "--data", str(tmp_path / "missing"), "--output", out]) == 2
+    # a mistyped flag of ours is refused, not handed to Beam (which dropped it with a warning and ran on, exit 0)
+    capsys.readouterr()
+    rc = main(["preprocess", "--data", str(folder), "--output", str(tmp_path / "out2"), "--sett",
+               "split.eval_fraction=0.5", "--direct_num_workers=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--sett: did you mean --set?" in err and "direct_num_workers" not in err.splitlines()[-1]
+    assert not (tmp_path / "out2").exists()
 
 
 def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -437,3 +438,21 @@ def test_an_empty_input_is_refused_naming_the_file_and_a_movielens_file_for_its_
     ratings = os.path.join(movielens_dir, "ratings.csv")
     with pytest.raises(FileNotFoundError, match="is a file, but the MovieLens layout reads a folder holding ratings"):
         pipeline.resolve_inputs(load_config("movielens"), ratings)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--sett", "split.eval_fraction=0.5"], r"--sett: did you mean --set\?"),
+    (["--max-rows", "100"], r"--max-rows: use --set split.max_rows=N"),
+    (["--confg=criteo"], r"--confg: did you mean --config\?"),
+    (["--direct_num_workers=1", "--no-such-beam-option", "x"], r"unknown flag\(s\).*: --no-such-beam-option$"),
+])
+def test_main_refuses_flags_that_are_neither_ours_nor_beam_options(tiny_movielens, tmp_path, capsys, flags, says):
+    # before: Beam logged "Discarding unparseable args" and the run went on with the defaults (exit 0)
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--data", tiny_movielens, "--output", str(tmp_path / "out"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(says, err), err
+    assert not (tmp_path / "out").exists()
+    assert pipeline.unknown_beam_flags(["--runner", "DirectRunner", "--direct_num_workers=2", "--project=p",
+                                        "--region", "us-central1", "--temp_location", "gs://b/t"]) == []
