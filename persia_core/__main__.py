@@ -66,8 +66,8 @@ def cmd_preprocess(args, beam_args: list[str]) -> int:
     # input): only its warnings unless --log-level DEBUG asks for everything
     beam_log = logging.getLogger("apache_beam")
     previous = beam_log.level
-    if not logging.getLogger().isEnabledFor(logging.DEBUG):
-        beam_log.setLevel(logging.WARNING)
+    # (and everything with DEBUG, whatever level an earlier caller in this process left on Beam's logger)
+    beam_log.setLevel(logging.NOTSET if logging.getLogger().isEnabledFor(logging.DEBUG) else logging.WARNING)
     try:
         schema = run_preprocess(config, args.data, args.output, beam_args or None)
     finally:
