@@ -572,6 +572,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def shipped_configs() -> list[str]:
+    """Names of the run configs shipped with the package (``persia_core/configs/*.yaml``), sorted."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def is_config_name(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a shipped config's name (no ``/``, no ``.yaml``/``.yml``) rather than a path."""
+    return not name_or_path.endswith((".yaml", ".yml")) and "/" not in name_or_path
+
+
 def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load a run config from a YAML file, or a shipped one by name (``movielens``, ``criteo``).
 
@@ -579,12 +589,9 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> R
     """
     from persia_core import io
 
-    path = name_or_path
-    if not path.endswith((".yaml", ".yml")) and "/" not in path:
-        path = str(CONFIG_DIR / f"{name_or_path}.yaml")
+    path = str(CONFIG_DIR / f"{name_or_path}.yaml") if is_config_name(name_or_path) else name_or_path
     if not io.exists(path):
-        shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"run config {name_or_path!r} not found (shipped configs: {shipped})")
+        raise FileNotFoundError(f"run config {name_or_path!r} not found (shipped configs: {shipped_configs()})")
     text = io.read_text(path)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)

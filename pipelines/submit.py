@@ -168,13 +168,12 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
         raise ValueError(f"embedding_staleness must be >= 0, or -1 for the run config's value, got "
                          f"{value('embedding_staleness')}")
     if "config" in specs:
-        cfg = value("config")
-        if cfg and "/" not in cfg and not cfg.endswith((".yaml", ".yml")):
-            from persia_core.config import CONFIG_DIR
+        from persia_core.config import is_config_name, shipped_configs
 
-            shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            if cfg not in shipped:
-                raise ValueError(f"config {cfg!r} is not a shipped run config {shipped} (or give a gs:// YAML path)")
+        cfg = value("config")
+        if cfg and is_config_name(cfg) and cfg not in shipped_configs():
+            raise ValueError(f"config {cfg!r} is not a shipped run config {shipped_configs()} (or give a gs:// "
+                             f"YAML path)")
     from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
     check_thresholds(min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,

@@ -255,14 +255,13 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
     if unloadable:
         source = (f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "
                   f"the new model is judged on the absolute thresholds alone, so a sound one replaces it")
-        out["reasons"].append(f"baseline: {source}")
     elif baseline is None:
         source = "none"
     elif baseline is rescored:
         source = f"the latest blessed model re-scored on this evaluation data ({rescored.get('count')} rows)"
     else:
         source = "the metrics stored when the latest blessed model was blessed (on that day's evaluation data)"
-    if baseline is not None:
+    if source != "none":
         out["reasons"].append(f"baseline: {source}")
     out["baseline"] = baseline
     out["baseline_source"] = source
