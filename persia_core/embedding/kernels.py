@@ -360,6 +360,76 @@ def rebuild_index(index, keys, shift, size):
         _insert(index, keys, shift, keys[r], r)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _put_row(out, t, weights, r, stream):
+    """``out[t] = weights[r]`` (float32 rows); ``stream``: with 64-byte non-temporal stores (see ``gather_rows``)."""
+    if stream:
+        for c in range(out.shape[1] // 16):
+            stream64(out, t, weights, r, c)
+    else:
+        for j in range(out.shape[1]):  # an element loop: a slice assignment builds two array views per row
+            out[t, j] = weights[r, j]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _touch(last_used, r, step, touched, nt):
+    """``last_used[r] = step``; on the row's first touch in this step, ``touched[nt] = r`` and returns nt + 1.
+    Branch-free: whether a row is touched first here is a coin toss for the branch predictor."""
+    first = last_used[r] != step
+    last_used[r] = step
+    touched[nt] = r
+    return nt + np.int64(first)
+
+
+@njit(nogil=True, cache=True)
+def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
+    """For each found row ``rows[t] >= 0`` (``rows: int32[N]``): mark it used at ``step`` (``_touch``, its first
+    touches listed in ``touched: int32[N]`` in batch order) and, if ``fill``, copy it into ``out[t]``
+    (``out: float32[N, D]``, ``stream`` as in ``gather_rows``). Returns how many rows were first touched.
+
+    One pass, ``last_used`` and the row both prefetched ``PL`` rows ahead, so that their misses overlap. Measured
+    here on a lookup of 1M Zipf IDs (``make bench-ps``'s workload, best of 30, five A/B runs): 10.3-11.6 ms against
+    11.3-12.1 ms with a recency pass and a copy pass of their own. Three copies of the loop, one per (``fill``,
+    ``stream``): with those two tested inside one loop, the lookup was no faster than before (12.0 ms). Also
+    measured and dropped: the probe's key check in this pass too (the IDs found off their home slot then need an
+    ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used`` interleaved in one array (12.1 ms),
+    prefetching to L2 instead of L1 (no change)."""
+    n = rows.shape[0]
+    nt = 0
+    if fill and stream:
+        for t in range(n):
+            if t + PL < n:
+                ahead = rows[t + PL]
+                if ahead >= 0:
+                    prefetch(last_used, ahead)
+                    prefetch(weights, ahead)
+            r = rows[t]
+            if r >= 0:
+                nt = _touch(last_used, r, step, touched, nt)
+                for c in range(out.shape[1] // 16):
+                    stream64(out, t, weights, r, c)
+    elif fill:
+        for t in range(n):
+            if t + PL < n:
+                ahead = rows[t + PL]
+                if ahead >= 0:
+                    prefetch(last_used, ahead)
+                    prefetch(weights, ahead)
+            r = rows[t]
+            if r >= 0:
+                nt = _touch(last_used, r, step, touched, nt)
+                for j in range(out.shape[1]):  # an element loop: a slice assignment builds two views per row
+                    out[t, j] = weights[r, j]
+    else:
+        for t in range(n):
+            if t + PL < n and rows[t + PL] >= 0:
+                prefetch(last_used, rows[t + PL])
+            r = rows[t]
+            if r >= 0:
+                nt = _touch(last_used, r, step, touched, nt)
+    return nt
+
+
 @njit(nogil=True, cache=True)
 def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capacity, step, last_used,
            seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows, stream):
@@ -380,25 +450,19 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
     never late), and with probability ``admit_prob`` (a hash of ID and step, so reproducible). A refused ID reads
     the zero row and is counted in ``refused[0]``.
 
-    Four passes, so that the cache misses of independent IDs overlap (each prefetched): probe all; update
-    recency; create rows in order; gather the rows.
+    Three passes, so that the cache misses of independent IDs overlap (each prefetched): probe all
+    (``find_many``); update the recency of the rows found and copy them into ``out`` (``_touch_and_copy``);
+    create the rows of unseen IDs in batch order, copying each at once. Recency is set before any row is created,
+    so that rows of this batch are never the least recent when a new row evicts (and rows already copied stay
+    valid).
     """
     shift = shift_of(index)
     sketch_shift = 64 - _log2(sketch.shape[0])
     n = ids.shape[0]
+    d = out.shape[1]
     find_many(ids, index, keys, rows)
-    # recency first, so that rows of this batch are not the least recent when new rows evict
     created = np.empty(n, dtype=np.int32)  # first the rows touched (queued in one go), then the rows created
-    nt = 0
-    for t in range(n):
-        if t + PL < n and rows[t + PL] >= 0:
-            prefetch(last_used, rows[t + PL])
-        r = rows[t]
-        if r >= 0:  # branch-free: whether a row is touched first here is a coin toss for the branch predictor
-            first = last_used[r] != step
-            last_used[r] = step
-            created[nt] = r
-            nt += np.int64(first)
+    nt = _touch_and_copy(rows, last_used, step, created, weights, out, fill, stream)
     _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nt, step)
     nc = 0
     for t in range(n):
@@ -406,51 +470,73 @@ def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capaci
             continue
         key = ids[t]
         r = find(index, keys, shift, key)  # a repeat of an ID created earlier in this batch
-        if r != -1:
-            rows[t] = r
-            continue
-        if not create:
-            counters[3] += 1
-            continue
-        if admit_after > 0:
-            h = _home(key ^ np.uint64(0x5851F42D4C957F2D), sketch_shift)
-            c = sketch[h]
-            if c < 255:
-                sketch[h] = c + 1
-            if c + 1 < admit_after:
+        if r == -1:
+            if not create:
+                counters[3] += 1
+            elif admit_after > 0 and not _admitted_after(sketch, sketch_shift, key, admit_after):
                 refused[0] += 1
-                continue
-        if admit_prob < 1.0:
-            u = np.float64(_splitmix(key ^ (np.uint64(step) * np.uint64(0xD6E8FEB86659FD93))) >> np.uint64(11))
-            if u * (1.0 / 9007199254740992.0) >= admit_prob:
+            elif admit_prob < 1.0 and not _admitted_by_chance(key, step, admit_prob):
                 refused[0] += 1
-                continue
-        size = counters[0]
-        if size < capacity:
-            r = np.int32(size)
-            counters[0] = size + 1
-        else:
-            r = _first_live(qrow, qstep, qht, last_used)  # the least recently used row
-            if r < 0 or last_used[r] == step:
-                raise ValueError("a batch holds more distinct IDs than the table's row capacity")
-            qht[0] += 1
-            _delete(index, keys, shift, keys[r])
-            counters[1] += 1
-        keys[r] = key
-        _insert(index, keys, shift, key, r)
-        if fill:
-            init_row(key, seed, scale, weights[r])
-        counters[2] += 1
-        created[nc] = r
-        nc += 1
-        last_used[r] = step
+            else:
+                r = _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key)
+                if fill:
+                    init_row(key, seed, scale, weights[r])
+                created[nc] = r
+                nc += 1
         rows[t] = r
+        if fill:
+            if r >= 0:
+                _put_row(out, t, weights, r, stream)
+            else:
+                for j in range(d):
+                    out[t, j] = 0.0
     # queued after all evictions of this batch: a row created now must not be taken back by one of them (the
     # head never reaches these entries before the batch ends, exactly as if each had been queued at once)
     _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nc, step)
-    if fill:
-        gather_rows(weights, rows, out, stream)
+    if fill and stream:
+        store_fence()
     return created[:nc]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _admitted_after(sketch, sketch_shift, key, admit_after):
+    """Count a sighting of ``key`` in the admission sketch; whether it has now been seen ``admit_after`` times."""
+    h = _home(key ^ np.uint64(0x5851F42D4C957F2D), sketch_shift)
+    c = sketch[h]
+    if c < 255:
+        sketch[h] = c + 1
+    return c + 1 >= admit_after
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _admitted_by_chance(key, step, admit_prob):
+    """Whether ``key`` is admitted at ``step`` with probability ``admit_prob`` (a hash of both: reproducible)."""
+    u = np.float64(_splitmix(key ^ (np.uint64(step) * np.uint64(0xD6E8FEB86659FD93))) >> np.uint64(11))
+    return u * (1.0 / 9007199254740992.0) < admit_prob
+
+
+@njit(nogil=True, cache=True)
+def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key):
+    """A row for the unseen ``key``: the next free row, or at capacity the least recently used row, evicted
+    (its key removed from the index). The row gets ``key``, an index entry and ``last_used = step``; the caller
+    initializes it and queues it. Raises ``ValueError`` when the least recent row was itself used in this step
+    (a batch of more distinct IDs than the capacity)."""
+    size = counters[0]
+    if size < capacity:
+        r = np.int32(size)
+        counters[0] = size + 1
+    else:
+        r = _first_live(qrow, qstep, qht, last_used)  # the least recently used row
+        if r < 0 or last_used[r] == step:
+            raise ValueError("a batch holds more distinct IDs than the table's row capacity")
+        qht[0] += 1
+        _delete(index, keys, shift, keys[r])
+        counters[1] += 1
+    keys[r] = key
+    _insert(index, keys, shift, key, r)
+    counters[2] += 1
+    last_used[r] = step
+    return r
 
 
 @njit(nogil=True, cache=True)

@@ -470,3 +470,32 @@ def test_dedup_matches_numpy_unique_in_first_seen_order(n):
     assert inverse.dtype == np.int64 and inverse.shape == (n,)
     np.testing.assert_array_equal(uniq[inverse], ids)
     assert len(uniq) == len(ref)
+
+
+@pytest.mark.parametrize("dim,storage", [(16, "fp32"), (8, "fp32"), (16, "fp16")],
+                         ids=["streamed-copy", "element-copy", "16-bit-caller-copy"])
+def test_lookup_rows_equal_a_readonly_lookup_through_eviction_admission_and_repeats(dim, storage):
+    # each way a lookup copies rows out (64-byte streamed stores, an element loop, the 16-bit caller's copy)
+    # against the read-only path (a separate probe and gather): found rows, repeats, rows created in the batch
+    # (and their repeats), IDs refused by admission (zero rows) and evictions at capacity; every row looked up
+    # is marked used in that step
+    from persia_core.embedding import kernels as K
+    from persia_core.embedding.table import _streamable
+
+    t = EmbeddingTable(dim, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 20_000, 0.5, 0, storage=storage,
+                       admit_probability=0.7)  # decided per ID and step: all of a batch's sightings alike
+    rng = np.random.default_rng(11)
+    pool = np.concatenate([rng.integers(0, 2**64 - 1, 60_000, dtype=np.uint64, endpoint=True),
+                           _ids(0, 2**63, 2**64 - 1)])
+    for _ in range(6):
+        hot = pool[np.minimum(rng.zipf(1.2, 20_000) - 1, len(pool) - 1)]
+        ids = rng.permutation(np.concatenate([hot, rng.choice(pool, 10_000)]))  # >= 1 MiB out at dim 16: pooled
+        out = t.lookup(ids)
+        if dim == 16 and storage == "fp32":
+            assert _streamable(out, t.weights)
+        held = t.contains(ids)
+        np.testing.assert_array_equal(out[held], t.lookup_readonly(ids[held]))
+        assert not out[~held].any()
+        assert (t.last_used[K.find_rows(ids[held], t.index, t.keys)] == t.step).all()
+    st = t.stats()
+    assert st["evictions"] > 0 and st["not_admitted"] > 0
