@@ -389,8 +389,8 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
 
     One pass, ``last_used`` and the row both prefetched ``PL`` rows ahead, so that their misses overlap. Measured
     here on a lookup of 1M Zipf IDs (``make bench-ps``'s workload, best of 30, five A/B runs): 10.3-11.6 ms against
-    11.3-12.1 ms with a recency pass and a copy pass of their own. Three copies of the loop, one per (``fill``,
-    ``stream``): with those two tested inside one loop, the lookup was no faster than before (12.0 ms). Also
+    11.3-12.1 ms with a recency pass and a copy pass of their own. One loop per (``fill``, ``stream``), each with
+    them constant: with the two tested inside one loop, the lookup was no faster than before (12.0 ms). Also
     measured and dropped: the probe's key check in this pass too (the IDs found off their home slot then need an
     ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used`` interleaved in one array (12.1 ms),
     prefetching to L2 instead of L1 (no change)."""
@@ -406,8 +406,7 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
             r = rows[t]
             if r >= 0:
                 nt = _touch(last_used, r, step, touched, nt)
-                for c in range(out.shape[1] // 16):
-                    stream64(out, t, weights, r, c)
+                _put_row(out, t, weights, r, True)
     elif fill:
         for t in range(n):
             if t + PL < n:
@@ -418,8 +417,7 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
             r = rows[t]
             if r >= 0:
                 nt = _touch(last_used, r, step, touched, nt)
-                for j in range(out.shape[1]):  # an element loop: a slice assignment builds two views per row
-                    out[t, j] = weights[r, j]
+                _put_row(out, t, weights, r, False)
     else:
         for t in range(n):
             if t + PL < n and rows[t + PL] >= 0:
@@ -555,12 +553,7 @@ def gather_rows(weights, rows, out, stream):
             prefetch(weights, rows[t + PL])
         r = rows[t]
         if r >= 0:
-            if stream:
-                for c in range(d // 16):
-                    stream64(out, t, weights, r, c)
-            else:
-                for j in range(d):  # an element loop: a slice assignment builds two array views per row
-                    out[t, j] = weights[r, j]
+            _put_row(out, t, weights, r, stream)
         else:
             for j in range(d):
                 out[t, j] = 0.0
