@@ -387,13 +387,13 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
     touches listed in ``touched: int32[N]`` in batch order) and, if ``fill``, copy it into ``out[t]``
     (``out: float32[N, D]``, ``stream`` as in ``gather_rows``). Returns how many rows were first touched.
 
-    One pass, ``last_used`` and the row both prefetched ``PL`` rows ahead, so that their misses overlap. Measured
-    here on a lookup of 1M Zipf IDs (``make bench-ps``'s workload, best of 30, five A/B runs): 10.3-11.6 ms against
-    11.3-12.1 ms with a recency pass and a copy pass of their own. One loop per (``fill``, ``stream``), each with
-    them constant: with the two tested inside one loop, the lookup was no faster than before (12.0 ms). Also
-    measured and dropped: the probe's key check in this pass too (the IDs found off their home slot then need an
-    ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used`` interleaved in one array (12.1 ms),
-    prefetching to L2 instead of L1 (no change)."""
+    One pass, ``last_used`` and (if ``fill``) the row's first cache line both prefetched ``PL`` rows ahead, so that
+    their misses overlap. Measured here on a lookup of 1M Zipf IDs (``make bench-ps``'s workload, best of 30, five
+    A/B runs): 10.3-11.6 ms against 11.3-12.1 ms with a recency pass and a copy pass of their own. One loop per
+    (``fill``, ``stream``), each with them constant: with the two tested inside one loop, the lookup was no faster
+    than before (12.0 ms). Also measured and dropped: the probe's key check in this pass too (the IDs found off
+    their home slot then need an ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used``
+    interleaved in one array (12.1 ms), prefetching to L2 instead of L1 (no change)."""
     n = rows.shape[0]
     nt = 0
     if fill and stream:
@@ -517,8 +517,8 @@ def _admitted_by_chance(key, step, admit_prob):
 def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key):
     """A row for the unseen ``key``: the next free row, or at capacity the least recently used row, evicted
     (its key removed from the index). The row gets ``key``, an index entry and ``last_used = step``; the caller
-    initializes it and queues it. Raises ``ValueError`` when the least recent row was itself used in this step
-    (a batch of more distinct IDs than the capacity)."""
+    initializes it and queues it. Raises ``ValueError`` when no row can be taken: the least recent row was itself
+    used in this step, or the recency queue holds no live row (a batch of more distinct IDs than the capacity)."""
     size = counters[0]
     if size < capacity:
         r = np.int32(size)
