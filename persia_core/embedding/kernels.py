@@ -394,37 +394,37 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
     than before (12.0 ms). Also measured and dropped: the probe's key check in this pass too (the IDs found off
     their home slot then need an ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used``
     interleaved in one array (12.1 ms), prefetching to L2 instead of L1 (no change)."""
+    if fill and stream:
+        return _touch_and_copy_rows(rows, last_used, step, touched, weights, out, True)
+    if fill:
+        return _touch_and_copy_rows(rows, last_used, step, touched, weights, out, False)
     n = rows.shape[0]
     nt = 0
-    if fill and stream:
-        for t in range(n):
-            if t + PL < n:
-                ahead = rows[t + PL]
-                if ahead >= 0:
-                    prefetch(last_used, ahead)
-                    prefetch(weights, ahead)
-            r = rows[t]
-            if r >= 0:
-                nt = _touch(last_used, r, step, touched, nt)
-                _put_row(out, t, weights, r, True)
-    elif fill:
-        for t in range(n):
-            if t + PL < n:
-                ahead = rows[t + PL]
-                if ahead >= 0:
-                    prefetch(last_used, ahead)
-                    prefetch(weights, ahead)
-            r = rows[t]
-            if r >= 0:
-                nt = _touch(last_used, r, step, touched, nt)
-                _put_row(out, t, weights, r, False)
-    else:
-        for t in range(n):
-            if t + PL < n and rows[t + PL] >= 0:
-                prefetch(last_used, rows[t + PL])
-            r = rows[t]
-            if r >= 0:
-                nt = _touch(last_used, r, step, touched, nt)
+    for t in range(n):
+        if t + PL < n and rows[t + PL] >= 0:
+            prefetch(last_used, rows[t + PL])
+        r = rows[t]
+        if r >= 0:
+            nt = _touch(last_used, r, step, touched, nt)
+    return nt
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _touch_and_copy_rows(rows, last_used, step, touched, weights, out, stream):
+    """``_touch_and_copy`` with ``fill``; inlined where ``stream`` is a constant, so that each copy of the loop
+    tests nothing per row."""
+    n = rows.shape[0]
+    nt = 0
+    for t in range(n):
+        if t + PL < n:
+            ahead = rows[t + PL]
+            if ahead >= 0:
+                prefetch(last_used, ahead)
+                prefetch(weights, ahead)
+        r = rows[t]
+        if r >= 0:
+            nt = _touch(last_used, r, step, touched, nt)
+            _put_row(out, t, weights, r, stream)
     return nt
 
 
