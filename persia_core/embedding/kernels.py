@@ -34,7 +34,7 @@ EMPTY = np.int32(-1)
 PF = 128  # prefetch distance of hash probes, items
 PR = 32  # prefetch distance of row accesses (optimizer steps, recency-queue compaction), items
 PD = 16  # prefetch distance of dedup's scratch-table probes, items (measured best of 8-128 at 1M IDs)
-PL = 128  # prefetch distance of a lookup's recency and gather passes over a batch, items (measured best at 1M IDs)
+PL = 128  # prefetch distance of a lookup's recency-and-copy pass and of row gathers, items (measured best at 1M IDs)
 
 
 @intrinsic
