@@ -8,7 +8,9 @@ Inputs (``input_path``, local, ``/gcs/`` or ``gs://``):
   step does (``persia_core.preprocess.layouts`` parsers, ``rows.encode_row``):
 
   - ``delimited`` (Criteo): one example per line; the label column may be left out (one field fewer), then
-    the output has no label; a header line is skipped when ``layout.has_header``;
+    the output has no label. That is decided once per file, by its first row of either width: a row of the other
+    width is malformed (never read with its fields shifted). A header line is skipped when
+    ``layout.has_header``;
   - ``movielens``: a ratings CSV (``userId,movieId,rating,timestamp``, or ``userId,movieId,timestamp``
     without a rating); it is joined with ``layout.movies_file`` and (if present) ``layout.tags_file`` from the
     same folder, as preprocess does. Configs with ``layout.history_length > 0`` need the user's whole history:
@@ -90,25 +92,33 @@ def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
 
     layout = cfg.layout
     label_at = layout.columns.index(layout.label_column)
-    out, all_labelled = [], True
+    n = len(layout.columns)
+    out = []
+    labelled = None  # decided once per file, by its first row of n or n - 1 fields
     for line_no, line in enumerate(_lines(path), start=1):
         if line_no == 1 and layout.has_header:
             continue
-        text = layouts.strip_line_end(line)
-        if not text.strip():
+        raw = layouts.strip_line_end(line)
+        if not raw.strip():
             continue
-        values = text.split(layout.delimiter)
-        if len(values) == len(layout.columns) - 1:  # no label column: a row to serve
-            values.insert(label_at, "0")
-            text = layout.delimiter.join(values)
-            all_labelled = False
+        text = raw
+        values = raw.split(layout.delimiter)
+        if labelled is None and len(values) in (n, n - 1):
+            labelled = len(values) == n
         try:
+            if labelled is False:  # rows to serve, without the label column
+                if len(values) != n - 1:
+                    raise layouts.ParseError(
+                        f"wrong field count: {len(values)} != {n - 1} (this file's rows have no label column: "
+                        f"{n - 1} fields, the config's {n} columns less '{layout.label_column}')", "wrong field count")
+                values.insert(label_at, "0")
+                text = layout.delimiter.join(values)
             record = layouts.parse_delimited(text, layout)
         except layouts.ParseError as e:
-            _set_aside(bad, path, line_no, e, text)
+            _set_aside(bad, path, line_no, e, raw)
             continue
         out.append((record, f"{path}:{line_no}"))
-    return out, all_labelled
+    return out, labelled is not False
 
 
 def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:

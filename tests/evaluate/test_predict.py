@@ -178,3 +178,29 @@ def test_a_blessed_model_location_serves_like_the_model_it_names(trained, tmp_pa
     assert np.array_equal(pq.read_table(tmp_path / "p.parquet").column("probability").to_numpy(), r["preds"])
     with pytest.raises(FileNotFoundError, match="nor a blessed-model location"):
         evaluate(str(tmp_path), data)
+
+
+def test_predict_decides_once_per_file_whether_rows_carry_a_label(trained, tmp_path):
+    # a row one field short in a labelled file is malformed, never read as an unlabelled row with its fields
+    # shifted (its label taken for the first feature); and the other way round in an unlabelled file
+    import json
+
+    model, _ = trained
+    labelled = tmp_path / "labelled.tsv"
+    labelled.write_text("1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\n0\t1.5\t2\t18\t5\n")
+    dead = tmp_path / "dead.jsonl"
+    out = predict(model, str(labelled), str(tmp_path / "o.csv"), dead_letter=str(dead))
+    assert out["rows"] == 2 and out["malformed"] == 1 and out["label"].tolist() == [1.0, 0.0]
+    (aside,) = [json.loads(line) for line in dead.read_text().splitlines()]
+    assert aside["source"] == f"{labelled}:2" and aside["reason"] == "wrong field count: 4 != 5"
+    with open(tmp_path / "o.csv") as f:
+        assert next(csv.reader(f)) == ["source", "probability", "label"]
+    with pytest.raises(ValueError, match=r"labelled.tsv:2: .*wrong field count: 4 != 5"):
+        predict(model, str(labelled), str(tmp_path / "o2.csv"))
+    unlabelled = tmp_path / "unlabelled.tsv"
+    unlabelled.write_text("0.5\t3\t17\t4\n1\t1.5\t2\t18\t5\n1.5\t2\t18\t5\n")
+    with pytest.raises(ValueError, match=r"unlabelled.tsv:2: .*wrong field count: 5 != 4 \(this file's rows have "
+                                         r"no label column"):
+        predict(model, str(unlabelled), str(tmp_path / "o3.csv"))
+    served = predict(model, str(unlabelled), str(tmp_path / "o4.csv"), dead_letter=str(tmp_path / "d4.jsonl"))
+    assert served["rows"] == 2 and served["malformed"] == 1 and served["label"] is None
