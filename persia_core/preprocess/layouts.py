@@ -333,6 +333,9 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
     (required) or ``None`` without one. Raises ``ParseError`` otherwise.
     """
     values = strip_line_end(line).split(layout.delimiter)
+    if len(values) == 1 and len(layout.columns) > 1:
+        raise ParseError(f"wrong field count: 1 != {len(layout.columns)} (no {layout.delimiter!r} in the line: "
+                         "check layout.delimiter)", "wrong field count")
     _expect_fields(values, len(layout.columns))
     row = dict(zip(layout.columns, values))
     label = _parse_label(row[layout.label_column].strip(), layout.label_column)

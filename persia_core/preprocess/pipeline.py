@@ -134,13 +134,16 @@ class ReadFileLinesFn(beam.DoFn):
     end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps).
     Line ends are ``\\n`` or ``\\r\\n``; in a file without any ``\\n``, a lone ``\\r`` (classic Mac files: before,
     such a file was one line; a ``\\r`` inside a line of any other file stays in its line). Stops after
-    ``max_lines`` data lines (0 = all). Emits ``(file_index, data lines read)`` on the ``counts`` output.
+    ``max_lines`` data lines (0 = all). A blank (whitespace-only) line holds no data and is not a row: it is
+    skipped, counted by the ``blank_lines`` counter, and keeps its place in the line numbers. Emits ``(file_index,
+    data lines read)`` on the ``counts`` output.
     """
 
     def __init__(self, skip_header: bool, max_lines: int) -> None:
         self.skip_header = skip_header
         self.max_lines = max_lines
         self.lines_read = counter("lines_read")
+        self.blank_lines = counter("blank_lines")
 
     def process(self, element: tuple[int, str]):
         index, path = element
@@ -162,6 +165,9 @@ class ReadFileLinesFn(beam.DoFn):
                         text, ok = layouts.strip_line_end(raw.decode("utf-8")), True
                     except UnicodeDecodeError:
                         text, ok = raw.rstrip(b"\r\n"), False  # its bytes, for the dead letter
+                    if ok and not text.strip():
+                        self.blank_lines.inc()  # no data, so not a row (as predict reads them too)
+                        continue
                     yield index, path, line_no, n, text, ok
                     n += 1
                 if self.max_lines and n >= self.max_lines:

@@ -176,7 +176,9 @@ def test_dense_transform_none_keeps_raw_values():
         (criteo_line(dense=["1", "2", "abc", *["0"] * 10]), "unparsable number in I3: 'abc'", "unparsable number"),
         (criteo_line(label="2"), "label not 0/1 in label: '2'", "label not 0/1"),
         (criteo_line(label=""), "label not 0/1 in label: ''", "label not 0/1"),
-        ("", "wrong field count: 1 != 40", "wrong field count"),
+        ("", "wrong field count: 1 != 40 (no '\\t' in the line: check layout.delimiter)", "wrong field count"),
+        (",".join(["1"] * 40), "wrong field count: 1 != 40 (no '\\t' in the line: check layout.delimiter)",
+         "wrong field count"),
     ],
 )
 def test_malformed_delimited_line_raises_reason_and_countable_kind(line, reason, kind):

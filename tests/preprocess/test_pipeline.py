@@ -351,6 +351,22 @@ def test_cr_only_line_ends_give_one_row_per_line(tmp_path, helpers):
     assert result["rows"]["read"] == 50 and result["rows"]["malformed"] == 0
 
 
+def test_blank_lines_are_not_rows_and_keep_the_line_numbers(tmp_path, helpers):
+    # a blank or whitespace-only line holds no data: before, it was a malformed row ("wrong field count: 1 != 40")
+    # and one of them failed a small file on the malformed budget; a bad line after it is still named by its line
+    path = tmp_path / "blank.tsv"
+    write_criteo_tsv(str(path), 60, seed=6)
+    lines = path.read_text().splitlines()
+    lines[10:10] = ["", "  \t "]
+    lines[40] = "1\t2"  # line 41 of the file: malformed
+    path.write_text("\n".join(lines) + "\n\n")
+    result = helpers.run(helpers.config_with("criteo", split__max_malformed_fraction=0.05), str(path),
+                         str(tmp_path / "out"))
+    assert result["rows"]["read"] == 60 and result["rows"]["malformed"] == 1
+    dead = helpers.read_dead_letters(str(tmp_path / "out"))
+    assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:41", "wrong field count: 2 != 40")]
+
+
 def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
     # a quoted MovieLens tag may hold a CR: it must not split the line (and shift every later line number)
     fn = pipeline.ReadFileLinesFn(skip_header=False, max_lines=0)
