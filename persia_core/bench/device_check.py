@@ -1,7 +1,8 @@
 """``make device-check``: the GPU tests and the GPU benchmark, in one unattended command (< 8 min on one H200).
 
 Runs with the machine's own Python as it is (no ``.venv``): needs torch with CUDA, numba, grpcio, pyarrow,
-numpy, scikit-learn, xxhash and pyyaml. On a machine without CUDA it says so and exits 0.
+numpy, scikit-learn, xxhash and pyyaml. On a machine without CUDA (or a ``python3`` without torch) it says so,
+writes ``{"skipped": <why>, "gpu": null, ...}`` as ``device_check.json`` and its last line, and exits 0.
 
 1. ``pytest tests/train/test_gpu.py`` (GPU path equals the CPU path; fp16 transfer).
 2. The Criteo-shaped DLRM (bottom 13-512-256-64-16, top 512-256-1, dim 16, 26 slots of 100k IDs with a Zipf
@@ -58,11 +59,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--skip-tests", action="store_true")
     args = p.parse_args(argv)
-    import torch
-
     os.makedirs(args.out, exist_ok=True)
-    if not torch.cuda.is_available():
-        print("device-check: CUDA is not available on this machine; the GPU tests and benchmark did not run")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        why = (f"{sys.executable} has no torch: run with a python3 that has a CUDA build of torch" if torch is None
+               else "CUDA is not available on this machine")
+        skipped = {"skipped": why, "gpu": None, "python": sys.executable}
+        with open(os.path.join(args.out, "device_check.json"), "w") as f:
+            json.dump(skipped, f, indent=1)
+        print(f"device-check: {why}; the GPU tests and benchmark did not run")
+        print(json.dumps(skipped))
         return 0
     result: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpus": os.cpu_count()}
     t_all = time.time()

@@ -74,3 +74,28 @@ def test_indexing_drops_eval_ids_never_seen_in_training_from_their_bags(tmp_path
         assert got[r].tolist() == want
     assert data.vocab[s] == len(vocab)
     assert sum(len(g) for g in got) < len(v)  # some eval IDs were unseen
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the machine without CUDA")
+def test_device_check_without_cuda_says_so_writes_its_json_and_exits_0(tmp_path, capsys):
+    from persia_core.bench import device_check
+
+    assert device_check.main(["--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "device_check.json").read_text())
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == written
+    assert written["skipped"] == "CUDA is not available on this machine" and written["gpu"] is None
+
+
+def test_device_check_with_a_python_without_torch_names_what_it_needs(tmp_path):
+    # the device machine runs it with its own python3; one without torch gets a sentence, not a traceback
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; from persia_core.bench import device_check; "
+            f"sys.exit(device_check.main(['--out', {str(tmp_path)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    written = json.loads((tmp_path / "device_check.json").read_text())
+    assert "has no torch: run with a python3 that has a CUDA build of torch" in written["skipped"]
+    assert "Traceback" not in r.stderr
