@@ -2,9 +2,10 @@
 
 Each task runs in this interpreter's environment, where the project is installed. kfp.local's own output (every
 task's executor input and output, streamed logs) goes to ``<pipeline root>/logs/run-<time>.log``; the terminal
-gets one line per task as it starts and ends (and the train task's progress, at most every 10 s), the log's tail
-when a task fails (``--verbose``: everything, as kfp.local prints it), then where the outputs are and, as its
-last line, ``eval: AUC=... logloss=... NE=...``.
+gets one line per task as it starts and ends (and the train task's progress, at most every 10 s); when a task
+fails, its exception line, then the log's tail without kfp's type-hint notes, then the exception line again
+(``--verbose``: everything, as kfp.local prints it); on success, where the outputs are and, as its last line,
+``eval: AUC=... logloss=... NE=...``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([^']+)'")
 _FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
 _PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (" + PROGRESS_PATTERN + ")")
+_NOISE = re.compile(r"Converting string literal type hint to Any")  # kfp's, once per component per task
+_EXCEPTION = re.compile(r"\s*(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): \S")  # an exception's last line
 
 
 @contextlib.contextmanager
@@ -98,7 +101,9 @@ def captured_output(log_path: str, verbose: bool = False):
 
     def last_lines(n: int = 60) -> str:
         with open(log_path, "r", errors="replace") as f:
-            return "".join(_ANSI.sub("", line) for line in f.readlines()[-n:])
+            f.seek(start)
+            lines = [_ANSI.sub("", line) for line in f.readlines()]
+        return "".join([line for line in lines if not _NOISE.search(line)][-n:])
 
     try:
         yield last_lines
@@ -265,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     if failure is not None:
         e, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"
-        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n"
-              f"run_local: the failing task's own error is {where}\n{tail}", file=sys.stderr)
+        errors = [line.strip() for line in tail.splitlines() if _EXCEPTION.match(line)]
+        first = f"run_local: the failing task's error: {errors[-1]}\n" if errors else ""
+        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n{first}"
+              f"run_local: the failing task's own output is {where}\n{tail}{first}", file=sys.stderr)
         return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")

@@ -72,6 +72,11 @@ def test_kfp_local_failure_names_the_error_and_keeps_the_whole_output_in_a_log(t
     assert "preprocess: running" in out and "preprocess: failure" in out  # one line per task on the terminal
     assert "Got executor_input" not in out  # kfp.local's own output is not (the tail on stderr has it)
     assert "the pipeline failed" in err and "malformed" in err and "ratings.csv" in err  # the task's own error
+    # the task's exception, first and last, and none of kfp's once-per-component type-hint notes in the tail
+    named = [line for line in err.splitlines() if line.startswith("run_local: the failing task's error: ")]
+    assert len(named) == 2 and "ValueError: preprocess:" in named[0] and "malformed" in named[0]
+    assert err.strip().splitlines()[-1] == named[0]
+    assert "Converting string literal type hint" not in err
     logs = os.listdir(tmp_path / "out" / "logs")
     assert len(logs) == 1
     text = open(tmp_path / "out" / "logs" / logs[0]).read()
