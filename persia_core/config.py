@@ -506,7 +506,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         unknown = [k for k in value if k not in names]
         if unknown:
             where = f"{path}." if path else ""
-            raise ValueError(f"config key '{where}{unknown[0]}': unknown key (known: {sorted(names)})")
+            raise ValueError(f"config key '{where}{unknown[0]}': unknown key"
+                             f"{_known(dict.fromkeys(names), str(unknown[0]))}")
         kwargs = {k: _build(hints[k], v, f"{path}.{k}" if path else k) for k, v in value.items()}
         try:
             return tp(**kwargs)
