@@ -145,7 +145,7 @@ class VertexSettings:
         if self.accelerator_count and not self.cuda_image:
             warnings.warn(f"vertex settings: the NN machines carry {self.accelerator_count} {self.accelerator_type} "
                           f"GPU(s) but no CUDA image is set (PERSIA_CUDA_IMAGE): they run {self.image}, whose torch "
-                          f"may be the CPU build", stacklevel=2)
+                          f"may be the CPU build", stacklevel=3)  # 2 is the dataclass's generated __init__
         if self.accelerator_count and self.ranks_per_replica > self.accelerator_count:
             raise ValueError(f"vertex settings: {self.ranks_per_replica} ranks per NN replica but "
                              f"{self.accelerator_count} GPU(s) per machine (one rank per GPU)")

@@ -103,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     # Without them the static table's random gathers miss the TLB and its lookup rate halves from run to run
     # (measured 30M-84M IDs/s here), so the reference is held at its best.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    import warnings
+
     import numpy as np
     import torch
 
     torch.set_num_threads(1)
+    # torch's note on its own sparse gradients (the static table's), printed once amid the figures
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     from persia_core.config import EmbeddingConfig, OptimizerConfig, TableConfig
     from persia_core.embedding.kernels import dedup
     from persia_core.embedding.table import EmbeddingTable, bytes_per_row, row_bytes_without_index

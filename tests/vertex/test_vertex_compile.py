@@ -283,5 +283,6 @@ def test_vertex_settings_take_a_lower_case_gpu_name_and_warn_of_gpus_without_a_c
     for machine in ("e2-medium", "c3-standard-4-lssd", "n2-custom-8-65536"):  # other valid machine names
         assert vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
                                                "PERSIA_PS_MACHINE_TYPE": machine}).ps_machine_type == machine
-    with pytest.warns(UserWarning, match="no CUDA image is set"):
+    with pytest.warns(UserWarning, match="no CUDA image is set") as warned:
         vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE})
+    assert warned[0].filename.endswith(".py")  # a file the user can open (before: "<string>", a generated __init__)
