@@ -84,7 +84,7 @@ def _set_aside(bad: list | None, path: str, line_no: int, err: Exception, text: 
     """Record a malformed row in ``bad`` (dead-letter mode), or raise naming ``file:line`` when ``bad`` is None."""
     if bad is None:
         raise _bad(path, line_no, err) from err
-    bad.append({"source": f"{path}:{line_no}", "reason": str(err), "line": text})
+    bad.append({"source": f"{path}:{line_no}", "reason": str(err), "raw": text})  # as preprocess's dead letters
 
 
 def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
@@ -231,8 +231,8 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
     blessed model is used).
 
     ``dead_letter``: a JSON-lines file (local or gs://) that receives every raw row that does not parse, as
-    ``{"source": "file:line", "reason": ..., "line": ...}``; those rows are counted and skipped, the others are
-    scored. Without it the first such row stops the run.
+    ``{"source": "file:line", "reason": ..., "raw": <the line>}`` (the keys of preprocess's dead letters); those
+    rows are counted and skipped, the others are scored. Without it the first such row stops the run.
 
     Raises ``FileNotFoundError`` for a missing model or input, ``ValueError`` for an input row that does not
     parse (naming ``file:line``, without ``dead_letter``) or a config whose slots differ from the model's.

@@ -108,7 +108,7 @@ def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_th
     assert out["rows"] == 2 and out["malformed"] == 2
     set_aside = [json.loads(line) for line in dead.read_text().splitlines()]
     assert [b["source"] for b in set_aside] == [f"{rows}:2", f"{rows}:3"]
-    assert set_aside[1]["line"] == "short" and all(b["reason"] for b in set_aside)
+    assert set_aside[1]["raw"] == "short" and all(b["reason"] for b in set_aside)
     with open(tmp_path / "o.csv") as f:
         sources = [r["source"] for r in csv.DictReader(f)]
     assert sources == [f"{rows}:1", f"{rows}:4"]  # the scored rows keep their own file:line
