@@ -97,19 +97,25 @@ def test_predict_rejects_a_bad_raw_row_naming_file_and_line_and_missing_input(tr
         predict(model, str(bad), str(tmp_path / "o.csv"), config=other)
 
 
-def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_the_rest(trained, tmp_path):
+def _predict_setting_aside(model: str, tmp_path, name: str, text: str):
+    """Write ``text`` to ``tmp_path/name``, score it with a dead-letter file; returns (path, result, dead letters)."""
     import json
 
+    rows = tmp_path / name
+    rows.write_text(text)
+    dead = tmp_path / f"{name}.dead.jsonl"
+    out = predict(model, str(rows), str(tmp_path / f"{name}.csv"), dead_letter=str(dead))
+    return rows, out, [json.loads(line) for line in dead.read_text().splitlines()]
+
+
+def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_the_rest(trained, tmp_path):
     model, _ = trained
-    rows = tmp_path / "rows.tsv"
-    rows.write_text("1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\nshort\n0\t1.5\t2\t18\t5\n")
-    dead = tmp_path / "dead.jsonl"
-    out = predict(model, str(rows), str(tmp_path / "o.csv"), dead_letter=str(dead))
+    rows, out, set_aside = _predict_setting_aside(model, tmp_path, "rows.tsv",
+                                                  "1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\nshort\n0\t1.5\t2\t18\t5\n")
     assert out["rows"] == 2 and out["malformed"] == 2
-    set_aside = [json.loads(line) for line in dead.read_text().splitlines()]
     assert [b["source"] for b in set_aside] == [f"{rows}:2", f"{rows}:3"]
     assert set_aside[1]["raw"] == "short" and all(b["reason"] for b in set_aside)
-    with open(tmp_path / "o.csv") as f:
+    with open(tmp_path / "rows.tsv.csv") as f:
         sources = [r["source"] for r in csv.DictReader(f)]
     assert sources == [f"{rows}:1", f"{rows}:4"]  # the scored rows keep their own file:line
     only_bad = tmp_path / "only_bad.tsv"  # nothing to score: it fails, but the reasons are kept
@@ -183,17 +189,12 @@ def test_a_blessed_model_location_serves_like_the_model_it_names(trained, tmp_pa
 def test_predict_decides_once_per_file_whether_rows_carry_a_label(trained, tmp_path):
     # a row one field short in a labelled file is malformed, never read as an unlabelled row with its fields
     # shifted (its label taken for the first feature); and the other way round in an unlabelled file
-    import json
-
     model, _ = trained
-    labelled = tmp_path / "labelled.tsv"
-    labelled.write_text("1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\n0\t1.5\t2\t18\t5\n")
-    dead = tmp_path / "dead.jsonl"
-    out = predict(model, str(labelled), str(tmp_path / "o.csv"), dead_letter=str(dead))
+    labelled, out, (aside,) = _predict_setting_aside(model, tmp_path, "labelled.tsv",
+                                                     "1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\n0\t1.5\t2\t18\t5\n")
     assert out["rows"] == 2 and out["malformed"] == 1 and out["label"].tolist() == [1.0, 0.0]
-    (aside,) = [json.loads(line) for line in dead.read_text().splitlines()]
     assert aside["source"] == f"{labelled}:2" and aside["reason"] == "wrong field count: 4 != 5"
-    with open(tmp_path / "o.csv") as f:
+    with open(tmp_path / "labelled.tsv.csv") as f:
         assert next(csv.reader(f)) == ["source", "probability", "label"]
     with pytest.raises(ValueError, match=r"labelled.tsv:2: .*wrong field count: 4 != 5"):
         predict(model, str(labelled), str(tmp_path / "o2.csv"))
