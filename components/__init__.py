@@ -27,9 +27,11 @@ def base_image(target: str = "local") -> str:
     if image:
         return image
     if target == "vertex":
-        raise ValueError(f"a Vertex AI compile needs ${IMAGE_ENV}: the URI of the pushed project image, e.g. "
-                         f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG (build and push it with "
-                         f"`make image` or cloudbuild.yaml; see README 'Run on Google Cloud')")
+        raise ValueError(
+            f"a Vertex AI compile needs ${IMAGE_ENV}: the URI of the pushed project image, e.g. "
+            f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG (build and push it with "
+            f"`make image` or cloudbuild.yaml; see README 'Run on Google Cloud')"
+        )
     return LOCAL_IMAGE
 
 

@@ -44,14 +44,24 @@ def evaluate(
     from persia_core.preprocess.pipeline import malformed_summary
 
     # the latest blessed model is re-scored on these same rows; its metrics travel on to the gate step
-    decision, carried = evaluate_gate(m, blessed_dir, dataset.path, min_auc, max_auc_drop, max_logloss_increase,
-                                      max_ne)
+    decision, carried = evaluate_gate(m, blessed_dir, dataset.path, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
     bad = malformed_summary(dataset.path)
     if bad is not None:
         reasons = ", ".join(f"{k}: {v}" for k, v in bad["by_reason"].items())
-        details["malformed rows set aside"] = f"{bad['rows']}" + (f" ({reasons}) in {bad['dead_letter']}"
-                                                                   if bad["rows"] else "")
-    write_report(report.path, m, r["labels"], r["preds"], r["train_history"], r["config"], details,
-                 user_split=r["user_split"], coverage=r["coverage"], gate=decision)
+        details["malformed rows set aside"] = f"{bad['rows']}" + (
+            f" ({reasons}) in {bad['dead_letter']}" if bad["rows"] else ""
+        )
+    write_report(
+        report.path,
+        m,
+        r["labels"],
+        r["preds"],
+        r["train_history"],
+        r["config"],
+        details,
+        user_split=r["user_split"],
+        coverage=r["coverage"],
+        gate=decision,
+    )
     return json.dumps(carried)

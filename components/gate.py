@@ -40,8 +40,13 @@ def gate(
     gate_metrics.log_metric("blessed", 1.0 if d["bless"] else 0.0)
     new = json.loads(metrics_json)
     gate_metrics.log_metric("max_ne", float(max_ne))
-    for name, src in (("auc", new), ("logloss", new), ("ne", new), ("baseline_auc", d["baseline"] or {}),
-                      ("baseline_logloss", d["baseline"] or {})):
+    for name, src in (
+        ("auc", new),
+        ("logloss", new),
+        ("ne", new),
+        ("baseline_auc", d["baseline"] or {}),
+        ("baseline_logloss", d["baseline"] or {}),
+    ):
         v = src.get(name.replace("baseline_", ""))
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             gate_metrics.log_metric(name, float(v))

@@ -28,8 +28,12 @@ def preprocess(
     from persia_core.config import load_config
     from persia_core.preprocess.pipeline import run_preprocess
 
-    overrides = {"embedding.num_shards": num_parameter_servers, "trainer.num_workers": num_nn_workers,
-                 "trainer.epochs": epochs, "split.max_rows": max_rows}
+    overrides = {
+        "embedding.num_shards": num_parameter_servers,
+        "trainer.num_workers": num_nn_workers,
+        "trainer.epochs": epochs,
+        "split.max_rows": max_rows,
+    }
     overrides = {k: v for k, v in overrides.items() if v > 0}
     if embedding_staleness >= 0:
         overrides["trainer.embedding_staleness"] = embedding_staleness

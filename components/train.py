@@ -7,9 +7,16 @@ from components import BASE_IMAGE
 
 
 @dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
-def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model], metrics: Output[Metrics],
-          checkpoint_every_steps: int = 0, checkpoint_every_s: float = 600.0, checkpoint_dir: str = "",
-          delta_every_s: float = 0.0):
+def train(
+    dataset: Input[Dataset],
+    shards: Input[Artifact],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    checkpoint_every_steps: int = 0,
+    checkpoint_every_s: float = 600.0,
+    checkpoint_dir: str = "",
+    delta_every_s: float = 0.0,
+):
     """Start the parameter servers and NN workers of the run config, train, and write the Model artifact
     (dense weights, embedding shard dumps, manifest, training metrics) into ``model``.
 
@@ -26,10 +33,18 @@ def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model]
 
     setup_logging("train")  # the launcher's progress lines (NN worker 0's step, loss, samples/s) in the task log
     cfg = load_config(os.path.join(shards.path, "run_config.yaml"))
-    settings = CheckpointSettings(dir=checkpoint_dir, every_steps=checkpoint_every_steps,
-                                  every_s=checkpoint_every_s, at_end=True)
-    manifest = run(cfg, dataset.path, model.path, init_dir=shards.path, checkpoint=settings, resume_from="auto",
-                   delta_every_s=delta_every_s)
+    settings = CheckpointSettings(
+        dir=checkpoint_dir, every_steps=checkpoint_every_steps, every_s=checkpoint_every_s, at_end=True
+    )
+    manifest = run(
+        cfg,
+        dataset.path,
+        model.path,
+        init_dir=shards.path,
+        checkpoint=settings,
+        resume_from="auto",
+        delta_every_s=delta_every_s,
+    )
     summary = manifest["summary"]
     metrics.log_metric("samples_per_s", summary["samples_per_s"])
     metrics.log_metric("max_staleness", summary["max_staleness"])

@@ -9,6 +9,7 @@ import os
 
 def int_at_least(lo: int):
     """An argparse ``type`` accepting integers >= ``lo``; anything else is argparse's usage error (exit 2)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -41,6 +42,7 @@ storage_root.__name__ = "storage root"
 def float_in(lo: float = -math.inf, hi: float | None = None):
     """An argparse ``type`` accepting finite numbers in [``lo``, ``hi``] (no bounds given: any finite number);
     ``inf``, ``nan`` and anything else are argparse's usage error (exit 2), naming the flag."""
+
     def parse(text: str) -> float:
         try:
             v = float(text)
@@ -56,8 +58,13 @@ def float_in(lo: float = -math.inf, hi: float | None = None):
             raise argparse.ArgumentTypeError(msg)
         return v
 
-    parse.__name__ = ("finite number" if lo == -math.inf and hi is None else
-                      f"number >= {lo:g}" if hi is None else f"number in [{lo:g}, {hi:g}]")
+    parse.__name__ = (
+        "finite number"
+        if lo == -math.inf and hi is None
+        else f"number >= {lo:g}"
+        if hi is None
+        else f"number in [{lo:g}, {hi:g}]"
+    )
     return parse
 
 

@@ -104,20 +104,23 @@ def parse_cluster_spec(spec: str | dict) -> ClusterSpec:
         raise ValueError("CLUSTER_SPEC.task: missing")
     pools: dict[int, list[str]] = {}
     for name, addresses in cluster.items():
-        if not (name.startswith("workerpool") and name[len("workerpool"):].isdigit()):
+        if not (name.startswith("workerpool") and name[len("workerpool") :].isdigit()):
             raise ValueError(f"CLUSTER_SPEC.cluster: unknown pool {name!r} (expected workerpool0..workerpool3)")
-        idx = int(name[len("workerpool"):])
+        idx = int(name[len("workerpool") :])
         if idx not in POOL_ROLES:
-            raise ValueError(f"CLUSTER_SPEC.cluster.{name}: pool {idx} has no role here (pools 0, 1, 2: primary, "
-                             f"NN workers, parameter servers)")
+            raise ValueError(
+                f"CLUSTER_SPEC.cluster.{name}: pool {idx} has no role here (pools 0, 1, 2: primary, "
+                f"NN workers, parameter servers)"
+            )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise ValueError(f"CLUSTER_SPEC.cluster.{name}: expected a list of 'host:port'")
         for a in addresses:
             _host_port(a, f"cluster.{name}")
         pools[idx] = list(addresses)
     if len(pools.get(0, [])) != 1:
-        raise ValueError(f"CLUSTER_SPEC.cluster.workerpool0: the primary pool needs exactly 1 replica, "
-                         f"got {len(pools.get(0, []))}")
+        raise ValueError(
+            f"CLUSTER_SPEC.cluster.workerpool0: the primary pool needs exactly 1 replica, got {len(pools.get(0, []))}"
+        )
     ttype, index = task.get("type"), task.get("index")
     if not isinstance(ttype, str) or not ttype.startswith("workerpool") or not ttype[10:].isdigit():
         raise ValueError(f"CLUSTER_SPEC.task.type: expected 'workerpool<N>', got {ttype!r}")
@@ -154,9 +157,14 @@ class Placement:
         ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``)."""
         if not 0 <= local_rank < self.local_ranks:
             raise ValueError(f"local_rank {local_rank} outside 0..{self.local_ranks - 1}")
-        return {"RANK": str(self.rank + local_rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(local_rank), "MASTER_ADDR": self.master_addr,
-                "MASTER_PORT": str(self.master_port), "PERSIA_PS_ADDRESSES": ",".join(self.ps_addresses)}
+        return {
+            "RANK": str(self.rank + local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "PERSIA_PS_ADDRESSES": ",".join(self.ps_addresses),
+        }
 
 
 ENTRY_COMMAND = ["python", "-m", "persia_core.cluster"]
@@ -178,8 +186,7 @@ class Machine:
         if not self.machine_type:
             raise ValueError("machine_type must not be empty")
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
-            raise ValueError(f"{self.machine_type}: give both accelerator_type and accelerator_count > 0, or "
-                             f"neither")
+            raise ValueError(f"{self.machine_type}: give both accelerator_type and accelerator_count > 0, or neither")
 
     def machine_spec(self) -> dict:
         m = {"machineType": self.machine_type}
@@ -188,8 +195,16 @@ class Machine:
         return m
 
 
-def worker_pool_specs(nn_machine: Machine, ps_machine: Machine, nn_replicas: int, ps_replicas: int, image: str,
-                      args: list[str], env: dict[str, str] | None = None, nn_image: str = "") -> list[dict]:
+def worker_pool_specs(
+    nn_machine: Machine,
+    ps_machine: Machine,
+    nn_replicas: int,
+    ps_replicas: int,
+    image: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    nn_image: str = "",
+) -> list[dict]:
     """``workerPoolSpecs`` of a CustomJob (Vertex AI REST shape) running ``ENTRY_COMMAND`` + ``args`` everywhere:
 
         [0] primary: 1 x nn_machine     [1] NN workers: nn_replicas - 1 x nn_machine ({} when none)
@@ -198,8 +213,7 @@ def worker_pool_specs(nn_machine: Machine, ps_machine: Machine, nn_replicas: int
     ``nn_image`` (default ``image``) runs pools 0 and 1, e.g. a CUDA build. Raises ``ValueError`` for fewer
     than one NN or parameter-server replica or an empty image."""
     if nn_replicas < 1 or ps_replicas < 1:
-        raise ValueError(f"need >= 1 NN replica and >= 1 parameter-server replica, got {nn_replicas} and "
-                         f"{ps_replicas}")
+        raise ValueError(f"need >= 1 NN replica and >= 1 parameter-server replica, got {nn_replicas} and {ps_replicas}")
     if not image:
         raise ValueError("image must not be empty")
     env_list = [{"name": k, "value": str(v)} for k, v in sorted((env or {}).items())]
@@ -208,13 +222,18 @@ def worker_pool_specs(nn_machine: Machine, ps_machine: Machine, nn_replicas: int
         container = {"imageUri": img, "command": list(ENTRY_COMMAND), "args": list(args)}
         if env_list:
             container["env"] = [dict(e) for e in env_list]
-        return {"machineSpec": machine.machine_spec(), "replicaCount": count,
-                "diskSpec": {"bootDiskType": machine.boot_disk_type, "bootDiskSizeGb": machine.boot_disk_gb},
-                "containerSpec": container}
+        return {
+            "machineSpec": machine.machine_spec(),
+            "replicaCount": count,
+            "diskSpec": {"bootDiskType": machine.boot_disk_type, "bootDiskSizeGb": machine.boot_disk_gb},
+            "containerSpec": container,
+        }
 
-    return [pool(nn_machine, 1, nn_image or image),
-            pool(nn_machine, nn_replicas - 1, nn_image or image) if nn_replicas > 1 else {},
-            pool(ps_machine, ps_replicas, image)]
+    return [
+        pool(nn_machine, 1, nn_image or image),
+        pool(nn_machine, nn_replicas - 1, nn_image or image) if nn_replicas > 1 else {},
+        pool(ps_machine, ps_replicas, image),
+    ]
 
 
 def ps_addresses(spec: ClusterSpec, shards_per_server: int = 1) -> list[str]:
@@ -248,8 +267,7 @@ def placement(spec: ClusterSpec, shards_per_server: int = 1, ranks_per_replica: 
         return Placement(NN_WORKER, rank=g * (1 + spec.index), local_ranks=g, **common)
     _, port = _host_port(spec.pools[2][spec.index], "cluster.workerpool2")
     shards = list(range(spec.index * shards_per_server, (spec.index + 1) * shards_per_server))
-    return Placement(PARAMETER_SERVER, shards=shards, ports=[port + j for j in range(shards_per_server)],
-                     **common)
+    return Placement(PARAMETER_SERVER, shards=shards, ports=[port + j for j in range(shards_per_server)], **common)
 
 
 def resolve_token(environ: dict | None = None) -> str:
@@ -271,8 +289,10 @@ def resolve_token(environ: dict | None = None) -> str:
         if token:
             return token
         raise ValueError(f"{TOKEN_SECRET_ENV}={secret}: the secret is empty")
-    raise ValueError(f"no parameter-server token: set {TOKEN_ENV} or {TOKEN_SECRET_ENV} (a Secret Manager "
-                     f"version, projects/P/secrets/S/versions/latest)")
+    raise ValueError(
+        f"no parameter-server token: set {TOKEN_ENV} or {TOKEN_SECRET_ENV} (a Secret Manager "
+        f"version, projects/P/secrets/S/versions/latest)"
+    )
 
 
 def wait_for_servers(addresses: list[str], config, token: str, timeout_s: float) -> None:
@@ -295,15 +315,17 @@ def wait_for_servers(addresses: list[str], config, token: str, timeout_s: float)
             pending = still
             if pending:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"parameter servers not answering after {timeout_s:.0f} s: "
-                                       f"{[addresses[s] for s in pending]}")
+                    raise TimeoutError(
+                        f"parameter servers not answering after {timeout_s:.0f} s: {[addresses[s] for s in pending]}"
+                    )
                 time.sleep(2.0)
     finally:
         client.close()
 
 
-def finalize_model(config, data_dir: str, model_dir: str, addresses: list[str], token: str,
-                   wall_seconds: float) -> dict:
+def finalize_model(
+    config, data_dir: str, model_dir: str, addresses: list[str], token: str, wall_seconds: float
+) -> dict:
     """After the last step: every server dumps its shard into ``model_dir``; the manifest is written last (the
     same Model layout as ``persia_core.train.launcher.train``). Returns the manifest."""
     from persia_core.data.reader import read_schema
@@ -319,19 +341,34 @@ def finalize_model(config, data_dir: str, model_dir: str, addresses: list[str], 
     finally:
         client.close()
     history = json.loads(io.read_text(io.join(model_dir, "train_metrics.json")))
-    history["shards"] = [{"shard": s["shard"], "rows": sum(t["rows"] for t in s["tables"].values()),
-                          "bytes": shard_bytes[i], "evictions": sum(t["evictions"] for t in s["tables"].values()),
-                          "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values())}
-                         for i, s in enumerate(stats)]
+    history["shards"] = [
+        {
+            "shard": s["shard"],
+            "rows": sum(t["rows"] for t in s["tables"].values()),
+            "bytes": shard_bytes[i],
+            "evictions": sum(t["evictions"] for t in s["tables"].values()),
+            "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values()),
+        }
+        for i, s in enumerate(stats)
+    ]
     io.write_text(io.join(model_dir, "train_metrics.json"), json.dumps(history))
     manifest = {
-        "format": FORMAT, "config": config.to_dict(), "num_shards": n,
-        "shard_files": [shard_file_name(s) for s in range(n)], "dense_file": "dense.pt",
-        "slots": [s.name for s in config.slots], "dense": schema["dense"],
-        "dense_mean": schema.get("dense_mean"), "dense_std": schema.get("dense_std"),
-        "summary": {"samples_per_s": history["samples_per_s"], "max_staleness": history["max_staleness"],
-                    "final_loss": history["loss"][-1] if history["loss"] else None,
-                    "wall_seconds": wall_seconds, "rows": [s["rows"] for s in history["shards"]]},
+        "format": FORMAT,
+        "config": config.to_dict(),
+        "num_shards": n,
+        "shard_files": [shard_file_name(s) for s in range(n)],
+        "dense_file": "dense.pt",
+        "slots": [s.name for s in config.slots],
+        "dense": schema["dense"],
+        "dense_mean": schema.get("dense_mean"),
+        "dense_std": schema.get("dense_std"),
+        "summary": {
+            "samples_per_s": history["samples_per_s"],
+            "max_staleness": history["max_staleness"],
+            "final_loss": history["loss"][-1] if history["loss"] else None,
+            "wall_seconds": wall_seconds,
+            "rows": [s["rows"] for s in history["shards"]],
+        },
     }
     for rel in ("dense.pt", *manifest["shard_files"]):
         if not io.exists(io.join(model_dir, rel)):
@@ -383,8 +420,10 @@ def resume_point(args, config) -> tuple[str, dict] | None:
     ckpt.check_lineage(manifest, ckpt.lineage(config, args.data), path)
     shards = [e for e in manifest["files"] if e.get("role") == "shard"]
     if len(shards) != config.embedding.num_shards:
-        raise ckpt.CheckpointError(f"{path} holds {len(shards)} shards but the run config has "
-                                   f"embedding.num_shards={config.embedding.num_shards}")
+        raise ckpt.CheckpointError(
+            f"{path} holds {len(shards)} shards but the run config has "
+            f"embedding.num_shards={config.embedding.num_shards}"
+        )
     return chosen
 
 
@@ -393,8 +432,15 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
     from persia_core.train import worker
 
     t0 = time.time()
-    log.info("%s rank %d/%d, rendezvous %s:%d, %d parameter servers", place.role, place.rank,
-             place.world_size, place.master_addr, place.master_port, len(place.ps_addresses))
+    log.info(
+        "%s rank %d/%d, rendezvous %s:%d, %d parameter servers",
+        place.role,
+        place.rank,
+        place.world_size,
+        place.master_addr,
+        place.master_port,
+        len(place.ps_addresses),
+    )
     wait_for_servers(place.ps_addresses, config, token, args.ps_wait_s)
     worker_args = ["--config", args.config, "--data", args.data, "--out", args.out, *args.worker_args]
     resume = resume_point(args, config)
@@ -425,8 +471,11 @@ def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> in
     for j in range(place.local_ranks):
         env = dict(os.environ, **place.env(j), **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
         env.pop(TOKEN_SECRET_ENV, None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "persia_core.train.worker", *worker_args], env=env,
-                                      preexec_fn=_die_with_parent))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "persia_core.train.worker", *worker_args], env=env, preexec_fn=_die_with_parent
+            )
+        )
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -464,8 +513,21 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
     started = time.time()
     procs = []
     for shard, port in zip(place.shards, place.ports):
-        cmd = [sys.executable, "-m", "persia_core.ps.server", "--config", args.config, "--shard", str(shard),
-               "--num-shards", str(n), "--host", args.host, "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "persia_core.ps.server",
+            "--config",
+            args.config,
+            "--shard",
+            str(shard),
+            "--num-shards",
+            str(n),
+            "--host",
+            args.host,
+            "--port",
+            str(port),
+        ]
         if plan and io.exists(plan):
             cmd += ["--plan", plan]
         for root in storage_roots:
@@ -473,8 +535,14 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
         init = io.join(args.init, shard_file_name(shard)) if args.init else ""
         if shard in from_ckpt:
             e = from_ckpt[shard]
-            cmd += ["--init", io.join(resume[0], e["path"]), "--init-size", str(e["bytes"]),
-                    "--init-crc32c", str(e["crc32c"])]
+            cmd += [
+                "--init",
+                io.join(resume[0], e["path"]),
+                "--init-size",
+                str(e["bytes"]),
+                "--init-crc32c",
+                str(e["crc32c"]),
+            ]
         elif init and io.exists(init):
             cmd += ["--init", init]
         log.info("parameter server: shard %d/%d on %s:%d", shard, n, args.host, port)
@@ -522,12 +590,16 @@ def run_replica(args: argparse.Namespace, cluster_spec: str) -> int:
     place = placement(spec, args.shards_per_server, args.ranks_per_replica)
     config = load_config(args.config)
     if len(place.ps_addresses) != config.embedding.num_shards:
-        raise ValueError(f"{len(spec.pools[2])} parameter-server replicas x {args.shards_per_server} shards each "
-                         f"= {len(place.ps_addresses)} shards, but the run config has embedding.num_shards="
-                         f"{config.embedding.num_shards}")
+        raise ValueError(
+            f"{len(spec.pools[2])} parameter-server replicas x {args.shards_per_server} shards each "
+            f"= {len(place.ps_addresses)} shards, but the run config has embedding.num_shards="
+            f"{config.embedding.num_shards}"
+        )
     if place.role != PARAMETER_SERVER and place.world_size != config.trainer.num_workers:
-        raise ValueError(f"{place.world_size} NN workers in the cluster (pools 0 and 1 x {args.ranks_per_replica} "
-                         f"ranks each), but the run config has trainer.num_workers={config.trainer.num_workers}")
+        raise ValueError(
+            f"{place.world_size} NN workers in the cluster (pools 0 and 1 x {args.ranks_per_replica} "
+            f"ranks each), but the run config has trainer.num_workers={config.trainer.num_workers}"
+        )
     token = resolve_token()
     if place.role == PARAMETER_SERVER:
         return _run_parameter_server(args, place, config, token)
@@ -541,26 +613,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", required=True, help="preprocess output folder")
     p.add_argument("--init", default="", help="init_shards output folder (shard plan + initial shards)")
     p.add_argument("--out", required=True, help="Model folder to write")
-    p.add_argument("--control", default="", help="folder for the primary's done marker (parameter servers "
-                                                 "exit when it appears)")
+    p.add_argument(
+        "--control", default="", help="folder for the primary's done marker (parameter servers exit when it appears)"
+    )
     p.add_argument("--shards-per-server", type=int, default=1, help="shards per parameter-server replica")
-    p.add_argument("--ranks-per-replica", type=int, default=1, help="NN worker processes (DDP ranks) per NN "
-                                                                   "replica, e.g. one per GPU")
+    p.add_argument(
+        "--ranks-per-replica",
+        type=int,
+        default=1,
+        help="NN worker processes (DDP ranks) per NN replica, e.g. one per GPU",
+    )
     p.add_argument("--host", default="0.0.0.0", help="address parameter servers bind")
     p.add_argument("--ps-wait-s", type=float, default=900.0, help="how long NN workers wait for the servers")
     p.add_argument("--poll-s", type=float, default=10.0, help="parameter servers: done-marker poll interval")
-    p.add_argument("--resume", default="auto", help="checkpoint to continue from: 'auto' (the newest complete one "
-                                                    "in the run's checkpoint folder, if any; a restarted job "
-                                                    "continues where it stopped), a folder, or '' to start afresh")
-    p.add_argument("worker_args", nargs="*", help="after '--': more arguments of every NN worker "
-                                                   "(persia_core.train.worker), e.g. warm-start or checkpoint flags")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="checkpoint to continue from: 'auto' (the newest complete one "
+        "in the run's checkpoint folder, if any; a restarted job "
+        "continues where it stopped), a folder, or '' to start afresh",
+    )
+    p.add_argument(
+        "worker_args",
+        nargs="*",
+        help="after '--': more arguments of every NN worker "
+        "(persia_core.train.worker), e.g. warm-start or checkpoint flags",
+    )
     args = p.parse_args(argv)
     spec = os.environ.get("CLUSTER_SPEC", "")
     if not spec:
-        p.error("CLUSTER_SPEC is not set (this entry point runs inside a Vertex AI CustomJob replica; locally "
-                "use persia_core.train.launcher)")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s cluster %(message)s")
+        p.error(
+            "CLUSTER_SPEC is not set (this entry point runs inside a Vertex AI CustomJob replica; locally "
+            "use persia_core.train.launcher)"
+        )
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s cluster %(message)s")
     return run_replica(args, spec)
 
 

@@ -297,10 +297,12 @@ class EmbeddingConfig:
         if per_table >= least[worst.name]:
             return
         split = f" split over {len(self.tables)} tables ({per_table} bytes each)" if len(self.tables) > 1 else ""
-        raise _fail("embedding.shard_memory_bytes",
-                    f"{self.shard_memory_bytes} bytes per shard{split} hold fewer than 1024 rows of table "
-                    f"{worst.name!r} (dim {worst.dim}, {worst.optimizer.name}, {self.storage}); give at least "
-                    f"{least[worst.name] * len(self.tables)}")
+        raise _fail(
+            "embedding.shard_memory_bytes",
+            f"{self.shard_memory_bytes} bytes per shard{split} hold fewer than 1024 rows of table "
+            f"{worst.name!r} (dim {worst.dim}, {worst.optimizer.name}, {self.storage}); give at least "
+            f"{least[worst.name] * len(self.tables)}",
+        )
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:
@@ -486,8 +488,9 @@ def _override_child(node: Any, part: str, key: str) -> Any:
         if part.isdigit() and int(part) < len(node):
             return node[int(part)]
         names = [item.get("name") for item in node if isinstance(item, dict)]
-        raise ValueError(f"config override '{key}': no item '{part}' (by name: {names}; by index: 0 to "
-                         f"{len(node) - 1})")
+        raise ValueError(
+            f"config override '{key}': no item '{part}' (by name: {names}; by index: 0 to {len(node) - 1})"
+        )
     raise ValueError(f"config override '{key}': unknown key '{part}'")
 
 
@@ -506,8 +509,9 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         unknown = [k for k in value if k not in names]
         if unknown:
             where = f"{path}." if path else ""
-            raise ValueError(f"config key '{where}{unknown[0]}': unknown key"
-                             f"{_known(dict.fromkeys(names), str(unknown[0]))}")
+            raise ValueError(
+                f"config key '{where}{unknown[0]}': unknown key{_known(dict.fromkeys(names), str(unknown[0]))}"
+            )
         kwargs = {k: _build(hints[k], v, f"{path}.{k}" if path else k) for k, v in value.items()}
         try:
             return tp(**kwargs)
@@ -565,8 +569,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             try:
                 duplicate = key in seen
             except TypeError:
-                raise yaml.constructor.ConstructorError(None, None, f"a key must be a scalar, got {key!r}",
-                                                        key_node.start_mark) from None
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a scalar, got {key!r}", key_node.start_mark
+                ) from None
             if duplicate:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)

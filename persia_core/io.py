@@ -43,18 +43,18 @@ def is_fuse(path: str) -> bool:
 def to_uri(path: str) -> str:
     """``/gcs/b/k`` -> ``gs://b/k``; other paths unchanged."""
     path = str(path)
-    return GCS_SCHEME + path[len(FUSE_ROOT):] if is_fuse(path) else path
+    return GCS_SCHEME + path[len(FUSE_ROOT) :] if is_fuse(path) else path
 
 
 def to_fuse(path: str) -> str:
     """``gs://b/k`` -> ``/gcs/b/k`` (the path a Vertex AI container sees); other paths unchanged."""
     path = str(path)
-    return FUSE_ROOT + path[len(GCS_SCHEME):] if is_gcs(path) else path
+    return FUSE_ROOT + path[len(GCS_SCHEME) :] if is_gcs(path) else path
 
 
 def _mounted(path: str) -> bool:
     """Whether the bucket of a ``/gcs/b/...`` path is visible in the file system (the FUSE mount)."""
-    bucket = path[len(FUSE_ROOT):].split("/", 1)[0]
+    bucket = path[len(FUSE_ROOT) :].split("/", 1)[0]
     return bool(bucket) and os.path.isdir(FUSE_ROOT + bucket)
 
 
@@ -94,7 +94,7 @@ def split_gcs(uri: str) -> tuple[str, str]:
     uri = to_uri(uri)
     if not is_gcs(uri):
         raise ValueError(f"not a gs:// URI: {uri!r}")
-    bucket, _, key = uri[len(GCS_SCHEME):].partition("/")
+    bucket, _, key = uri[len(GCS_SCHEME) :].partition("/")
     if not bucket:
         raise ValueError(f"not a gs:// URI with a bucket: {uri!r}")
     return bucket, key
@@ -115,8 +115,9 @@ def _client():
             if emulator:
                 from google.auth.credentials import AnonymousCredentials
 
-                client = storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"),
-                                        credentials=AnonymousCredentials())
+                client = storage.Client(
+                    project=os.environ.get("GOOGLE_CLOUD_PROJECT", "test"), credentials=AnonymousCredentials()
+                )
             else:
                 client = storage.Client()
             _clients[key] = client
@@ -207,8 +208,9 @@ def read_state_dict(path: str) -> dict:
     try:
         state = torch.load(_io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... by what is wrong
-        raise ValueError(f"{path}: not a readable dense-model file ({len(data)} bytes; torch.load: "
-                         f"{type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"{path}: not a readable dense-model file ({len(data)} bytes; torch.load: {type(e).__name__}: {e})"
+        ) from e
     if not isinstance(state, dict):
         raise ValueError(f"{path}: holds a {type(state).__name__}, not a state dict")
     return state
@@ -303,13 +305,13 @@ def listdir(path: str) -> list[str]:
     it = _client().list_blobs(bucket, prefix=prefix, delimiter="/")
     try:
         for b in it:
-            name = b.name[len(prefix):]
+            name = b.name[len(prefix) :]
             if name:  # a "folder placeholder" object named exactly ``prefix`` has no name of its own
                 names.add(name)
     except NotFound as e:
         raise FileNotFoundError(f"{path}: no such bucket") from e
     for p in it.prefixes:
-        names.add(p[len(prefix):].rstrip("/"))
+        names.add(p[len(prefix) :].rstrip("/"))
     if not names and not exists(path):
         raise FileNotFoundError(f"{path}: no such folder")
     return sorted(names)
@@ -325,7 +327,7 @@ def walk_files(root: str) -> list[str]:
         return sorted(out)
     bucket, key = split_gcs(uri)
     prefix = _folder_prefix(key)
-    return sorted(b.name[len(prefix):] for b in _blobs(bucket, prefix) if not b.name.endswith("/"))
+    return sorted(b.name[len(prefix) :] for b in _blobs(bucket, prefix) if not b.name.endswith("/"))
 
 
 def glob(pattern: str) -> list[str]:
@@ -361,7 +363,7 @@ def glob(pattern: str) -> list[str]:
             break
     out = []
     for b in _blobs(bucket, prefix + literal, delimiter="/"):
-        name = b.name[len(prefix):]
+        name = b.name[len(prefix) :]
         if name and fnmatch.fnmatchcase(name, pat):
             out.append(join(base, name))
     return sorted(out)

@@ -70,8 +70,15 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def progress(iterable: Iterable[T], total: int | None = None, desc: str = "", unit: str = "it",
-             interval_s: float = 30.0, logger: logging.Logger | None = None, stream=None) -> Iterator[T]:
+def progress(
+    iterable: Iterable[T],
+    total: int | None = None,
+    desc: str = "",
+    unit: str = "it",
+    interval_s: float = 30.0,
+    logger: logging.Logger | None = None,
+    stream=None,
+) -> Iterator[T]:
     """Iterate ``iterable`` while showing progress.
 
     On a terminal (``stream``, default stderr, ``isatty()``): a ``tqdm`` bar. Elsewhere: an INFO line
@@ -142,7 +149,8 @@ def write_tensorboard(history: dict, log_dir: str) -> str | None:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:  # tensorboard is not installed
         logging.getLogger("persia.tensorboard").warning(
-            "TensorBoard event files not written (%s); install the 'tensorboard' package", e)
+            "TensorBoard event files not written (%s); install the 'tensorboard' package", e
+        )
         return None
     from persia_core import io
 

@@ -78,12 +78,15 @@ def row_bytes_without_index(optimizer: str, dim: int, weights: str = "fp32") -> 
 
 
 def _state_bytes(optimizer: str, dim: int) -> int:
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-               for shape, dt in T.state_shapes(optimizer, dim).values())
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        for shape, dt in T.state_shapes(optimizer, dim).values()
+    )
 
 
-def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, weights: str = "fp32",
-                        max_rows: int = MAX_ROWS_PER_SHARD) -> tuple[int, int]:
+def capacity_for_budget(
+    budget_bytes: int, optimizer: str, dim: int, weights: str = "fp32", max_rows: int = MAX_ROWS_PER_SHARD
+) -> tuple[int, int]:
     """Rows one shard process holds in ``budget_bytes``, and its hash-index slots.
 
     The search of ``table.capacity_for_budget`` (power-of-two slot counts, load <= ``table.MAX_LOAD``) with the
@@ -107,9 +110,14 @@ def row_bytes(optimizer: str, dim: int, weights: str, capacity: int, slots: int)
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     state = _state_bytes(optimizer, dim)
     fixed = T.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
-    return RowBytes(key=8, lru=fixed - 12, last_used=4, weights=WEIGHT_BYTES[weights] * dim,
-                    optimizer_state=state,
-                    index=(INDEX_SLOT_BYTES * slots + T.QUEUE_FIXED_BYTES) / max(capacity, 1))
+    return RowBytes(
+        key=8,
+        lru=fixed - 12,
+        last_used=4,
+        weights=WEIGHT_BYTES[weights] * dim,
+        optimizer_state=state,
+        index=(INDEX_SLOT_BYTES * slots + T.QUEUE_FIXED_BYTES) / max(capacity, 1),
+    )
 
 
 @dataclass
@@ -148,14 +156,21 @@ class PlanInputs:
     image: str = "IMAGE_URI"
 
     def __post_init__(self) -> None:
-        checks = {"rows": (self.rows >= 1, ">= 1"), "dim": (self.dim >= 1, ">= 1"),
-                  "vm_ram_tb": (self.vm_ram_tb > 0, "> 0"), "usable": (0 < self.usable <= 1, "in (0, 1]"),
-                  "process_overhead_gb": (self.process_overhead_gb >= 0, ">= 0"),
-                  "batch_size": (self.batch_size >= 1, ">= 1"), "throughput": (self.throughput > 0, "> 0"),
-                  "samples_per_gpu": (self.samples_per_gpu > 0, "> 0"), "gpus_per_vm": (self.gpus_per_vm >= 1, ">= 1"),
-                  "ids_per_sample": (self.ids_per_sample > 0, "> 0"),
-                  "unique_fraction": (0 < self.unique_fraction <= 1, "in (0, 1]"),
-                  "dense_params": (self.dense_params >= 0, ">= 0"), "nic_gbps": (self.nic_gbps > 0, "> 0")}
+        checks = {
+            "rows": (self.rows >= 1, ">= 1"),
+            "dim": (self.dim >= 1, ">= 1"),
+            "vm_ram_tb": (self.vm_ram_tb > 0, "> 0"),
+            "usable": (0 < self.usable <= 1, "in (0, 1]"),
+            "process_overhead_gb": (self.process_overhead_gb >= 0, ">= 0"),
+            "batch_size": (self.batch_size >= 1, ">= 1"),
+            "throughput": (self.throughput > 0, "> 0"),
+            "samples_per_gpu": (self.samples_per_gpu > 0, "> 0"),
+            "gpus_per_vm": (self.gpus_per_vm >= 1, ">= 1"),
+            "ids_per_sample": (self.ids_per_sample > 0, "> 0"),
+            "unique_fraction": (0 < self.unique_fraction <= 1, "in (0, 1]"),
+            "dense_params": (self.dense_params >= 0, ">= 0"),
+            "nic_gbps": (self.nic_gbps > 0, "> 0"),
+        }
         for name, (ok, need) in checks.items():
             value = getattr(self, name)
             if not ok or (isinstance(value, float) and not math.isfinite(value)):
@@ -212,8 +227,10 @@ def _layouts(inp: PlanInputs) -> list[tuple[int, int, int, int]]:
             if k >= first_uncapped + 8:
                 break
     if not out:
-        raise ValueError(f"planner: a server of {inp.vm_ram_tb} TB x {inp.usable} usable holds no shard process "
-                         f"of at least 1024 rows")
+        raise ValueError(
+            f"planner: a server of {inp.vm_ram_tb} TB x {inp.usable} usable holds no shard process "
+            f"of at least 1024 rows"
+        )
     return out
 
 
@@ -231,7 +248,7 @@ def _servers_needed(rows: int, k: int, cap: int) -> int:
     if fits(lo):
         return lo
     # mean + s sqrt(mean) <= cap  <=>  sqrt(mean) <= (sqrt(s^2 + 4 cap) - s) / 2: a close upper estimate
-    best_mean = ((math.sqrt(SKEW_SIGMAS ** 2 + 4 * cap) - SKEW_SIGMAS) / 2) ** 2
+    best_mean = ((math.sqrt(SKEW_SIGMAS**2 + 4 * cap) - SKEW_SIGMAS) / 2) ** 2
     hi = max(lo + 1, math.ceil(rows / (k * best_mean)))
     while not fits(hi):
         hi += hi - lo  # float rounding left the estimate short: widen
@@ -246,8 +263,9 @@ def plan(inp: PlanInputs) -> Plan:
     processes per server."""
     from persia_core.cluster import Machine, worker_pool_specs
 
-    servers, k, cap, budget, slots = min((_servers_needed(inp.rows, k, cap), k, cap, budget, slots)
-                                         for k, cap, budget, slots in _layouts(inp))
+    servers, k, cap, budget, slots = min(
+        (_servers_needed(inp.rows, k, cap), k, cap, budget, slots) for k, cap, budget, slots in _layouts(inp)
+    )
     rb = row_bytes(inp.optimizer, inp.dim, inp.weights, cap, slots)
     total_shards = servers * k
     mean = inp.rows / total_shards
@@ -264,16 +282,31 @@ def plan(inp: PlanInputs) -> Plan:
     accel = inp.accelerator_type if inp.gpus_per_vm else ""
     specs = worker_pool_specs(
         nn_machine=Machine(inp.gpu_machine_type, accel, inp.gpus_per_vm if accel else 0),
-        ps_machine=Machine(inp.ps_machine_type), nn_replicas=nn_vms, ps_replicas=servers, image=inp.image,
-        args=["--shards-per-server", str(k), "--ranks-per-replica", str(inp.gpus_per_vm)])
-    return Plan(inputs=inp, row_bytes=rb, shards_per_server=k, rows_per_shard_capacity=cap,
-                shard_budget_bytes=budget, parameter_servers=servers, total_shards=total_shards,
-                rows_per_shard=mean,
-                memory_per_server_bytes=k * (cap * rb.without_index + INDEX_SLOT_BYTES * slots
-                                             + inp.process_overhead_gb * 1e9),
-                gpus=gpus, nn_vms=nn_vms, steps_per_s=steps_per_s, net_lookup_bytes_per_step=lookup,
-                net_push_bytes_per_step=push, net_allreduce_bytes_per_step=allreduce, ps_gbps_per_server=ps_gbps,
-                worker_pool_specs=specs)
+        ps_machine=Machine(inp.ps_machine_type),
+        nn_replicas=nn_vms,
+        ps_replicas=servers,
+        image=inp.image,
+        args=["--shards-per-server", str(k), "--ranks-per-replica", str(inp.gpus_per_vm)],
+    )
+    return Plan(
+        inputs=inp,
+        row_bytes=rb,
+        shards_per_server=k,
+        rows_per_shard_capacity=cap,
+        shard_budget_bytes=budget,
+        parameter_servers=servers,
+        total_shards=total_shards,
+        rows_per_shard=mean,
+        memory_per_server_bytes=k * (cap * rb.without_index + INDEX_SLOT_BYTES * slots + inp.process_overhead_gb * 1e9),
+        gpus=gpus,
+        nn_vms=nn_vms,
+        steps_per_s=steps_per_s,
+        net_lookup_bytes_per_step=lookup,
+        net_push_bytes_per_step=push,
+        net_allreduce_bytes_per_step=allreduce,
+        ps_gbps_per_server=ps_gbps,
+        worker_pool_specs=specs,
+    )
 
 
 def _si(x: float, unit: str = "B") -> str:
@@ -289,37 +322,73 @@ def format_table(p: Plan) -> str:
     usable = i.vm_ram_tb * TB * i.usable
     rows = [
         ("parameters", f"{i.rows * i.dim:.4g} ({i.rows:.4g} rows x dim {i.dim})"),
-        ("bytes per row", f"{rb.total:.2f} = key {rb.key} + LRU {rb.lru} + last-used {rb.last_used} + weights "
-                          f"{i.weights} {rb.weights} + {i.optimizer} state {rb.optimizer_state} + "
-                          f"hash index {rb.index:.2f}"),
+        (
+            "bytes per row",
+            f"{rb.total:.2f} = key {rb.key} + LRU {rb.lru} + last-used {rb.last_used} + weights "
+            f"{i.weights} {rb.weights} + {i.optimizer} state {rb.optimizer_state} + "
+            f"hash index {rb.index:.2f}",
+        ),
         ("server RAM usable", f"{_si(usable)} ({i.vm_ram_tb:g} TB x {i.usable:g})"),
-        ("shard processes/server", f"{p.shards_per_server} (<= {MAX_ROWS_PER_SHARD:,} rows each: int32 row "
-                                   f"numbers; {i.process_overhead_gb:g} GB overhead each)"),
+        (
+            "shard processes/server",
+            f"{p.shards_per_server} (<= {MAX_ROWS_PER_SHARD:,} rows each: int32 row "
+            f"numbers; {i.process_overhead_gb:g} GB overhead each)",
+        ),
         ("rows/shard capacity", f"{p.rows_per_shard_capacity:,} in {_si(p.shard_budget_bytes)}"),
         ("rows/shard planned", f"{p.rows_per_shard:,.0f} (hash routing, {SKEW_SIGMAS:g} sigma headroom)"),
-        ("memory/server", f"{_si(p.memory_per_server_bytes)} of {_si(i.vm_ram_tb * TB)} "
-                          f"({p.memory_per_server_bytes / (i.vm_ram_tb * TB):.1%}) with every shard at capacity"),
+        (
+            "memory/server",
+            f"{_si(p.memory_per_server_bytes)} of {_si(i.vm_ram_tb * TB)} "
+            f"({p.memory_per_server_bytes / (i.vm_ram_tb * TB):.1%}) with every shard at capacity",
+        ),
         ("total shards", f"{p.total_shards:,}"),
-        ("embedding memory", f"{_si(p.memory_per_server_bytes * p.parameter_servers)} on "
-                             f"{_si(p.parameter_servers * i.vm_ram_tb * TB)} of servers"),
-        ("NN worker GPUs", f"{p.gpus} on {p.nn_vms} x {i.gpu_machine_type} ({i.gpus_per_vm} x "
-                           f"{i.accelerator_type}); {math.ceil(i.throughput / i.samples_per_gpu)} needed for "
-                           f"{i.throughput:.4g} samples/s at {i.samples_per_gpu:.4g} per GPU"),
+        (
+            "embedding memory",
+            f"{_si(p.memory_per_server_bytes * p.parameter_servers)} on "
+            f"{_si(p.parameter_servers * i.vm_ram_tb * TB)} of servers",
+        ),
+        (
+            "NN worker GPUs",
+            f"{p.gpus} on {p.nn_vms} x {i.gpu_machine_type} ({i.gpus_per_vm} x "
+            f"{i.accelerator_type}); {math.ceil(i.throughput / i.samples_per_gpu)} needed for "
+            f"{i.throughput:.4g} samples/s at {i.samples_per_gpu:.4g} per GPU",
+        ),
         ("steps/s", f"{p.steps_per_s:.2f} (batch {i.batch_size} per GPU)"),
-        ("network/step/worker", f"{_si(p.net_bytes_per_step)} = lookup {_si(p.net_lookup_bytes_per_step)} + push "
-                                f"{_si(p.net_push_bytes_per_step)} + all-reduce "
-                                f"{_si(p.net_allreduce_bytes_per_step)}"),
-        ("network/server", f"{p.ps_gbps_per_server:.2f} Gbit/s of {i.nic_gbps:g} "
-                           f"({p.ps_gbps_per_server / i.nic_gbps:.1%})"),
-        ("worker pools", "; ".join(
-            f"pool {n}: {s['replicaCount']} x {s['machineSpec']['machineType']}" for n, s in
-            enumerate(p.worker_pool_specs) if s) or "-"),
+        (
+            "network/step/worker",
+            f"{_si(p.net_bytes_per_step)} = lookup {_si(p.net_lookup_bytes_per_step)} + push "
+            f"{_si(p.net_push_bytes_per_step)} + all-reduce "
+            f"{_si(p.net_allreduce_bytes_per_step)}",
+        ),
+        (
+            "network/server",
+            f"{p.ps_gbps_per_server:.2f} Gbit/s of {i.nic_gbps:g} ({p.ps_gbps_per_server / i.nic_gbps:.1%})",
+        ),
+        (
+            "worker pools",
+            "; ".join(
+                f"pool {n}: {s['replicaCount']} x {s['machineSpec']['machineType']}"
+                for n, s in enumerate(p.worker_pool_specs)
+                if s
+            )
+            or "-",
+        ),
     ]
-    rows.append(("note", "a table grows by doubling its arrays; keep shards preallocated or below half their "
-                         "capacity while growing, or the copy's transient peak (1.5x) exceeds this budget"))
+    rows.append(
+        (
+            "note",
+            "a table grows by doubling its arrays; keep shards preallocated or below half their "
+            "capacity while growing, or the copy's transient peak (1.5x) exceeds this budget",
+        )
+    )
     if i.weights != "fp32":
-        rows.append(("note", f"run with embedding.storage: {i.weights} in the run config (weights stored "
-                             f"{i.weights}, optimizer state fp32)"))
+        rows.append(
+            (
+                "note",
+                f"run with embedding.storage: {i.weights} in the run config (weights stored "
+                f"{i.weights}, optimizer state fp32)",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     out = [f"{'quantity':<{width}}  value", f"{'-' * width}  {'-' * 5}"]
     out += [f"{k:<{width}}  {v}" for k, v in rows]
@@ -357,32 +426,44 @@ def _count_arg(text: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI (``python -m persia_core.planner`` / ``python -m persia_core plan``). See ``--help``."""
-    p = argparse.ArgumentParser(prog="persia plan", description="Capacity plan: parameter servers, NN-worker "
-                                "GPUs, network bytes per step and the Vertex AI worker pools.")
+    p = argparse.ArgumentParser(
+        prog="persia plan",
+        description="Capacity plan: parameter servers, NN-worker "
+        "GPUs, network bytes per step and the Vertex AI worker pools.",
+    )
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=_count_arg, help="embedding parameters (rows x dim), e.g. 1e14")
     size.add_argument("--ids", type=_count_arg, help="distinct feature IDs (rows) over all slots")
-    size.add_argument("--slot", action="append", metavar="NAME=IDS",
-                      help="expected distinct IDs of one slot (repeat per slot)")
+    size.add_argument(
+        "--slot", action="append", metavar="NAME=IDS", help="expected distinct IDs of one slot (repeat per slot)"
+    )
     d = PlanInputs(rows=1)
     p.add_argument("--dim", type=int, default=d.dim, help="embedding dim D")
     p.add_argument("--weights", choices=sorted(WEIGHT_BYTES), default=d.weights, help="weight storage precision")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer, help="server-side optimizer")
     p.add_argument("--vm-ram-tb", type=float_in(), default=d.vm_ram_tb, help="RAM of a parameter-server VM, TB")
     p.add_argument("--usable", type=float_in(), default=d.usable, help="share of that RAM the shards may use")
-    p.add_argument("--process-overhead-gb", type=float_in(), default=d.process_overhead_gb,
-                   help="memory of a shard process besides its table, GB")
+    p.add_argument(
+        "--process-overhead-gb",
+        type=float_in(),
+        default=d.process_overhead_gb,
+        help="memory of a shard process besides its table, GB",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per GPU per step")
     p.add_argument("--throughput", type=_count_arg, default=d.throughput, help="target samples/s of the job")
     p.add_argument("--samples-per-gpu", type=_count_arg, default=d.samples_per_gpu, help="samples/s of one GPU")
     p.add_argument("--gpus-per-vm", type=int, default=d.gpus_per_vm, help="GPUs of an NN-worker VM")
-    p.add_argument("--ids-per-sample", type=float_in(), default=0.0,
-                   help="feature IDs per sample (default: the number of --slot, else 26 as Criteo's)")
-    p.add_argument("--unique-fraction", type=float_in(), default=d.unique_fraction,
-                   help="share of a batch's IDs left after dedup")
+    p.add_argument(
+        "--ids-per-sample",
+        type=float_in(),
+        default=0.0,
+        help="feature IDs per sample (default: the number of --slot, else 26 as Criteo's)",
+    )
+    p.add_argument(
+        "--unique-fraction", type=float_in(), default=d.unique_fraction, help="share of a batch's IDs left after dedup"
+    )
     p.add_argument("--dense-params", type=_count_arg, default=d.dense_params, help="dense network parameters")
-    p.add_argument("--nic-gbps", type=float_in(), default=d.nic_gbps,
-                   help="network of a parameter-server VM, Gbit/s")
+    p.add_argument("--nic-gbps", type=float_in(), default=d.nic_gbps, help="network of a parameter-server VM, Gbit/s")
     p.add_argument("--ps-machine-type", default=d.ps_machine_type, help="parameter-server machine type")
     p.add_argument("--gpu-machine-type", default=d.gpu_machine_type, help="NN-worker machine type")
     p.add_argument("--accelerator-type", default=d.accelerator_type, help="NN-worker accelerator")
@@ -416,14 +497,27 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(f"--slot {item}: IDS must be >= 1")
             rows = math.ceil(sum(per_slot.values()))
             ids_per_sample = args.ids_per_sample or float(len(per_slot))
-        inp = PlanInputs(rows=rows, dim=args.dim, weights=args.weights, optimizer=args.optimizer,
-                         vm_ram_tb=args.vm_ram_tb, usable=args.usable, process_overhead_gb=args.process_overhead_gb,
-                         batch_size=args.batch_size, throughput=args.throughput, samples_per_gpu=args.samples_per_gpu,
-                         gpus_per_vm=args.gpus_per_vm, ids_per_sample=ids_per_sample,
-                         unique_fraction=args.unique_fraction, dense_params=args.dense_params,
-                         nic_gbps=args.nic_gbps, ps_machine_type=args.ps_machine_type,
-                         gpu_machine_type=args.gpu_machine_type, accelerator_type=args.accelerator_type,
-                         image=args.image)
+        inp = PlanInputs(
+            rows=rows,
+            dim=args.dim,
+            weights=args.weights,
+            optimizer=args.optimizer,
+            vm_ram_tb=args.vm_ram_tb,
+            usable=args.usable,
+            process_overhead_gb=args.process_overhead_gb,
+            batch_size=args.batch_size,
+            throughput=args.throughput,
+            samples_per_gpu=args.samples_per_gpu,
+            gpus_per_vm=args.gpus_per_vm,
+            ids_per_sample=ids_per_sample,
+            unique_fraction=args.unique_fraction,
+            dense_params=args.dense_params,
+            nic_gbps=args.nic_gbps,
+            ps_machine_type=args.ps_machine_type,
+            gpu_machine_type=args.gpu_machine_type,
+            accelerator_type=args.accelerator_type,
+            image=args.image,
+        )
         if args.json:
             check_output_file("--json", args.json)
         result = plan(inp)

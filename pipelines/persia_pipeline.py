@@ -21,7 +21,6 @@ Every parameter has a default that runs on the bundled MovieLens data. Compile w
 ``python -m pipelines.persia_pipeline [--target vertex] [--output FILE]``.
 """
 
-
 import argparse
 import json
 import sys
@@ -86,36 +85,66 @@ def persia_pipeline(
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
     tasks = []
     if target is not None:
-        resolved = vertex.resolve_data(template=data, schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER,
-                                       blessed_dir=blessed_dir, warm_start_from=warm_start_from
-                                       ).set_display_name("resolve data (schedule time)")
+        resolved = vertex.resolve_data(
+            template=data,
+            schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER,
+            blessed_dir=blessed_dir,
+            warm_start_from=warm_start_from,
+        ).set_display_name("resolve data (schedule time)")
         tasks.append(resolved)
         data = resolved.output
     pre = preprocess(
-        data=data, config=config, num_parameter_servers=num_parameter_servers, num_nn_workers=num_nn_workers,
-        embedding_staleness=embedding_staleness, epochs=epochs, max_rows=max_rows, beam_args=beam_args,
+        data=data,
+        config=config,
+        num_parameter_servers=num_parameter_servers,
+        num_nn_workers=num_nn_workers,
+        embedding_staleness=embedding_staleness,
+        epochs=epochs,
+        max_rows=max_rows,
+        beam_args=beam_args,
     ).set_display_name("preprocess (Beam)")
-    plan = init_shards(dataset=pre.outputs["dataset"], warm_start_from=warm_start_from).set_display_name(
-        "init shards")
+    plan = init_shards(dataset=pre.outputs["dataset"], warm_start_from=warm_start_from).set_display_name("init shards")
     if target is None:
-        trained = train(dataset=pre.outputs["dataset"], shards=plan.outputs["shards"],
-                        checkpoint_every_steps=checkpoint_every_steps, checkpoint_every_s=checkpoint_every_s)
+        trained = train(
+            dataset=pre.outputs["dataset"],
+            shards=plan.outputs["shards"],
+            checkpoint_every_steps=checkpoint_every_steps,
+            checkpoint_every_s=checkpoint_every_s,
+        )
     else:
         trained = vertex.train(
-            dataset=pre.outputs["dataset"], shards=plan.outputs["shards"],
-            worker_pool_specs=json.dumps(target.worker_pool_specs()), location=target.region,
-            service_account=target.service_account, network=target.network,
-            ps_token_secret=target.ps_token_secret, timeout_s=target.timeout_s,
-            checkpoint_every_s=checkpoint_every_s, checkpoint_every_steps=checkpoint_every_steps)
+            dataset=pre.outputs["dataset"],
+            shards=plan.outputs["shards"],
+            worker_pool_specs=json.dumps(target.worker_pool_specs()),
+            location=target.region,
+            service_account=target.service_account,
+            network=target.network,
+            ps_token_secret=target.ps_token_secret,
+            timeout_s=target.timeout_s,
+            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_steps=checkpoint_every_steps,
+        )
     trained.set_display_name("train (hybrid)").set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
-    ev = evaluate(dataset=pre.outputs["dataset"], model=trained.outputs["model"], blessed_dir=blessed_dir,
-                  min_auc=min_auc, max_auc_drop=max_auc_drop, max_ne=max_ne).set_display_name("evaluate")
-    decision = gate(metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir, min_auc=min_auc,
-                    max_auc_drop=max_auc_drop, max_ne=max_ne).set_display_name("model gate")
+    ev = evaluate(
+        dataset=pre.outputs["dataset"],
+        model=trained.outputs["model"],
+        blessed_dir=blessed_dir,
+        min_auc=min_auc,
+        max_auc_drop=max_auc_drop,
+        max_ne=max_ne,
+    ).set_display_name("evaluate")
+    decision = gate(
+        metrics_json=ev.outputs["Output"],
+        blessed_dir=blessed_dir,
+        min_auc=min_auc,
+        max_auc_drop=max_auc_drop,
+        max_ne=max_ne,
+    ).set_display_name("model gate")
     tasks += [pre, plan, trained, ev, decision]
     with dsl.If(decision.outputs["Output"] == "bless", name="better-than-blessed"):
-        blessed = bless_model(model=trained.outputs["model"], metrics_json=ev.outputs["Output"],
-                              blessed_dir=blessed_dir).set_display_name("bless model")
+        blessed = bless_model(
+            model=trained.outputs["model"], metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir
+        ).set_display_name("bless model")
         tasks.append(blessed)
     image = target.image if target is not None else base_image("local")
     for task in tasks:
@@ -142,10 +171,17 @@ def compile_pipeline(output: str, target: str = "local", settings: "vertex.Verte
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Compile the persia-kfp pipeline to YAML.")
-    p.add_argument("--target", choices=TARGETS, default="local",
-                   help="local: train as local processes (kfp.local); vertex: train as a Vertex AI CustomJob")
-    p.add_argument("--output", default="", help="YAML file to write (default: " +
-                   ", ".join(f"{t}: {o}" for t, o in DEFAULT_OUTPUT.items()) + ")")
+    p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="local",
+        help="local: train as local processes (kfp.local); vertex: train as a Vertex AI CustomJob",
+    )
+    p.add_argument(
+        "--output",
+        default="",
+        help="YAML file to write (default: " + ", ".join(f"{t}: {o}" for t, o in DEFAULT_OUTPUT.items()) + ")",
+    )
     v = p.add_argument_group("vertex target (defaults: the PERSIA_* variables, see pipelines/vertex.py)")
     v.add_argument("--image", help="image of every step and the parameter servers ($PERSIA_BASE_IMAGE)")
     v.add_argument("--cuda-image", help="image of the NN pools ($PERSIA_CUDA_IMAGE; default --image)")

@@ -54,8 +54,9 @@ def captured_output(log_path: str, verbose: bool = False):
     text = open(log_path, "a", buffering=1, errors="replace")
     old_streams = sys.stdout, sys.stderr
     handlers = []
-    for logger in [logging.getLogger()] + [v for v in logging.Logger.manager.loggerDict.values()
-                                           if isinstance(v, logging.Logger)]:
+    for logger in [logging.getLogger()] + [
+        v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)
+    ]:
         for h in logger.handlers:
             if isinstance(h, logging.StreamHandler) and h.stream in old_streams:
                 handlers.append((h, h.setStream(text)))
@@ -77,8 +78,9 @@ def captured_output(log_path: str, verbose: bool = False):
         m = _FINISHED.search(line)
         if m:
             took = time.time() - began.get(m.group(1), time.time())
-            os.write(saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: {m.group(2).lower()} ({took:.1f} s)\n"
-                     .encode())
+            os.write(
+                saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: {m.group(2).lower()} ({took:.1f} s)\n".encode()
+            )
 
     def follow() -> None:
         with open(log_path, "r", errors="replace") as f:
@@ -125,8 +127,11 @@ def captured_output(log_path: str, verbose: bool = False):
 def _run_dirs(root: str) -> list[str]:
     """The run folders kfp.local made under ``root`` (one per pipeline run)."""
     try:
-        return [os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d, "evaluate"))
-                or os.path.isdir(os.path.join(root, d, "preprocess"))]
+        return [
+            os.path.join(root, d)
+            for d in os.listdir(root)
+            if os.path.isdir(os.path.join(root, d, "evaluate")) or os.path.isdir(os.path.join(root, d, "preprocess"))
+        ]
     except FileNotFoundError:
         return []
 
@@ -168,14 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=-1, help="embedding staleness K (-1 = config's)")
     p.add_argument("--epochs", type=int, default=0, help="epochs (0 = config's)")
     p.add_argument("--max-rows", type=int, default=0, help="read only this many examples (0 = all)")
-    p.add_argument("--blessed-dir", default="",
-                   help="the latest blessed model's location, written by the gate (default: "
-                        "<pipeline root>/blessed/<config name>, so models of different configs never compete)")
-    p.add_argument("--warm-start-from", default="",
-                   help="start from a previous model, checkpoint or blessed-model location (empty = cold start)")
+    p.add_argument(
+        "--blessed-dir",
+        default="",
+        help="the latest blessed model's location, written by the gate (default: "
+        "<pipeline root>/blessed/<config name>, so models of different configs never compete)",
+    )
+    p.add_argument(
+        "--warm-start-from",
+        default="",
+        help="start from a previous model, checkpoint or blessed-model location (empty = cold start)",
+    )
     p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
-    p.add_argument("--max-ne", type=float, default=1.0,
-                   help="... and never one whose normalized entropy is at or above this (1: the base rate)")
+    p.add_argument(
+        "--max-ne",
+        type=float,
+        default=1.0,
+        help="... and never one whose normalized entropy is at or above this (1: the base rate)",
+    )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
@@ -200,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
         from persia_core.train.launcher import check_local_process_count
 
-        check_local_process_count(args.parameter_servers or cfg.embedding.num_shards,
-                                  args.nn_workers or cfg.trainer.num_workers)
+        check_local_process_count(
+            args.parameter_servers or cfg.embedding.num_shards, args.nn_workers or cfg.trainer.num_workers
+        )
         if "://" not in args.data:
             from persia_core.preprocess.pipeline import resolve_inputs
 
@@ -251,11 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     with captured_output(log_path, args.verbose) as last_lines:
         try:
-            result = persia_pipeline(data=data, config=config, num_parameter_servers=args.parameter_servers,
-                                     num_nn_workers=args.nn_workers, embedding_staleness=args.staleness,
-                                     epochs=args.epochs, max_rows=args.max_rows, blessed_dir=blessed_dir,
-                                     warm_start_from=absolute(args.warm_start_from), min_auc=args.min_auc,
-                                     max_ne=args.max_ne)
+            result = persia_pipeline(
+                data=data,
+                config=config,
+                num_parameter_servers=args.parameter_servers,
+                num_nn_workers=args.nn_workers,
+                embedding_staleness=args.staleness,
+                epochs=args.epochs,
+                max_rows=args.max_rows,
+                blessed_dir=blessed_dir,
+                warm_start_from=absolute(args.warm_start_from),
+                min_auc=args.min_auc,
+                max_ne=args.max_ne,
+            )
         except RuntimeError as e:
             failure = (e, last_lines(80))
         except KeyboardInterrupt:
@@ -264,16 +288,22 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     if failure is not None and failure[0] is None:
         how = "terminated (SIGTERM)" if terminated else "interrupted"
-        print(f"\nrun_local: {how} after {time.time() - t0:.0f} s; nothing was blessed by this run "
-              f"(outputs so far under {root}, kfp.local's output in {log_path})", file=sys.stderr)
+        print(
+            f"\nrun_local: {how} after {time.time() - t0:.0f} s; nothing was blessed by this run "
+            f"(outputs so far under {root}, kfp.local's output in {log_path})",
+            file=sys.stderr,
+        )
         return 143 if terminated else 130
     if failure is not None:
         e, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"
         errors = [line.strip() for line in tail.splitlines() if _EXCEPTION.match(line)]
         first = f"run_local: the failing task's error: {errors[-1]}\n" if errors else ""
-        print(f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n{first}"
-              f"run_local: the failing task's own output is {where}\n{tail}{first}", file=sys.stderr)
+        print(
+            f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n{first}"
+            f"run_local: the failing task's own output is {where}\n{tail}{first}",
+            file=sys.stderr,
+        )
         return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")

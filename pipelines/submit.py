@@ -32,6 +32,7 @@ _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 
 # ------------------------------------------------------------------------------------------- validation
 
+
 @dataclass(frozen=True)
 class Target:
     """Where runs go: a Google Cloud project, a Vertex AI region and the pipeline root (gs://)."""
@@ -67,11 +68,12 @@ def check_vertex_template(spec: dict, path: str) -> None:
     """Refuse a template compiled for the local target (its images exist only on a laptop)."""
     from components import LOCAL_IMAGE
 
-    images = {e.get("container", {}).get("image") for e in spec.get("deploymentSpec", {}).get("executors", {})
-              .values()}
+    images = {e.get("container", {}).get("image") for e in spec.get("deploymentSpec", {}).get("executors", {}).values()}
     if LOCAL_IMAGE in images:
-        raise ValueError(f"{path} was compiled for the local target (image {LOCAL_IMAGE}); compile the Vertex AI "
-                         f"target: PERSIA_BASE_IMAGE=... make compile TARGET=vertex")
+        raise ValueError(
+            f"{path} was compiled for the local target (image {LOCAL_IMAGE}); compile the Vertex AI "
+            f"target: PERSIA_BASE_IMAGE=... make compile TARGET=vertex"
+        )
 
 
 def parameter_specs(spec: dict) -> dict[str, dict]:
@@ -133,10 +135,10 @@ def check_parameters(values: dict[str, Any], specs: dict[str, dict], from_text: 
     unknown = sorted(set(values) - set(specs))
     if unknown:
         raise ValueError(f"unknown pipeline parameter(s) {unknown}; the pipeline takes {sorted(specs)}")
-    out = {name: _convert(name, v, specs[name].get("parameterType", "STRING"), from_text)
-           for name, v in values.items()}
-    missing = sorted(n for n, s in specs.items()
-                     if n not in out and "defaultValue" not in s and not s.get("isOptional"))
+    out = {name: _convert(name, v, specs[name].get("parameterType", "STRING"), from_text) for name, v in values.items()}
+    missing = sorted(
+        n for n, s in specs.items() if n not in out and "defaultValue" not in s and not s.get("isOptional")
+    )
     if missing:
         raise ValueError(f"pipeline parameter(s) {missing} have no default and must be given")
     return out
@@ -165,24 +167,30 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
         if name in specs and float(value(name) or 0) < 0:
             raise ValueError(f"{name} must be >= 0 (0 = the run config's value), got {value(name)}")
     if "embedding_staleness" in specs and float(value("embedding_staleness") or 0) < -1:
-        raise ValueError(f"embedding_staleness must be >= 0, or -1 for the run config's value, got "
-                         f"{value('embedding_staleness')}")
+        raise ValueError(
+            f"embedding_staleness must be >= 0, or -1 for the run config's value, got {value('embedding_staleness')}"
+        )
     if "config" in specs:
         from persia_core.config import is_config_name, shipped_configs
 
         cfg = value("config")
         if cfg and is_config_name(cfg) and cfg not in shipped_configs():
-            raise ValueError(f"config {cfg!r} is not a shipped run config {shipped_configs()} (or give a gs:// "
-                             f"YAML path)")
+            raise ValueError(
+                f"config {cfg!r} is not a shipped run config {shipped_configs()} (or give a gs:// YAML path)"
+            )
     from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
-    check_thresholds(min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
-                     max_ne=float(value("max_ne")) if "max_ne" in specs and value("max_ne") else DEFAULT_MAX_NE)
+    check_thresholds(
+        min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
+        max_ne=float(value("max_ne")) if "max_ne" in specs and value("max_ne") else DEFAULT_MAX_NE,
+    )
     resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
     left = re.findall(r"\{[^}]*\}", resolved)
     if left:
-        raise ValueError(f"data path {data!r}: {left[0]} is not a token (use {{date}}, {{date:%Y%m%d}}, "
-                         f"{{date-1d}}, {{date+3h:%H}}; times are UTC)")
+        raise ValueError(
+            f"data path {data!r}: {left[0]} is not a token (use {{date}}, {{date:%Y%m%d}}, "
+            f"{{date-1d}}, {{date+3h:%H}}; times are UTC)"
+        )
 
 
 def parse_key_values(items: list[str] | None, what: str) -> dict[str, str]:
@@ -198,14 +206,20 @@ def parse_key_values(items: list[str] | None, what: str) -> dict[str, str]:
 
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 _DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
-_CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day-of-month", 1, 31, ()),
-                ("month", 1, 12, _MONTHS), ("day-of-week", 0, 7, _DAYS))
+_CRON_FIELDS = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day-of-month", 1, 31, ()),
+    ("month", 1, 12, _MONTHS),
+    ("day-of-week", 0, 7, _DAYS),
+)
 
 
 def _check_cron_field(cron: str, field: str, name: str, lo: int, hi: int, names: tuple) -> None:
     """One field of a standard 5-field cron: ``*``, ``N``, ``N-M``, lists of those, each with an optional
     ``/STEP``; month and weekday names (``jan``, ``mon``) where cron takes them. Raises ``ValueError`` naming the
     field and its range."""
+
     def number(text: str) -> int:
         if text.lower() in names:
             return names.index(text.lower()) + (1 if name == "month" else 0)
@@ -243,9 +257,18 @@ def cron_with_time_zone(cron: str, time_zone: str) -> str:
     return f"TZ={time_zone} {' '.join(fields)}"
 
 
-def dataflow_beam_args(project: str, region: str, temp_location: str, machine_type: str = "n2-standard-4",
-                       max_num_workers: int = 10, sdk_container_image: str = "", staging_location: str = "",
-                       service_account: str = "", subnetwork: str = "", job_name: str = "") -> list[str]:
+def dataflow_beam_args(
+    project: str,
+    region: str,
+    temp_location: str,
+    machine_type: str = "n2-standard-4",
+    max_num_workers: int = 10,
+    sdk_container_image: str = "",
+    staging_location: str = "",
+    service_account: str = "",
+    subnetwork: str = "",
+    job_name: str = "",
+) -> list[str]:
     """Beam options for the preprocess step on Dataflow (the pipeline's ``beam_args`` parameter, as a list).
 
     ``sdk_container_image`` (the project image, so Dataflow workers can import ``persia_core``) is required for
@@ -258,12 +281,21 @@ def dataflow_beam_args(project: str, region: str, temp_location: str, machine_ty
     if max_num_workers < 1:
         raise ValueError(f"--max-workers must be >= 1, got {max_num_workers}")
     if not sdk_container_image:
-        raise ValueError("Dataflow workers need the project image: --dataflow-image on run / schedule create, "
-                         "--sdk-container-image on dataflow-args (e.g. $PERSIA_BASE_IMAGE)")
-    args = ["--runner=DataflowRunner", f"--project={project}", f"--region={region}",
-            f"--temp_location={temp_location}", f"--staging_location={staging_location or temp_location}",
-            f"--machine_type={machine_type}", f"--max_num_workers={max_num_workers}",
-            f"--sdk_container_image={sdk_container_image}", "--experiments=use_runner_v2"]
+        raise ValueError(
+            "Dataflow workers need the project image: --dataflow-image on run / schedule create, "
+            "--sdk-container-image on dataflow-args (e.g. $PERSIA_BASE_IMAGE)"
+        )
+    args = [
+        "--runner=DataflowRunner",
+        f"--project={project}",
+        f"--region={region}",
+        f"--temp_location={temp_location}",
+        f"--staging_location={staging_location or temp_location}",
+        f"--machine_type={machine_type}",
+        f"--max_num_workers={max_num_workers}",
+        f"--sdk_container_image={sdk_container_image}",
+        "--experiments=use_runner_v2",
+    ]
     if service_account:
         args.append(f"--service_account_email={service_account}")
     if subnetwork:
@@ -275,9 +307,17 @@ def dataflow_beam_args(project: str, region: str, temp_location: str, machine_ty
 
 # ------------------------------------------------------------------------------------------- requests
 
-def build_pipeline_job(template: str, target: Target, parameter_values: dict[str, Any] | None = None,
-                       enable_caching: bool | None = None, display_name: str = "",
-                       labels: dict[str, str] | None = None, credentials=None, from_text: bool = False):
+
+def build_pipeline_job(
+    template: str,
+    target: Target,
+    parameter_values: dict[str, Any] | None = None,
+    enable_caching: bool | None = None,
+    display_name: str = "",
+    labels: dict[str, str] | None = None,
+    credentials=None,
+    from_text: bool = False,
+):
     """A ``google.cloud.aiplatform.PipelineJob`` for ``template`` with checked parameters (nothing sent yet)."""
     from google.cloud import aiplatform
 
@@ -290,27 +330,57 @@ def build_pipeline_job(template: str, target: Target, parameter_values: dict[str
     name = spec["pipelineInfo"]["name"]
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return aiplatform.PipelineJob(
-        display_name=display_name or f"{name}-{stamp}", template_path=template,
-        pipeline_root=target.pipeline_root, parameter_values=values, enable_caching=enable_caching,
-        labels=labels or None, project=target.project, location=target.region, credentials=credentials)
+        display_name=display_name or f"{name}-{stamp}",
+        template_path=template,
+        pipeline_root=target.pipeline_root,
+        parameter_values=values,
+        enable_caching=enable_caching,
+        labels=labels or None,
+        project=target.project,
+        location=target.region,
+        credentials=credentials,
+    )
 
 
-def submit(template: str, target: Target, parameter_values: dict[str, Any] | None = None,
-           service_account: str = "", network: str = "", enable_caching: bool | None = None,
-           display_name: str = "", labels: dict[str, str] | None = None, credentials=None, from_text: bool = False):
+def submit(
+    template: str,
+    target: Target,
+    parameter_values: dict[str, Any] | None = None,
+    service_account: str = "",
+    network: str = "",
+    enable_caching: bool | None = None,
+    display_name: str = "",
+    labels: dict[str, str] | None = None,
+    credentials=None,
+    from_text: bool = False,
+):
     """Submit one run (returns at once); returns the ``PipelineJob``."""
-    job = build_pipeline_job(template, target, parameter_values, enable_caching, display_name, labels, credentials,
-                             from_text)
+    job = build_pipeline_job(
+        template, target, parameter_values, enable_caching, display_name, labels, credentials, from_text
+    )
     job.submit(service_account=service_account or None, network=network or None)
     return job
 
 
-def create_schedule(template: str, target: Target, cron: str, time_zone: str, display_name: str,
-                    parameter_values: dict[str, Any] | None = None, max_concurrent_run_count: int = 1,
-                    max_run_count: int | None = None, start_time: str = "", end_time: str = "",
-                    allow_queueing: bool = False, service_account: str = "", network: str = "",
-                    enable_caching: bool | None = None, labels: dict[str, str] | None = None, credentials=None,
-                    from_text: bool = False):
+def create_schedule(
+    template: str,
+    target: Target,
+    cron: str,
+    time_zone: str,
+    display_name: str,
+    parameter_values: dict[str, Any] | None = None,
+    max_concurrent_run_count: int = 1,
+    max_run_count: int | None = None,
+    start_time: str = "",
+    end_time: str = "",
+    allow_queueing: bool = False,
+    service_account: str = "",
+    network: str = "",
+    enable_caching: bool | None = None,
+    labels: dict[str, str] | None = None,
+    credentials=None,
+    from_text: bool = False,
+):
     """Create a recurring schedule of the pipeline; returns the ``PipelineJobSchedule``."""
     if max_concurrent_run_count < 1:
         raise ValueError(f"--max-concurrent-runs must be >= 1, got {max_concurrent_run_count}")
@@ -324,28 +394,37 @@ def create_schedule(template: str, target: Target, cron: str, time_zone: str, di
             from pipelines.vertex import parse_schedule_time
 
             parse_schedule_time(value)  # RFC 3339 or ValueError
-    job = build_pipeline_job(template, target, parameter_values, enable_caching, display_name, labels, credentials,
-                             from_text)
+    job = build_pipeline_job(
+        template, target, parameter_values, enable_caching, display_name, labels, credentials, from_text
+    )
     return job.create_schedule(
-        cron=cron_tz, display_name=display_name, start_time=start_time or None, end_time=end_time or None,
-        allow_queueing=allow_queueing, max_run_count=max_run_count,
-        max_concurrent_run_count=max_concurrent_run_count, service_account=service_account or None,
-        network=network or None)
+        cron=cron_tz,
+        display_name=display_name,
+        start_time=start_time or None,
+        end_time=end_time or None,
+        allow_queueing=allow_queueing,
+        max_run_count=max_run_count,
+        max_concurrent_run_count=max_concurrent_run_count,
+        service_account=service_account or None,
+        network=network or None,
+    )
 
 
 def _schedule(name_or_id: str, target: Target, credentials=None):
     from google.cloud import aiplatform
 
-    return aiplatform.PipelineJobSchedule.get(name_or_id, project=target.project, location=target.region,
-                                              credentials=credentials)
+    return aiplatform.PipelineJobSchedule.get(
+        name_or_id, project=target.project, location=target.region, credentials=credentials
+    )
 
 
 def list_schedules(target: Target, filter: str = "", credentials=None) -> list:
     """The project's pipeline schedules in the region (optionally filtered, e.g. ``display_name="nightly"``)."""
     from google.cloud import aiplatform
 
-    return aiplatform.PipelineJobSchedule.list(filter=filter or None, project=target.project,
-                                               location=target.region, credentials=credentials)
+    return aiplatform.PipelineJobSchedule.list(
+        filter=filter or None, project=target.project, location=target.region, credentials=credentials
+    )
 
 
 def pause_schedule(name_or_id: str, target: Target, credentials=None) -> None:
@@ -360,9 +439,17 @@ def delete_schedule(name_or_id: str, target: Target, credentials=None) -> None:
     _schedule(name_or_id, target, credentials).delete()
 
 
-def register_model(artifact_uri: str, display_name: str, target: Target, serving_image: str,
-                   parent_model: str = "", aliases: list[str] | None = None, labels: dict[str, str] | None = None,
-                   description: str = "", credentials=None):
+def register_model(
+    artifact_uri: str,
+    display_name: str,
+    target: Target,
+    serving_image: str,
+    parent_model: str = "",
+    aliases: list[str] | None = None,
+    labels: dict[str, str] | None = None,
+    description: str = "",
+    credentials=None,
+):
     """Upload the blessed Model folder to the Vertex AI Model Registry (a new version of ``parent_model`` when
     given); returns the ``aiplatform.Model``. The folder must be on Cloud Storage and hold ``manifest.json``, or
     be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded."""
@@ -380,18 +467,29 @@ def register_model(artifact_uri: str, display_name: str, target: Target, serving
     if not display_name:
         raise ValueError("--display-name is required")
     if not serving_image:
-        raise ValueError("--serving-image is required (the Model Registry needs a container; the project image "
-                         "is the usual choice)")
+        raise ValueError(
+            "--serving-image is required (the Model Registry needs a container; the project image is the usual choice)"
+        )
     return aiplatform.Model.upload(
-        display_name=display_name, artifact_uri=uri, serving_container_image_uri=serving_image,
-        parent_model=parent_model or None, is_default_version=True, version_aliases=aliases or None,
-        version_description=description or None, description=description or None,
-        labels={"framework": "persia-kfp", **(labels or {})}, project=target.project, location=target.region,
-        credentials=credentials, sync=True)
+        display_name=display_name,
+        artifact_uri=uri,
+        serving_container_image_uri=serving_image,
+        parent_model=parent_model or None,
+        is_default_version=True,
+        version_aliases=aliases or None,
+        version_description=description or None,
+        description=description or None,
+        labels={"framework": "persia-kfp", **(labels or {})},
+        project=target.project,
+        location=target.region,
+        credentials=credentials,
+        sync=True,
+    )
 
 
-def upload_template(host: str, template: str, tags: list[str] | None = None, description: str = "",
-                    auth=None) -> tuple[str, str]:
+def upload_template(
+    host: str, template: str, tags: list[str] | None = None, description: str = "", auth=None
+) -> tuple[str, str]:
     """Upload the compiled YAML to a KFP registry (Artifact Registry: ``https://REGION-kfp.pkg.dev/P/REPO``);
     returns ``(package name, version)``. Runs can then use ``HOST/PACKAGE/TAG`` as their template."""
     from kfp.registry import RegistryClient
@@ -403,6 +501,7 @@ def upload_template(host: str, template: str, tags: list[str] | None = None, des
 
 
 # ------------------------------------------------------------------------------------------- CLI
+
 
 def _add_target(p: argparse.ArgumentParser, root: bool = False) -> None:
     p.add_argument("--project", required=True, help="Google Cloud project ID")
@@ -437,11 +536,18 @@ def _run_params(args) -> dict[str, str]:
     if args.dataflow:
         if "beam_args" in params:
             raise ValueError("give either --dataflow or --param beam_args=..., not both")
-        params["beam_args"] = json.dumps(dataflow_beam_args(
-            args.project, args.dataflow_region or args.region,
-            args.dataflow_temp_location or args.pipeline_root.rstrip("/") + "/tmp", args.dataflow_machine_type,
-            args.dataflow_max_workers, args.dataflow_image, service_account=args.dataflow_service_account,
-            subnetwork=args.dataflow_subnetwork))
+        params["beam_args"] = json.dumps(
+            dataflow_beam_args(
+                args.project,
+                args.dataflow_region or args.region,
+                args.dataflow_temp_location or args.pipeline_root.rstrip("/") + "/tmp",
+                args.dataflow_machine_type,
+                args.dataflow_max_workers,
+                args.dataflow_image,
+                service_account=args.dataflow_service_account,
+                subnetwork=args.dataflow_subnetwork,
+            )
+        )
     return params
 
 
@@ -499,38 +605,83 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command in ("register-model", "dataflow-args"):
             target = Target(args.project, args.region)
         if args.command == "run":
-            job = submit(args.template, target, _run_params(args), args.service_account, args.network, args.cache,
-                         args.display_name, parse_key_values(args.label, "--label"), from_text=True)
+            job = submit(
+                args.template,
+                target,
+                _run_params(args),
+                args.service_account,
+                args.network,
+                args.cache,
+                args.display_name,
+                parse_key_values(args.label, "--label"),
+                from_text=True,
+            )
             print(job.resource_name)
         elif args.command == "schedule" and args.action == "create":
-            s = create_schedule(args.template, target, args.cron, args.time_zone, args.name, _run_params(args),
-                                args.max_concurrent_runs, args.max_runs, args.start_time, args.end_time,
-                                args.allow_queueing, args.service_account, args.network, args.cache,
-                                parse_key_values(args.label, "--label"), from_text=True)
+            s = create_schedule(
+                args.template,
+                target,
+                args.cron,
+                args.time_zone,
+                args.name,
+                _run_params(args),
+                args.max_concurrent_runs,
+                args.max_runs,
+                args.start_time,
+                args.end_time,
+                args.allow_queueing,
+                args.service_account,
+                args.network,
+                args.cache,
+                parse_key_values(args.label, "--label"),
+                from_text=True,
+            )
             print(s.resource_name)
         elif args.command == "schedule" and args.action == "list":
             for s in list_schedules(target, args.filter):
                 print(f"{s.resource_name}\t{s.display_name}\t{s.state.name}\t{s.cron}")
         elif args.command == "schedule":
             {"pause": pause_schedule, "resume": resume_schedule, "delete": delete_schedule}[args.action](
-                args.schedule, target)
+                args.schedule, target
+            )
             print(f"{args.action}d {args.schedule}")
         elif args.command == "register-model":
-            m = register_model(args.artifact_uri, args.display_name, target, args.serving_image, args.parent_model,
-                               args.alias, parse_key_values(args.label, "--label"), args.description)
+            m = register_model(
+                args.artifact_uri,
+                args.display_name,
+                target,
+                args.serving_image,
+                args.parent_model,
+                args.alias,
+                parse_key_values(args.label, "--label"),
+                args.description,
+            )
             print(m.versioned_resource_name)
         elif args.command == "upload-template":
             name, version = upload_template(args.host, args.template, args.tag, args.description)
             print(f"{args.host.rstrip('/')}/{name}/{version}")
         elif args.command == "dataflow-args":
-            print(json.dumps(dataflow_beam_args(args.project, args.region, args.temp_location, args.machine_type,
-                                                args.max_workers, args.sdk_container_image)))
+            print(
+                json.dumps(
+                    dataflow_beam_args(
+                        args.project,
+                        args.region,
+                        args.temp_location,
+                        args.machine_type,
+                        args.max_workers,
+                        args.sdk_container_image,
+                    )
+                )
+            )
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     except Exception as e:  # no credentials, no permission, API errors: one line, not a traceback
         if type(e).__module__.startswith(("google.auth", "google.api_core")):
-            print(f"pipelines.submit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (for "
-                  "credentials: gcloud auth application-default login, or a service account)", file=sys.stderr)
+            print(
+                f"pipelines.submit: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (for "
+                "credentials: gcloud auth application-default login, or a service account)",
+                file=sys.stderr,
+            )
             return 1
         raise
     return 0

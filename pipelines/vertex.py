@@ -36,10 +36,18 @@ PLACEHOLDERS = ("dataset", "shards", "model", "control")
 TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
 
 
-GPU_MACHINE_FAMILIES = (("NVIDIA_TESLA_A100", "a2-"), ("NVIDIA_A100_80GB", "a2-"), ("NVIDIA_H100", "a3-"),
-                        ("NVIDIA_H200", "a3-"), ("NVIDIA_L4", "g2-"), ("NVIDIA_TESLA_T4", "n1-"),
-                        ("NVIDIA_TESLA_V100", "n1-"), ("NVIDIA_TESLA_P100", "n1-"), ("NVIDIA_TESLA_P4", "n1-"),
-                        ("NVIDIA_B200", "a4-"))
+GPU_MACHINE_FAMILIES = (
+    ("NVIDIA_TESLA_A100", "a2-"),
+    ("NVIDIA_A100_80GB", "a2-"),
+    ("NVIDIA_H100", "a3-"),
+    ("NVIDIA_H200", "a3-"),
+    ("NVIDIA_L4", "g2-"),
+    ("NVIDIA_TESLA_T4", "n1-"),
+    ("NVIDIA_TESLA_V100", "n1-"),
+    ("NVIDIA_TESLA_P100", "n1-"),
+    ("NVIDIA_TESLA_P4", "n1-"),
+    ("NVIDIA_B200", "a4-"),
+)
 """GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
 GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
 """Machine families that exist only with their GPUs attached (Vertex AI refuses them without an accelerator)."""
@@ -86,69 +94,107 @@ class VertexSettings:
     timeout_s: int = 0
     """CustomJob timeout in seconds (0: Vertex AI's default, 7 days)."""
 
-    ENV = {"image": "PERSIA_BASE_IMAGE", "cuda_image": "PERSIA_CUDA_IMAGE", "region": "PERSIA_VERTEX_REGION",
-           "nn_machine_type": "PERSIA_NN_MACHINE_TYPE", "accelerator_type": "PERSIA_ACCELERATOR_TYPE",
-           "accelerator_count": "PERSIA_ACCELERATOR_COUNT", "ps_machine_type": "PERSIA_PS_MACHINE_TYPE",
-           "shards_per_server": "PERSIA_SHARDS_PER_SERVER", "ranks_per_replica": "PERSIA_RANKS_PER_REPLICA",
-           "service_account": "PERSIA_SERVICE_ACCOUNT", "network": "PERSIA_NETWORK",
-           "ps_token_secret": "PERSIA_PS_TOKEN_SECRET"}
+    ENV = {
+        "image": "PERSIA_BASE_IMAGE",
+        "cuda_image": "PERSIA_CUDA_IMAGE",
+        "region": "PERSIA_VERTEX_REGION",
+        "nn_machine_type": "PERSIA_NN_MACHINE_TYPE",
+        "accelerator_type": "PERSIA_ACCELERATOR_TYPE",
+        "accelerator_count": "PERSIA_ACCELERATOR_COUNT",
+        "ps_machine_type": "PERSIA_PS_MACHINE_TYPE",
+        "shards_per_server": "PERSIA_SHARDS_PER_SERVER",
+        "ranks_per_replica": "PERSIA_RANKS_PER_REPLICA",
+        "service_account": "PERSIA_SERVICE_ACCOUNT",
+        "network": "PERSIA_NETWORK",
+        "ps_token_secret": "PERSIA_PS_TOKEN_SECRET",
+    }
 
     def __post_init__(self) -> None:
         if not self.image:
-            raise ValueError("a Vertex AI compile needs the image that holds the project: set PERSIA_BASE_IMAGE "
-                             "(e.g. us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG, built and pushed "
-                             "with `make image` / cloudbuild.yaml; see README 'Run on Google Cloud')")
-        for name in ("accelerator_count", "shards_per_server", "ranks_per_replica", "nn_replicas", "ps_replicas",
-                     "boot_disk_gb", "timeout_s"):
+            raise ValueError(
+                "a Vertex AI compile needs the image that holds the project: set PERSIA_BASE_IMAGE "
+                "(e.g. us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG, built and pushed "
+                "with `make image` / cloudbuild.yaml; see README 'Run on Google Cloud')"
+            )
+        for name in (
+            "accelerator_count",
+            "shards_per_server",
+            "ranks_per_replica",
+            "nn_replicas",
+            "ps_replicas",
+            "boot_disk_gb",
+            "timeout_s",
+        ):
             low = 0 if name in ("accelerator_count", "timeout_s") else 1
             if getattr(self, name) < low:
                 raise ValueError(f"vertex setting {name} must be >= {low}, got {getattr(self, name)}")
         for name in ("image", "cuda_image"):  # Vertex AI pulls from a registry: a local tag cannot be found there
             value = getattr(self, name)
             if value and ("/" not in value or any(c.isspace() for c in value)):
-                raise ValueError(f"vertex setting {name}={value!r} is not a registry image (e.g. "
-                                 f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG): Vertex AI cannot "
-                                 f"pull a local tag")
+                raise ValueError(
+                    f"vertex setting {name}={value!r} is not a registry image (e.g. "
+                    f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG): Vertex AI cannot "
+                    f"pull a local tag"
+                )
         if not re.fullmatch(r"[a-z]+-[a-z]+\d+", self.region):
-            raise ValueError(f"vertex setting region={self.region!r} (PERSIA_VERTEX_REGION) is not a Google Cloud "
-                             f"region such as us-central1 or europe-west4")
+            raise ValueError(
+                f"vertex setting region={self.region!r} (PERSIA_VERTEX_REGION) is not a Google Cloud "
+                f"region such as us-central1 or europe-west4"
+            )
         for name in ("nn_machine_type", "ps_machine_type"):
             value = getattr(self, name)
             if value and not re.fullmatch(r"[a-z][a-z0-9]*-[a-z0-9]+(-[a-z0-9]+)*", value):
-                raise ValueError(f"vertex setting {name}={value!r} is not a Compute Engine machine type such as "
-                                 f"n2-highmem-32 or a2-highgpu-1g")
+                raise ValueError(
+                    f"vertex setting {name}={value!r} is not a Compute Engine machine type such as "
+                    f"n2-highmem-32 or a2-highgpu-1g"
+                )
         if self.accelerator_type.lower() == "none":  # PERSIA_ACCELERATOR_TYPE=none: a CPU-only NN pool
             self.accelerator_type, self.accelerator_count = "", 0
         # Vertex AI's enum names: NVIDIA_TESLA_A100 (gcloud's nvidia-tesla-a100 spelling accepted)
         self.accelerator_type = self.accelerator_type.upper().replace("-", "_")
         known = [prefix for prefix, _ in GPU_MACHINE_FAMILIES]
         if self.accelerator_type and not self.accelerator_type.startswith(tuple(known)):
-            raise ValueError(f"vertex setting accelerator_type={self.accelerator_type!r} (PERSIA_ACCELERATOR_TYPE) "
-                             f"is not a GPU this project knows: {known}")
+            raise ValueError(
+                f"vertex setting accelerator_type={self.accelerator_type!r} (PERSIA_ACCELERATOR_TYPE) "
+                f"is not a GPU this project knows: {known}"
+            )
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
-            raise ValueError("vertex settings accelerator_type and accelerator_count go together (both or neither; "
-                             "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)")
+            raise ValueError(
+                "vertex settings accelerator_type and accelerator_count go together (both or neither; "
+                "PERSIA_ACCELERATOR_TYPE=none for CPU-only NN machines)"
+            )
         if not self.nn_machine_type:
             self.nn_machine_type = GPU_NN_MACHINE_TYPE if self.accelerator_count else CPU_NN_MACHINE_TYPE
         if not self.accelerator_count and self.nn_machine_type.startswith(GPU_ONLY_FAMILIES):
-            raise ValueError(f"vertex settings: nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE) "
-                             f"carries GPUs, but the NN pools are CPU-only: name its GPU (PERSIA_ACCELERATOR_TYPE "
-                             f"and _COUNT), or a CPU machine such as {CPU_NN_MACHINE_TYPE}")
+            raise ValueError(
+                f"vertex settings: nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE) "
+                f"carries GPUs, but the NN pools are CPU-only: name its GPU (PERSIA_ACCELERATOR_TYPE "
+                f"and _COUNT), or a CPU machine such as {CPU_NN_MACHINE_TYPE}"
+            )
         family = next((f for prefix, f in GPU_MACHINE_FAMILIES if self.accelerator_type.startswith(prefix)), None)
         if family and not self.nn_machine_type.startswith(family):
-            raise ValueError(f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "
-                             f"nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE)")
+            raise ValueError(
+                f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "
+                f"nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE)"
+            )
         gpus = re.search(r"-(\d+)g$", self.nn_machine_type)  # a2-highgpu-2g, a3-highgpu-8g: a fixed GPU count
         if self.accelerator_count and gpus and int(gpus.group(1)) != self.accelerator_count:
-            raise ValueError(f"vertex settings: {self.nn_machine_type} carries {gpus.group(1)} GPU(s), not "
-                             f"accelerator_count={self.accelerator_count} (PERSIA_ACCELERATOR_COUNT)")
+            raise ValueError(
+                f"vertex settings: {self.nn_machine_type} carries {gpus.group(1)} GPU(s), not "
+                f"accelerator_count={self.accelerator_count} (PERSIA_ACCELERATOR_COUNT)"
+            )
         if self.accelerator_count and not self.cuda_image:
-            warnings.warn(f"vertex settings: the NN machines carry {self.accelerator_count} {self.accelerator_type} "
-                          f"GPU(s) but no CUDA image is set (PERSIA_CUDA_IMAGE): they run {self.image}, whose torch "
-                          f"may be the CPU build", stacklevel=3)  # 2 is the dataclass's generated __init__
+            warnings.warn(
+                f"vertex settings: the NN machines carry {self.accelerator_count} {self.accelerator_type} "
+                f"GPU(s) but no CUDA image is set (PERSIA_CUDA_IMAGE): they run {self.image}, whose torch "
+                f"may be the CPU build",
+                stacklevel=3,
+            )  # 2 is the dataclass's generated __init__
         if self.accelerator_count and self.ranks_per_replica > self.accelerator_count:
-            raise ValueError(f"vertex settings: {self.ranks_per_replica} ranks per NN replica but "
-                             f"{self.accelerator_count} GPU(s) per machine (one rank per GPU)")
+            raise ValueError(
+                f"vertex settings: {self.ranks_per_replica} ranks per NN replica but "
+                f"{self.accelerator_count} GPU(s) per machine (one rank per GPU)"
+            )
 
     @classmethod
     def from_env(cls, environ: dict | None = None, **overrides) -> "VertexSettings":
@@ -171,15 +217,29 @@ class VertexSettings:
         """The CustomJob's ``workerPoolSpecs`` template (see module docstring)."""
         from persia_core.cluster import Machine, worker_pool_specs
 
-        nn = Machine(self.nn_machine_type, self.accelerator_type, self.accelerator_count,
-                     boot_disk_gb=self.boot_disk_gb)
+        nn = Machine(
+            self.nn_machine_type, self.accelerator_type, self.accelerator_count, boot_disk_gb=self.boot_disk_gb
+        )
         ps = Machine(self.ps_machine_type, boot_disk_gb=self.boot_disk_gb)
-        args = ["--config", "{{shards}}/run_config.yaml", "--data", "{{dataset}}", "--init", "{{shards}}",
-                "--out", "{{model}}", "--control", "{{control}}",
-                "--shards-per-server", str(self.shards_per_server),
-                "--ranks-per-replica", str(self.ranks_per_replica)]
-        return worker_pool_specs(nn, ps, self.nn_replicas, self.ps_replicas, self.image, args,
-                                 nn_image=self.cuda_image or self.image)
+        args = [
+            "--config",
+            "{{shards}}/run_config.yaml",
+            "--data",
+            "{{dataset}}",
+            "--init",
+            "{{shards}}",
+            "--out",
+            "{{model}}",
+            "--control",
+            "{{control}}",
+            "--shards-per-server",
+            str(self.shards_per_server),
+            "--ranks-per-replica",
+            str(self.ranks_per_replica),
+        ]
+        return worker_pool_specs(
+            nn, ps, self.nn_replicas, self.ps_replicas, self.image, args, nn_image=self.cuda_image or self.image
+        )
 
 
 _settings: VertexSettings | None = None
@@ -245,8 +305,10 @@ def resolve_data_path(template: str, schedule_time: str, now: _dt.datetime | Non
     except OverflowError:
         raise ValueError(f"data path {template!r}: a date offset beyond the calendar") from None
     if "{date" in out:
-        raise ValueError(f"data path {template!r}: unrecognized date token (use {{date}}, {{date:%Y%m%d}}, "
-                         f"{{date-1d}}, {{date+3h:%H}})")
+        raise ValueError(
+            f"data path {template!r}: unrecognized date token (use {{date}}, {{date:%Y%m%d}}, "
+            f"{{date-1d}}, {{date+3h:%H}})"
+        )
     return out
 
 
@@ -255,9 +317,11 @@ def check_cloud_folders(blessed_dir: str, warm_start_from: str) -> None:
     ``warm_start_from`` is empty or one."""
     cloud = ("gs://", "/gcs/")
     if not blessed_dir.startswith(cloud):
-        raise ValueError(f"blessed_dir {blessed_dir!r} is a folder inside the run's container, gone when it ends: "
-                         "set blessed_dir to gs://BUCKET/blessed/<config> (and, for daily retraining, "
-                         "warm_start_from to the same folder)")
+        raise ValueError(
+            f"blessed_dir {blessed_dir!r} is a folder inside the run's container, gone when it ends: "
+            "set blessed_dir to gs://BUCKET/blessed/<config> (and, for daily retraining, "
+            "warm_start_from to the same folder)"
+        )
     if warm_start_from and not warm_start_from.startswith(cloud):
         raise ValueError(f"warm_start_from {warm_start_from!r} must be a gs:// (or /gcs/) folder on Vertex AI")
 
@@ -283,8 +347,10 @@ def resolve_data(template: str, schedule_time: str, blessed_dir: str = "", warm_
 
 # ------------------------------------------------------------------------------------------ the CustomJob
 
-def fill_worker_pool_specs(template: list[dict], paths: dict[str, str], nn_replicas: int, ps_replicas: int,
-                           env: dict[str, str]) -> list[dict]:
+
+def fill_worker_pool_specs(
+    template: list[dict], paths: dict[str, str], nn_replicas: int, ps_replicas: int, env: dict[str, str]
+) -> list[dict]:
     """The template's placeholders replaced by ``paths``, pool counts set (pool 1 = ``nn_replicas - 1``, an
     empty spec when 0; pool 2 = ``ps_replicas``) and ``env`` added to every container. Raises ``ValueError``
     for a template that is not pools 0..2 or a placeholder without a path."""
@@ -314,7 +380,8 @@ def fill_worker_pool_specs(template: list[dict], paths: dict[str, str], nn_repli
         c["args"] = [fill(a) for a in c.get("args", [])]
         c["command"] = [fill(a) for a in c.get("command", [])]
         c["env"] = [e for e in c.get("env", []) if e["name"] not in env] + [
-            {"name": k, "value": v} for k, v in sorted(env.items())]
+            {"name": k, "value": v} for k, v in sorted(env.items())
+        ]
         out.append(spec)
     return out
 
@@ -323,9 +390,15 @@ def _arg(args: list[str], flag: str, default: int) -> int:
     return int(args[args.index(flag) + 1]) if flag in args else default
 
 
-def custom_job_request(template_json: str, dataset_uri: str, shards_uri: str, model_uri: str,
-                       ps_token_secret: str = "", checkpoint_every_s: float = 0.0,
-                       checkpoint_every_steps: int = 0) -> tuple[list[dict], str]:
+def custom_job_request(
+    template_json: str,
+    dataset_uri: str,
+    shards_uri: str,
+    model_uri: str,
+    ps_token_secret: str = "",
+    checkpoint_every_s: float = 0.0,
+    checkpoint_every_steps: int = 0,
+) -> tuple[list[dict], str]:
     """Worker-pool specs for this run and the job's base output folder (``<model>_job``, gs:// form).
 
     Counts follow the run config in ``shards_uri``: NN replicas = ``trainer.num_workers / ranks per replica``,
@@ -344,27 +417,51 @@ def custom_job_request(template_json: str, dataset_uri: str, shards_uri: str, mo
     config = load_config(io.join(shards_uri, "run_config.yaml"))
     n, m = config.embedding.num_shards, config.trainer.num_workers
     if n % k or m % g:
-        raise ValueError(f"embedding.num_shards={n} must be a multiple of shards per server {k} and "
-                         f"trainer.num_workers={m} of ranks per replica {g}")
+        raise ValueError(
+            f"embedding.num_shards={n} must be a multiple of shards per server {k} and "
+            f"trainer.num_workers={m} of ranks per replica {g}"
+        )
     base = io.to_uri(model_uri).rstrip("/") + "_job"
-    paths = {"dataset": io.to_fuse(dataset_uri), "shards": io.to_fuse(shards_uri), "model": io.to_fuse(model_uri),
-             "control": io.to_fuse(io.join(base, "control"))}
+    paths = {
+        "dataset": io.to_fuse(dataset_uri),
+        "shards": io.to_fuse(shards_uri),
+        "model": io.to_fuse(model_uri),
+        "control": io.to_fuse(io.join(base, "control")),
+    }
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
     specs = fill_worker_pool_specs(template, paths, m // g, n // k, env)
     if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
-        flags = ["--", "--checkpoint-dir", io.to_fuse(io.join(model_uri, "checkpoints")),
-                 "--checkpoint-every-s", str(float(checkpoint_every_s)),
-                 "--checkpoint-every-steps", str(int(checkpoint_every_steps)), "--no-checkpoint-at-end"]
+        flags = [
+            "--",
+            "--checkpoint-dir",
+            io.to_fuse(io.join(model_uri, "checkpoints")),
+            "--checkpoint-every-s",
+            str(float(checkpoint_every_s)),
+            "--checkpoint-every-steps",
+            str(int(checkpoint_every_steps)),
+            "--no-checkpoint-at-end",
+        ]
         for spec in specs:
             if spec:
                 spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + flags
     return specs, base
 
 
-def run_custom_job(template_json: str, dataset_uri: str, shards_uri: str, model_uri: str, location: str,
-                   project: str = "", service_account: str = "", network: str = "", ps_token_secret: str = "",
-                   timeout_s: int = 0, display_name: str = "", checkpoint_every_s: float = 0.0,
-                   checkpoint_every_steps: int = 0) -> dict:
+def run_custom_job(
+    template_json: str,
+    dataset_uri: str,
+    shards_uri: str,
+    model_uri: str,
+    location: str,
+    project: str = "",
+    service_account: str = "",
+    network: str = "",
+    ps_token_secret: str = "",
+    timeout_s: int = 0,
+    display_name: str = "",
+    checkpoint_every_s: float = 0.0,
+    checkpoint_every_steps: int = 0,
+) -> dict:
     """Submit the training CustomJob, wait for it, and return the Model's manifest (written by the primary).
 
     Raises ``RuntimeError`` when the job fails (``google.cloud.aiplatform`` raises it with the job's error)."""
@@ -373,33 +470,59 @@ def run_custom_job(template_json: str, dataset_uri: str, shards_uri: str, model_
 
     from persia_core import io
 
-    specs, base = custom_job_request(template_json, dataset_uri, shards_uri, model_uri, ps_token_secret,
-                                     checkpoint_every_s, checkpoint_every_steps)
+    specs, base = custom_job_request(
+        template_json, dataset_uri, shards_uri, model_uri, ps_token_secret, checkpoint_every_s, checkpoint_every_steps
+    )
     job = aiplatform.CustomJob(
         display_name=display_name or f"persia-train-{secrets.token_hex(4)}",
         worker_pool_specs=[custom_job_types.WorkerPoolSpec.from_json(json.dumps(s)) for s in specs],
-        base_output_dir=base, staging_bucket=base, project=project or None, location=location,
-        labels={"persia-kfp": "train"})
-    job.run(service_account=service_account or None, network=network or None, timeout=timeout_s or None,
-            sync=True)
+        base_output_dir=base,
+        staging_bucket=base,
+        project=project or None,
+        location=location,
+        labels={"persia-kfp": "train"},
+    )
+    job.run(service_account=service_account or None, network=network or None, timeout=timeout_s or None, sync=True)
     manifest = io.join(io.to_fuse(model_uri), "manifest.json")
     return json.loads(io.read_text(manifest))
 
 
 @dsl.component(base_image=BASE_IMAGE, install_kfp_package=False)
-def train(dataset: Input[Dataset], shards: Input[Artifact], model: Output[Model], metrics: Output[Metrics],
-          worker_pool_specs: str, location: str, project: str = "", service_account: str = "",
-          network: str = "", ps_token_secret: str = "", timeout_s: int = 0, checkpoint_every_s: float = 600.0,
-          checkpoint_every_steps: int = 0):
+def train(
+    dataset: Input[Dataset],
+    shards: Input[Artifact],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    worker_pool_specs: str,
+    location: str,
+    project: str = "",
+    service_account: str = "",
+    network: str = "",
+    ps_token_secret: str = "",
+    timeout_s: int = 0,
+    checkpoint_every_s: float = 600.0,
+    checkpoint_every_steps: int = 0,
+):
     """Hybrid training as a Vertex AI CustomJob (pools: primary, NN workers, parameter servers; see
     ``pipelines.vertex``); writes the same Model artifact as the local train step. Checkpoints go to
     ``<model>/checkpoints`` every ``checkpoint_every_s`` seconds / ``checkpoint_every_steps`` steps (0: off),
     and a restarted or retried job resumes from the newest complete one."""
     from pipelines.vertex import run_custom_job
 
-    manifest = run_custom_job(worker_pool_specs, dataset.uri, shards.uri, model.uri, location, project,
-                              service_account, network, ps_token_secret, timeout_s,
-                              checkpoint_every_s=checkpoint_every_s, checkpoint_every_steps=checkpoint_every_steps)
+    manifest = run_custom_job(
+        worker_pool_specs,
+        dataset.uri,
+        shards.uri,
+        model.uri,
+        location,
+        project,
+        service_account,
+        network,
+        ps_token_secret,
+        timeout_s,
+        checkpoint_every_s=checkpoint_every_s,
+        checkpoint_every_steps=checkpoint_every_steps,
+    )
     summary = manifest["summary"]
     for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
         if summary.get(key) is not None:

@@ -17,21 +17,42 @@ from persia_core.hashing import feature_ids
 def tiny_config(**trainer) -> RunConfig:
     """A small run config over the delimited layout's fields a, b, tags (multi-hot)."""
     d = {
-        "layout": {"kind": "delimited", "columns": ["label", "x", "a", "b", "tags"], "label_column": "label",
-                   "dense_columns": ["x"]},
+        "layout": {
+            "kind": "delimited",
+            "columns": ["label", "x", "a", "b", "tags"],
+            "label_column": "label",
+            "dense_columns": ["x"],
+        },
         "slots": [{"name": "a", "source": "a"}, {"name": "b", "source": "b"}, {"name": "tags", "source": "tags"}],
-        "embedding": {"tables": [{"name": "default", "dim": 4, "init_scale": 0.1,
-                                  "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}],
-                      "num_shards": 2, "shard_memory_bytes": 1 << 22},
+        "embedding": {
+            "tables": [
+                {"name": "default", "dim": 4, "init_scale": 0.1, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}
+            ],
+            "num_shards": 2,
+            "shard_memory_bytes": 1 << 22,
+        },
         "model": {"kind": "dnn", "hidden": [8], "bottom": [4]},
-        "trainer": {"batch_size": 16, "epochs": 1, "embedding_staleness": 0, "num_workers": 1, "seed": 0,
-                    "shuffle": False, **trainer},
+        "trainer": {
+            "batch_size": 16,
+            "epochs": 1,
+            "embedding_staleness": 0,
+            "num_workers": 1,
+            "seed": 0,
+            "shuffle": False,
+            **trainer,
+        },
     }
     return RunConfig.from_dict(d)
 
 
-def write_dataset(out_dir: str, rows: int = 256, shards: int = 2, seed: int = 0, shard_rows: list[int] | None = None,
-                  eval_rows: int = 64) -> str:
+def write_dataset(
+    out_dir: str,
+    rows: int = 256,
+    shards: int = 2,
+    seed: int = 0,
+    shard_rows: list[int] | None = None,
+    eval_rows: int = 64,
+) -> str:
     """Write train/eval Parquet shards + schema.json for ``tiny_config``'s slots; labels follow a planted model."""
     rng = np.random.default_rng(seed)
     slots = ["a", "b", "tags"]
@@ -65,11 +86,17 @@ def write_dataset(out_dir: str, rows: int = 256, shards: int = 2, seed: int = 0,
         train_files.append(rel)
         start += n
     pq.write_table(make(eval_rows, start), os.path.join(out_dir, "eval/eval-00000-of-00001.parquet"))
-    schema = {"slots": slots, "dense": ["x"], "dense_mean": [0.0], "dense_std": [1.0],
-              "rows": {"train": sum(sizes), "eval": eval_rows, "malformed": 0, "read": sum(sizes) + eval_rows},
-              "distinct_ids": {"a": 20, "b": 50, "tags": 10}, "split": {"by": "row_order", "cutoff": sum(sizes)},
-              "train_files": train_files, "eval_files": ["eval/eval-00000-of-00001.parquet"]}
+    schema = {
+        "slots": slots,
+        "dense": ["x"],
+        "dense_mean": [0.0],
+        "dense_std": [1.0],
+        "rows": {"train": sum(sizes), "eval": eval_rows, "malformed": 0, "read": sum(sizes) + eval_rows},
+        "distinct_ids": {"a": 20, "b": 50, "tags": 10},
+        "split": {"by": "row_order", "cutoff": sum(sizes)},
+        "train_files": train_files,
+        "eval_files": ["eval/eval-00000-of-00001.parquet"],
+    }
     with open(os.path.join(out_dir, S.SCHEMA_FILE), "w") as f:
         json.dump(schema, f)
     return out_dir
-

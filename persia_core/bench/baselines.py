@@ -102,12 +102,20 @@ def load_indexed(data_dir: str, slots: list[str] | None = None) -> IndexedData:
     f = tr.dense.shape[1]
     mean = schema.get("dense_mean") or [0.0] * f
     std = schema.get("dense_std") or [1.0] * f
-    return IndexedData(slots, _index_split(tr, slots, vocabs), _index_split(ev, slots, vocabs),
-                       [len(v) for v in vocabs], list(mean), list(std), time.perf_counter() - t0)
+    return IndexedData(
+        slots,
+        _index_split(tr, slots, vocabs),
+        _index_split(ev, slots, vocabs),
+        [len(v) for v in vocabs],
+        list(mean),
+        list(std),
+        time.perf_counter() - t0,
+    )
 
 
-def drop_bags(values: np.ndarray, lengths: np.ndarray, rates: np.ndarray, batch: int,
-              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def drop_bags(
+    values: np.ndarray, lengths: np.ndarray, rates: np.ndarray, batch: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """ID dropout as the hybrid trainer does it (``persia_core.train.hybrid.drop_ids``): each bag of slot s is
     emptied with probability ``rates[s]``. ``values: int64[n]``, ``lengths: int64[S*B]`` slot-major."""
     keep = rng.random(len(lengths)) >= np.repeat(rates, batch)
@@ -145,10 +153,12 @@ class PlainTorchModel(torch.nn.Module):
     def __init__(self, vocab: list[int], dim: int, dense: torch.nn.Module, init_scale: float):
         super().__init__()
         self.num_slots = len(vocab)
-        self.register_buffer("base", torch.tensor(np.concatenate([[0], np.cumsum(vocab)[:-1]]), dtype=torch.int64),
-                             persistent=False)
-        self.emb = torch.nn.EmbeddingBag(max(int(sum(vocab)), 1), dim, mode="sum", sparse=True,
-                                     include_last_offset=True)
+        self.register_buffer(
+            "base", torch.tensor(np.concatenate([[0], np.cumsum(vocab)[:-1]]), dtype=torch.int64), persistent=False
+        )
+        self.emb = torch.nn.EmbeddingBag(
+            max(int(sum(vocab)), 1), dim, mode="sum", sparse=True, include_last_offset=True
+        )
         torch.nn.init.uniform_(self.emb.weight, -init_scale, init_scale)
         self.dense = dense
 
@@ -170,13 +180,17 @@ def predict(forward, split: IndexedSplit, batch_size: int = 16384) -> np.ndarray
         for start in range(0, len(split), batch_size):
             rows = np.arange(start, min(start + batch_size, len(split)))
             v, ln = split.batch(rows)
-            out.append(torch.sigmoid(forward(torch.from_numpy(v), torch.from_numpy(ln),
-                                             torch.from_numpy(split.dense[rows]))).numpy())
+            out.append(
+                torch.sigmoid(
+                    forward(torch.from_numpy(v), torch.from_numpy(ln), torch.from_numpy(split.dense[rows]))
+                ).numpy()
+            )
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
-def train_loop(step, data: IndexedData, batch_size: int, samples: int, seed: int, dropout: np.ndarray,
-               progress=None) -> dict:
+def train_loop(
+    step, data: IndexedData, batch_size: int, samples: int, seed: int, dropout: np.ndarray, progress=None
+) -> dict:
     """Run ``step(values, lengths, x, labels) -> loss`` over ``samples`` training rows (see :func:`batches`);
     returns ``{"samples", "train_seconds", "sps", "final_loss"}``. ``dropout``: ID-dropout rate per slot."""
     rng = np.random.default_rng([seed, 99])
@@ -187,8 +201,12 @@ def train_loop(step, data: IndexedData, batch_size: int, samples: int, seed: int
         v, ln = tr.batch(rows)
         if dropout.any():
             v, ln = drop_bags(v, ln, dropout, len(rows), rng)
-        loss = step(torch.from_numpy(v), torch.from_numpy(ln), torch.from_numpy(tr.dense[rows]),
-                    torch.from_numpy(tr.labels[rows]))
+        loss = step(
+            torch.from_numpy(v),
+            torch.from_numpy(ln),
+            torch.from_numpy(tr.dense[rows]),
+            torch.from_numpy(tr.labels[rows]),
+        )
         n += len(rows)
         steps += 1
         if progress is not None and steps % 50 == 0:
@@ -197,8 +215,15 @@ def train_loop(step, data: IndexedData, batch_size: int, samples: int, seed: int
     return {"samples": n, "train_seconds": elapsed, "sps": n / max(elapsed, 1e-9), "final_loss": loss}
 
 
-def run_plain_torch(data: IndexedData, config, samples: int, seed: int = 0, batch_size: int | None = None,
-                    threads: int = 0, progress=None) -> dict:
+def run_plain_torch(
+    data: IndexedData,
+    config,
+    samples: int,
+    seed: int = 0,
+    batch_size: int | None = None,
+    threads: int = 0,
+    progress=None,
+) -> dict:
     """Contestant (c): train on ``samples`` rows of ``data`` with the run config's dense model, embedding dim,
     learning rates and ID dropout, then evaluate on the eval split.
 
@@ -218,8 +243,7 @@ def run_plain_torch(data: IndexedData, config, samples: int, seed: int = 0, batc
     table = config.embedding.tables[0]
     bs = batch_size or config.trainer.batch_size
     torch.manual_seed(seed)
-    dense = build_model(config.model, len(data.slots), table.dim, len(data.dense_mean), data.dense_mean,
-                        data.dense_std)
+    dense = build_model(config.model, len(data.slots), table.dim, len(data.dense_mean), data.dense_mean, data.dense_std)
     model = PlainTorchModel(data.vocab, table.dim, dense, table.init_scale)
     opt_e = torch.optim.Adagrad(model.emb.parameters(), lr=table.optimizer.lr, eps=table.optimizer.eps)
     opt_d = torch.optim.Adam(model.dense.parameters(), lr=config.trainer.dense_lr)

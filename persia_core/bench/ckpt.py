@@ -96,8 +96,7 @@ def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
     table = build_table(rows, dim)
     build_s = time.perf_counter() - t_build
     dump_path, plain_path = os.path.join(workdir, "shard.npz"), os.path.join(workdir, "plain.bin")
-    times: dict[str, list[float]] = {"dump": [], "load": [], "load_rebuild_index": [], "seq_write": [],
-                                     "seq_read": []}
+    times: dict[str, list[float]] = {"dump": [], "load": [], "load_rebuild_index": [], "seq_write": [], "seq_read": []}
     nbytes = crc = 0
     probe = np.random.default_rng(1).choice(table.state_dict()["keys"], 1000) if rows else np.zeros(0, np.uint64)
     expected = table.lookup_readonly(probe)
@@ -128,14 +127,17 @@ def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
         return dt
 
     writes = {"dump": dump, "seq_write": lambda: _seq_write(plain_path, same)}
-    reads = {"load": lambda: load(False), "load_rebuild_index": lambda: load(True),
-             "seq_read": lambda: _seq_read(plain_path, nbytes)}
+    reads = {
+        "load": lambda: load(False),
+        "load_rebuild_index": lambda: load(True),
+        "seq_read": lambda: _seq_read(plain_path, nbytes),
+    }
     for i in range(warmup + reps):
         # rotate the order every round, and let the disk settle after the writes, so that no measurement
         # always follows the same neighbour (a read right after a 1 GB write is slower on a shared disk)
         for group in (writes, reads):
             names = list(group)
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 times[name].append(group[name]())
             os.sync()
             time.sleep(0.5)
@@ -146,8 +148,15 @@ def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     mb = nbytes / 1e6
-    out = {"rows": rows, "dim": dim, "optimizer": "rowwise_adagrad", "bytes": nbytes, "reps": reps, "warmup": warmup,
-           "build_s": round(build_s, 3)}
+    out = {
+        "rows": rows,
+        "dim": dim,
+        "optimizer": "rowwise_adagrad",
+        "bytes": nbytes,
+        "reps": reps,
+        "warmup": warmup,
+        "build_s": round(build_s, 3),
+    }
     for k in times:
         out[f"{k}_s"] = round(best[k], 4)
         out[f"{k}_mb_per_s"] = round(mb / best[k], 1)
@@ -173,13 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.dir or tempfile.mkdtemp(prefix="persia-bench-ckpt-")
     os.makedirs(workdir, exist_ok=True)
     r = run(args.rows, args.dim, args.reps, workdir, args.warmup)
-    print(f"checkpoint of one shard: {r['rows']:,} rows, dim {r['dim']}, {r['optimizer']}, {r['bytes'] / 1e6:.1f} MB "
-          f"(best and median of {r['reps']} rounds; MB = 1e6 bytes)")
+    print(
+        f"checkpoint of one shard: {r['rows']:,} rows, dim {r['dim']}, {r['optimizer']}, {r['bytes'] / 1e6:.1f} MB "
+        f"(best and median of {r['reps']} rounds; MB = 1e6 bytes)"
+    )
     print(f"  {'':18s} {'seconds':>9s} {'MB/s':>9s} {'median MB/s':>12s}")
     for k in ("dump", "seq_write", "load", "load_rebuild_index", "seq_read"):
         print(f"  {k:18s} {r[k + '_s']:9.3f} {r[k + '_mb_per_s']:9.1f} {r[k + '_median_mb_per_s']:12.1f}")
-    print(f"  dump / sequential write: {r['dump_vs_seq_write']:.0%} (median {r['dump_vs_seq_write_median']:.0%})   "
-          f"load / sequential read: {r['load_vs_seq_read']:.0%} (median {r['load_vs_seq_read_median']:.0%})")
+    print(
+        f"  dump / sequential write: {r['dump_vs_seq_write']:.0%} (median {r['dump_vs_seq_write_median']:.0%})   "
+        f"load / sequential read: {r['load_vs_seq_read']:.0%} (median {r['load_vs_seq_read_median']:.0%})"
+    )
     print(json.dumps(r))
     return 0
 

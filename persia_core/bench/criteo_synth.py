@@ -45,16 +45,37 @@ def criteo_config_dict(batch_size: int = 4096, num_workers: int = 1, staleness: 
     C1..C26 in one table (dim 16, row-wise Adagrad), DLRM of the Criteo Kaggle shape (bottom 13-512-256-64-16,
     top 512-256-1), 2 parameter-server shards, one epoch. ``batch_size`` is per NN worker."""
     return {
-        "layout": {"kind": "delimited", "delimiter": "\t", "columns": ["label", *DENSE, *SLOTS],
-                   "label_column": "label", "dense_columns": list(DENSE), "dense_transform": "log1p"},
+        "layout": {
+            "kind": "delimited",
+            "delimiter": "\t",
+            "columns": ["label", *DENSE, *SLOTS],
+            "label_column": "label",
+            "dense_columns": list(DENSE),
+            "dense_transform": "log1p",
+        },
         "split": {"eval_fraction": 0.2, "num_train_shards": 4, "num_eval_shards": 1},
         "slots": [{"name": s, "source": s} for s in SLOTS],
-        "embedding": {"tables": [{"name": "default", "dim": 16, "init_scale": 0.01,
-                                  "optimizer": {"name": "rowwise_adagrad", "lr": 0.05, "eps": 1e-8}}],
-                      "num_shards": 2, "shard_memory_bytes": 268435456},
+        "embedding": {
+            "tables": [
+                {
+                    "name": "default",
+                    "dim": 16,
+                    "init_scale": 0.01,
+                    "optimizer": {"name": "rowwise_adagrad", "lr": 0.05, "eps": 1e-8},
+                }
+            ],
+            "num_shards": 2,
+            "shard_memory_bytes": 268435456,
+        },
         "model": {"kind": "dlrm", "hidden": [512, 256], "bottom": [512, 256, 64]},
-        "trainer": {"batch_size": batch_size, "epochs": 1, "embedding_staleness": staleness,
-                    "num_workers": num_workers, "dense_lr": 0.001, "seed": seed},
+        "trainer": {
+            "batch_size": batch_size,
+            "epochs": 1,
+            "embedding_staleness": staleness,
+            "num_workers": num_workers,
+            "dense_lr": 0.001,
+            "seed": seed,
+        },
     }
 
 
@@ -80,8 +101,9 @@ class PlantedModel:
         # moments of log1p(floor(exp(N(mu, 1.2)))), estimated once on a fixed sample
         probe = self._dense_raw(np.random.default_rng([seed, 2]), 200_000)
         self.z_mean, self.z_std = probe.mean(0), probe.std(0) + 1e-6
-        self.ids = np.stack([np.asarray(feature_ids(s, [f"{v:08x}" for v in range(vocab)]), dtype=np.uint64)
-                             for s in SLOTS])
+        self.ids = np.stack(
+            [np.asarray(feature_ids(s, [f"{v:08x}" for v in range(vocab)]), dtype=np.uint64) for s in SLOTS]
+        )
         self.b0 = 0.0
         ranks, dense = self.sample_features(np.random.default_rng([seed, 3]), 200_000)
         base = self.logits(ranks, dense)
@@ -118,9 +140,13 @@ class PlantedModel:
         logit = self.logits(ranks, dense)
         label = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
         one = pa.array(np.arange(n + 1, dtype=np.int32))
-        cols = [pa.array(label, pa.float32()),
-                pa.ListArray.from_arrays(pa.array(np.arange(0, NUM_DENSE * n + 1, NUM_DENSE, dtype=np.int32)),
-                                         pa.array(dense.reshape(-1), pa.float32()))]
+        cols = [
+            pa.array(label, pa.float32()),
+            pa.ListArray.from_arrays(
+                pa.array(np.arange(0, NUM_DENSE * n + 1, NUM_DENSE, dtype=np.int32)),
+                pa.array(dense.reshape(-1), pa.float32()),
+            ),
+        ]
         for s in range(NUM_SLOTS):
             cols.append(pa.ListArray.from_arrays(one, pa.array(self.ids[s][ranks[:, s]], pa.uint64())))
         cols.append(pa.array(np.arange(start, start + n, dtype=np.int64)))
@@ -128,8 +154,9 @@ class PlantedModel:
         return pa.Table.from_arrays(cols, schema=S.arrow_schema(SLOTS)), logit
 
 
-def _write_split(model: PlantedModel, out_dir: str, split: str, sizes: list[int], seed: int,
-                 start: int) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+def _write_split(
+    model: PlantedModel, out_dir: str, split: str, sizes: list[int], seed: int, start: int
+) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
     files, logits, labels = [], [], []
     os.makedirs(os.path.join(out_dir, split), exist_ok=True)
     for i, n in enumerate(sizes):
@@ -149,8 +176,9 @@ def _write_split(model: PlantedModel, out_dir: str, split: str, sizes: list[int]
     return files, logits, labels
 
 
-def write_criteo_synth(out_dir: str, train_rows: int, eval_rows: int = 1_000_000, seed: int = 0,
-                       train_shards: int = 4, vocab: int = VOCAB) -> dict:
+def write_criteo_synth(
+    out_dir: str, train_rows: int, eval_rows: int = 1_000_000, seed: int = 0, train_shards: int = 4, vocab: int = VOCAB
+) -> dict:
     """Write ``train/`` (``train_rows`` in ``train_shards`` files), ``eval/`` (``eval_rows``, one file) and
     ``schema.json`` under ``out_dir``; returns the schema dict (with ``planted_auc`` on the eval split and
     ``config``: :func:`criteo_config_dict`). Raises ``ValueError`` for non-positive sizes."""
@@ -166,15 +194,26 @@ def write_criteo_synth(out_dir: str, train_rows: int, eval_rows: int = 1_000_000
     y = np.concatenate(eval_labels)
     planted_auc = float(roc_auc_score(y, np.concatenate(eval_logits))) if 0 < y.mean() < 1 else None
     schema = {
-        "slots": list(SLOTS), "dense": list(DENSE),
-        "dense_mean": [float(v) for v in model.z_mean], "dense_std": [float(v) for v in model.z_std],
+        "slots": list(SLOTS),
+        "dense": list(DENSE),
+        "dense_mean": [float(v) for v in model.z_mean],
+        "dense_std": [float(v) for v in model.z_std],
         "rows": {"train": train_rows, "eval": eval_rows, "malformed": 0, "read": train_rows + eval_rows},
-        "distinct_ids": {s: vocab for s in SLOTS}, "split": {"by": "row_order", "cutoff": train_rows},
-        "train_files": train_files, "eval_files": eval_files, "config": criteo_config_dict(),
-        "synthetic": {"generator": "persia_core.bench.criteo_synth", "seed": seed, "vocab": vocab,
-                      "zipf_exponent": ZIPF_EXPONENT, "planted_auc": planted_auc,
-                      "train_base_rate": float(np.concatenate(train_labels).mean()), "eval_base_rate": float(y.mean()),
-                      "seconds": time.time() - t0},
+        "distinct_ids": {s: vocab for s in SLOTS},
+        "split": {"by": "row_order", "cutoff": train_rows},
+        "train_files": train_files,
+        "eval_files": eval_files,
+        "config": criteo_config_dict(),
+        "synthetic": {
+            "generator": "persia_core.bench.criteo_synth",
+            "seed": seed,
+            "vocab": vocab,
+            "zipf_exponent": ZIPF_EXPONENT,
+            "planted_auc": planted_auc,
+            "train_base_rate": float(np.concatenate(train_labels).mean()),
+            "eval_base_rate": float(y.mean()),
+            "seconds": time.time() - t0,
+        },
     }
     with open(os.path.join(out_dir, S.SCHEMA_FILE), "w") as f:
         json.dump(schema, f, indent=1)

@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
-        why = (f"{sys.executable} has no torch: run with a python3 that has a CUDA build of torch" if torch is None
-               else "CUDA is not available on this machine")
+        why = (
+            f"{sys.executable} has no torch: run with a python3 that has a CUDA build of torch"
+            if torch is None
+            else "CUDA is not available on this machine"
+        )
         skipped = {"skipped": why, "gpu": None, "python": sys.executable}
         with open(os.path.join(args.out, "device_check.json"), "w") as f:
             json.dump(skipped, f, indent=1)
@@ -77,10 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.time()
     if not args.skip_tests:
         t0 = time.time()
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/train/test_gpu.py"],
-                           capture_output=True, text=True)
-        result["gpu_tests"] = {"exit_code": r.returncode, "tail": r.stdout.strip().splitlines()[-3:],
-                               "seconds": time.time() - t0}
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/train/test_gpu.py"],
+            capture_output=True,
+            text=True,
+        )
+        result["gpu_tests"] = {
+            "exit_code": r.returncode,
+            "tail": r.stdout.strip().splitlines()[-3:],
+            "seconds": time.time() - t0,
+        }
         print("gpu tests:", result["gpu_tests"], flush=True)
     result["dense_only_sps"] = dense_ceiling(args.batch)
     print(f"dense part alone: {result['dense_only_sps']:.0f} samples/s", flush=True)
@@ -92,31 +101,44 @@ def main(argv: list[str] | None = None) -> int:
 
     work = os.path.join(args.out, "work")
     t0 = time.time()
-    schema = write_criteo_synth(os.path.join(work, "data"), args.train_rows, args.eval_rows, seed=0,
-                                train_shards=4)
+    schema = write_criteo_synth(os.path.join(work, "data"), args.train_rows, args.eval_rows, seed=0, train_shards=4)
     result["datagen_seconds"] = time.time() - t0
     print(f"data: {args.train_rows:,} train rows in {result['datagen_seconds']:.0f} s", flush=True)
-    cfg = RunConfig.from_dict(criteo_config_dict(batch_size=args.batch, num_workers=1, staleness=4)).with_overrides({
-        "embedding.num_shards": args.shards, "embedding.shard_memory_bytes": 1 << 30,
-        "trainer.device": "cuda", "trainer.epochs": args.epochs, "trainer.prefetch_threads": args.prefetch_threads,
-        "trainer.threads_per_worker": 4,
-    })
+    cfg = RunConfig.from_dict(criteo_config_dict(batch_size=args.batch, num_workers=1, staleness=4)).with_overrides(
+        {
+            "embedding.num_shards": args.shards,
+            "embedding.shard_memory_bytes": 1 << 30,
+            "trainer.device": "cuda",
+            "trainer.epochs": args.epochs,
+            "trainer.prefetch_threads": args.prefetch_threads,
+            "trainer.threads_per_worker": 4,
+        }
+    )
     for fp16 in (False, True):
         name = "fp16" if fp16 else "fp32"
         c = cfg.with_overrides({"trainer.fp16_transfer": fp16})
         t0 = time.time()
-        manifest = train(c, os.path.join(work, "data"), os.path.join(work, f"model_{name}"),
-                         work_dir=os.path.join(work, f"w_{name}"))
+        manifest = train(
+            c, os.path.join(work, "data"), os.path.join(work, f"model_{name}"), work_dir=os.path.join(work, f"w_{name}")
+        )
         hist = json.load(open(os.path.join(work, f"model_{name}", "train_metrics.json")))
         ev = evaluate(os.path.join(work, f"model_{name}"), os.path.join(work, "data"))["metrics"]
         result[f"hybrid_{name}"] = {
-            "samples_per_s": hist["samples_per_s"], "train_seconds": hist["train_seconds"],
-            "wait_seconds_rank0": hist["wait_seconds_rank0"], "max_staleness": hist["max_staleness"],
-            "fp16_fallbacks": hist.get("fp16_fallbacks"), "auc": ev["auc"], "logloss": ev["logloss"],
-            "wall_seconds": time.time() - t0, "device": hist.get("device"),
+            "samples_per_s": hist["samples_per_s"],
+            "train_seconds": hist["train_seconds"],
+            "wait_seconds_rank0": hist["wait_seconds_rank0"],
+            "max_staleness": hist["max_staleness"],
+            "fp16_fallbacks": hist.get("fp16_fallbacks"),
+            "auc": ev["auc"],
+            "logloss": ev["logloss"],
+            "wall_seconds": time.time() - t0,
+            "device": hist.get("device"),
         }
-        print(f"hybrid {name}: {hist['samples_per_s']:.0f} samples/s, AUC {ev['auc']:.4f} "
-              f"(planted {schema['synthetic']['planted_auc']:.4f})", flush=True)
+        print(
+            f"hybrid {name}: {hist['samples_per_s']:.0f} samples/s, AUC {ev['auc']:.4f} "
+            f"(planted {schema['synthetic']['planted_auc']:.4f})",
+            flush=True,
+        )
         if time.time() - t_all > 360:
             break
     result["planted_auc"] = schema["synthetic"]["planted_auc"]

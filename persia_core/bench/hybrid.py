@@ -66,8 +66,18 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_hybrid(config, data_dir: str, work_dir: str, staleness: int, workers: int, threads: int, seed: int,
-               global_batch: int, delay_s: float = 0.0, bandwidth: float = 0.0) -> dict:
+def run_hybrid(
+    config,
+    data_dir: str,
+    work_dir: str,
+    staleness: int,
+    workers: int,
+    threads: int,
+    seed: int,
+    global_batch: int,
+    delay_s: float = 0.0,
+    bandwidth: float = 0.0,
+) -> dict:
     """Contestants (a)/(b): ``init_shards`` + ``train`` with K = ``staleness``, ``workers`` NN workers of
     ``threads`` torch threads and per-worker batch ``global_batch // workers``. The model is left in
     ``work_dir/model``. Returns ``{"sps", "max_staleness", "samples", "train_seconds", "wall_seconds",
@@ -77,9 +87,13 @@ def run_hybrid(config, data_dir: str, work_dir: str, staleness: int, workers: in
 
     if global_batch % workers:
         raise ValueError(f"global batch {global_batch} is not divisible by {workers} NN workers")
-    overrides = {"trainer.embedding_staleness": staleness, "trainer.num_workers": workers,
-                 "trainer.threads_per_worker": threads, "trainer.batch_size": global_batch // workers,
-                 "trainer.seed": seed}
+    overrides = {
+        "trainer.embedding_staleness": staleness,
+        "trainer.num_workers": workers,
+        "trainer.threads_per_worker": threads,
+        "trainer.batch_size": global_batch // workers,
+        "trainer.seed": seed,
+    }
     if delay_s or bandwidth:
         overrides.update({"trainer.network_delay_s": delay_s, "trainer.network_bandwidth_bytes_per_s": bandwidth})
     cfg = config.with_overrides(overrides)
@@ -93,9 +107,14 @@ def run_hybrid(config, data_dir: str, work_dir: str, staleness: int, workers: in
         hist = json.load(f)
     shutil.rmtree(init_dir, ignore_errors=True)
     s = manifest["summary"]
-    return {"sps": s["samples_per_s"], "max_staleness": s["max_staleness"],
-            "samples": hist["samples"][-1] if hist.get("samples") else 0,
-            "train_seconds": hist.get("train_seconds"), "wall_seconds": time.time() - t0, "model_dir": model_dir}
+    return {
+        "sps": s["samples_per_s"],
+        "max_staleness": s["max_staleness"],
+        "samples": hist["samples"][-1] if hist.get("samples") else 0,
+        "train_seconds": hist.get("train_seconds"),
+        "wall_seconds": time.time() - t0,
+        "model_dir": model_dir,
+    }
 
 
 def evaluate_hybrid(model_dir: str, data_dir: str, keep: bool = False) -> dict:
@@ -128,12 +147,26 @@ def _round(d: dict) -> dict:
         if isinstance(v, dict):
             return {k: r(x) for k, x in v.items()}
         return v
+
     return {k: r(v) for k, v in d.items()}
 
 
-def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, global_batch: int, seeds: int,
-                  layouts: list[tuple[int, int]], delay_s: float, bandwidth: float, torchrec_python: str,
-                  baseline_threads: list[int] | None = None, keep: bool = False, extra: dict | None = None) -> dict:
+def bench_dataset(
+    name: str,
+    config,
+    data_dir: str,
+    work: str,
+    samples: int,
+    global_batch: int,
+    seeds: int,
+    layouts: list[tuple[int, int]],
+    delay_s: float,
+    bandwidth: float,
+    torchrec_python: str,
+    baseline_threads: list[int] | None = None,
+    keep: bool = False,
+    extra: dict | None = None,
+) -> dict:
     """All contestants on one prepared dataset; returns its JSON line as a dict (see module docstring).
     ``samples``: training rows per contestant (the hybrid engine trains on its train split x epochs, which the
     caller made equal to ``samples``)."""
@@ -144,8 +177,7 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
     from persia_core.bench.torchrec_contestant import run_torchrec
 
     load0 = _loadavg()
-    res: dict = {"dataset": name, "samples": samples, "global_batch": global_batch, "seeds": seeds,
-                 **(extra or {})}
+    res: dict = {"dataset": name, "samples": samples, "global_batch": global_batch, "seeds": seeds, **(extra or {})}
     plain, trec, hyb, syn = [], [], [], []
     by_layout: dict[str, dict[str, float]] = {"hybrid": {}, "sync": {}}
     by_threads: dict[str, dict[str, float]] = {"plain_torch": {}, "torchrec": {}}
@@ -156,12 +188,11 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
         data = load_indexed(data_dir, [s.name for s in config.slots])
         _log(f"{name} seed {seed}: data indexed for (c) in {data.seconds:.1f} s, {sum(data.vocab)} table rows")
         runs = []
-        for th in (baseline_threads if seed == 0 else [best["plain_torch"]]):
+        for th in baseline_threads if seed == 0 else [best["plain_torch"]]:
             _log(f"{name} seed {seed}: (c) plain PyTorch, {samples} samples, {th} thread(s)")
             if seed == 0:
                 load_at[f"plain_torch_{th}t"] = _loadavg()
-            r = run_plain_torch(data, config, samples, seed, global_batch, th,
-                                progress=lambda m: _log(f"  (c) {m}"))
+            r = run_plain_torch(data, config, samples, seed, global_batch, th, progress=lambda m: _log(f"  (c) {m}"))
             r["threads"] = th
             _log(f"  {r['sps']:.0f} samples/s, AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}")
             if seed == 0:
@@ -176,12 +207,20 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
         with open(cfg_path, "w") as f:
             f.write(config.to_yaml())
         runs = []
-        for th in (baseline_threads if seed == 0 else [best.get("torchrec", baseline_threads[0])]):
+        for th in baseline_threads if seed == 0 else [best.get("torchrec", baseline_threads[0])]:
             _log(f"{name} seed {seed}: (d) TorchRec, {th} thread(s)")
             if seed == 0:
                 load_at[f"torchrec_{th}t"] = _loadavg()
-            r = run_torchrec(data_dir, cfg_path, samples, seed, global_batch, th, python=torchrec_python,
-                             log=lambda m: _log(f"  (d) {m}"))
+            r = run_torchrec(
+                data_dir,
+                cfg_path,
+                samples,
+                seed,
+                global_batch,
+                th,
+                python=torchrec_python,
+                log=lambda m: _log(f"  (d) {m}"),
+            )
             if r.get("sps") is None:
                 _log(f"  could not run: {r.get('error')}")
                 runs = [r]
@@ -197,15 +236,18 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
         # (a) and (b): every layout on the first seed, the fastest afterwards
         for mode, k, out in (("hybrid", 4, hyb), ("sync", 0, syn)):
             runs = []
-            for m, t in (layouts if seed == 0 else [best[mode]]):
+            for m, t in layouts if seed == 0 else [best[mode]]:
                 _log(f"{name} seed {seed}: ({'a' if k else 'b'}) {mode} K={k}, {m} NN worker(s) x {t} thread(s)")
                 if seed == 0:
                     load_at[f"{mode}_{m}x{t}"] = _loadavg()
-                r = run_hybrid(config, data_dir, os.path.join(work, f"{name}-{mode}-{m}x{t}-s{seed}"), k, m, t,
-                               seed, global_batch)
+                r = run_hybrid(
+                    config, data_dir, os.path.join(work, f"{name}-{mode}-{m}x{t}-s{seed}"), k, m, t, seed, global_batch
+                )
                 r["layout"] = f"{m}x{t}"
-                _log(f"  {r['sps']:.0f} samples/s ({r['samples']} samples, max staleness {r['max_staleness']}, "
-                     f"{r['wall_seconds']:.0f} s with start-up)")
+                _log(
+                    f"  {r['sps']:.0f} samples/s ({r['samples']} samples, max staleness {r['max_staleness']}, "
+                    f"{r['wall_seconds']:.0f} s with start-up)"
+                )
                 if seed == 0:
                     by_layout[mode][r["layout"]] = r["sps"]
                 runs.append((r, (m, t)))
@@ -215,8 +257,10 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
                     shutil.rmtree(os.path.dirname(r["model_dir"]), ignore_errors=True)
             best.setdefault(mode, lay)
             chosen.update(evaluate_hybrid(chosen["model_dir"], data_dir, keep))
-            _log(f"{name} seed {seed}: {mode} AUC {chosen['auc']:.4f}, logloss {chosen['logloss']:.4f} "
-                 f"(layout {chosen['layout']})")
+            _log(
+                f"{name} seed {seed}: {mode} AUC {chosen['auc']:.4f}, logloss {chosen['logloss']:.4f} "
+                f"(layout {chosen['layout']})"
+            )
             out.append(chosen)
     # (a) and (b) with the injected network cost, first seed's best layouts, samples/s only
     delay = {}
@@ -224,49 +268,85 @@ def bench_dataset(name: str, config, data_dir: str, work: str, samples: int, glo
         for mode, k in (("hybrid", 4), ("sync", 0)):
             m, t = best[mode]
             load_at[f"{mode}_delay"] = _loadavg()
-            _log(f"{name}: {mode} K={k} with injected delay {delay_s * 1e3:.1f} ms/call"
-                 + (f", bandwidth {bandwidth:.3g} B/s" if bandwidth else "") + f", layout {m}x{t}")
-            r = run_hybrid(config, data_dir, os.path.join(work, f"{name}-{mode}-delay"), k, m, t, 0, global_batch,
-                           delay_s, bandwidth)
+            _log(
+                f"{name}: {mode} K={k} with injected delay {delay_s * 1e3:.1f} ms/call"
+                + (f", bandwidth {bandwidth:.3g} B/s" if bandwidth else "")
+                + f", layout {m}x{t}"
+            )
+            r = run_hybrid(
+                config,
+                data_dir,
+                os.path.join(work, f"{name}-{mode}-delay"),
+                k,
+                m,
+                t,
+                0,
+                global_batch,
+                delay_s,
+                bandwidth,
+            )
             if not keep:
                 shutil.rmtree(os.path.dirname(r["model_dir"]), ignore_errors=True)
             _log(f"  {r['sps']:.0f} samples/s (max staleness {r['max_staleness']})")
             delay[mode] = r
     p0, t0, h0, s0 = plain[0], trec[0], hyb[0], syn[0]
-    res.update({
-        "hybrid_sps": h0["sps"], "sync_sps": s0["sps"], "plain_torch_sps": p0["sps"], "torchrec_sps": t0.get("sps"),
-        "hybrid_auc": _mean([r["auc"] for r in hyb]), "sync_auc": _mean([r["auc"] for r in syn]),
-        "plain_torch_auc": _mean([r["auc"] for r in plain]), "torchrec_auc": _mean([r.get("auc") for r in trec]),
-        "hybrid_logloss": _mean([r["logloss"] for r in hyb]), "sync_logloss": _mean([r["logloss"] for r in syn]),
-        "plain_torch_logloss": _mean([r["logloss"] for r in plain]),
-        "torchrec_logloss": _mean([r.get("logloss") for r in trec]),
-        "max_staleness": h0["max_staleness"], "sync_max_staleness": s0["max_staleness"],
-        "hybrid_delay_sps": delay["hybrid"]["sps"] if delay else None,
-        "sync_delay_sps": delay["sync"]["sps"] if delay else None,
-        "delay_max_staleness": delay["hybrid"]["max_staleness"] if delay else None,
-        "network_delay_s": delay_s, "network_bandwidth_bytes_per_s": bandwidth,
-    })
+    res.update(
+        {
+            "hybrid_sps": h0["sps"],
+            "sync_sps": s0["sps"],
+            "plain_torch_sps": p0["sps"],
+            "torchrec_sps": t0.get("sps"),
+            "hybrid_auc": _mean([r["auc"] for r in hyb]),
+            "sync_auc": _mean([r["auc"] for r in syn]),
+            "plain_torch_auc": _mean([r["auc"] for r in plain]),
+            "torchrec_auc": _mean([r.get("auc") for r in trec]),
+            "hybrid_logloss": _mean([r["logloss"] for r in hyb]),
+            "sync_logloss": _mean([r["logloss"] for r in syn]),
+            "plain_torch_logloss": _mean([r["logloss"] for r in plain]),
+            "torchrec_logloss": _mean([r.get("logloss") for r in trec]),
+            "max_staleness": h0["max_staleness"],
+            "sync_max_staleness": s0["max_staleness"],
+            "hybrid_delay_sps": delay["hybrid"]["sps"] if delay else None,
+            "sync_delay_sps": delay["sync"]["sps"] if delay else None,
+            "delay_max_staleness": delay["hybrid"]["max_staleness"] if delay else None,
+            "network_delay_s": delay_s,
+            "network_bandwidth_bytes_per_s": bandwidth,
+        }
+    )
     if t0.get("sps") is None:
         res["torchrec_error"] = t0.get("error", "unknown")
-    res.update({
-        "hybrid_vs_plain_torch": _ratio(res["hybrid_sps"], res["plain_torch_sps"]),
-        "sync_vs_plain_torch": _ratio(res["sync_sps"], res["plain_torch_sps"]),
-        "torchrec_vs_plain_torch": _ratio(res["torchrec_sps"], res["plain_torch_sps"]),
-        "hybrid_vs_torchrec": _ratio(res["hybrid_sps"], res["torchrec_sps"]),
-        "hybrid_vs_sync": _ratio(res["hybrid_sps"], res["sync_sps"]),
-        "hybrid_delay_vs_sync_delay": _ratio(res["hybrid_delay_sps"], res["sync_delay_sps"]),
-        "hybrid_minus_sync_auc": (res["hybrid_auc"] - res["sync_auc"])
-        if res["hybrid_auc"] is not None and res["sync_auc"] is not None else None,
-        "hybrid_layout": h0["layout"], "sync_layout": s0["layout"],
-        "hybrid_sps_by_layout": by_layout["hybrid"], "sync_sps_by_layout": by_layout["sync"],
-        "plain_torch_threads": p0.get("threads"), "torchrec_threads": t0.get("threads"),
-        "plain_torch_sps_by_threads": by_threads["plain_torch"], "torchrec_sps_by_threads": by_threads["torchrec"],
-        "hybrid_aucs": [r["auc"] for r in hyb], "sync_aucs": [r["auc"] for r in syn],
-        "plain_torch_aucs": [r["auc"] for r in plain], "torchrec_aucs": [r.get("auc") for r in trec],
-        "hybrid_train_wall_s": h0["wall_seconds"], "plain_torch_train_s": p0["train_seconds"],
-        "plain_torch_table_rows": p0.get("table_rows"),
-        "loadavg_start": load0, "loadavg_end": _loadavg(), "loadavg_by_run": load_at, "cpus": os.cpu_count(),
-    })
+    res.update(
+        {
+            "hybrid_vs_plain_torch": _ratio(res["hybrid_sps"], res["plain_torch_sps"]),
+            "sync_vs_plain_torch": _ratio(res["sync_sps"], res["plain_torch_sps"]),
+            "torchrec_vs_plain_torch": _ratio(res["torchrec_sps"], res["plain_torch_sps"]),
+            "hybrid_vs_torchrec": _ratio(res["hybrid_sps"], res["torchrec_sps"]),
+            "hybrid_vs_sync": _ratio(res["hybrid_sps"], res["sync_sps"]),
+            "hybrid_delay_vs_sync_delay": _ratio(res["hybrid_delay_sps"], res["sync_delay_sps"]),
+            "hybrid_minus_sync_auc": (res["hybrid_auc"] - res["sync_auc"])
+            if res["hybrid_auc"] is not None and res["sync_auc"] is not None
+            else None,
+            "hybrid_layout": h0["layout"],
+            "sync_layout": s0["layout"],
+            "hybrid_sps_by_layout": by_layout["hybrid"],
+            "sync_sps_by_layout": by_layout["sync"],
+            "plain_torch_threads": p0.get("threads"),
+            "torchrec_threads": t0.get("threads"),
+            "plain_torch_sps_by_threads": by_threads["plain_torch"],
+            "torchrec_sps_by_threads": by_threads["torchrec"],
+            "hybrid_aucs": [r["auc"] for r in hyb],
+            "sync_aucs": [r["auc"] for r in syn],
+            "plain_torch_aucs": [r["auc"] for r in plain],
+            "torchrec_aucs": [r.get("auc") for r in trec],
+            "hybrid_train_wall_s": h0["wall_seconds"],
+            "plain_torch_train_s": p0["train_seconds"],
+            "plain_torch_table_rows": p0.get("table_rows"),
+            "loadavg_start": load0,
+            "loadavg_end": _loadavg(),
+            "loadavg_by_run": load_at,
+            "cpus": os.cpu_count(),
+        }
+    )
     return _round(res)
 
 
@@ -294,34 +374,60 @@ def prepare_criteo(out_dir: str, samples: int, eval_rows: int, vocab: int):
         return read_schema(out_dir)
     _log(f"criteo_synth: writing {samples} train + {eval_rows} eval rows -> {out_dir}")
     schema = write_criteo_synth(out_dir, samples, eval_rows, vocab=vocab)
-    _log(f"criteo_synth: written in {schema['synthetic']['seconds']:.0f} s, planted AUC "
-         f"{schema['synthetic']['planted_auc']:.4f}")
+    _log(
+        f"criteo_synth: written in {schema['synthetic']['seconds']:.0f} s, planted AUC "
+        f"{schema['synthetic']['planted_auc']:.4f}"
+    )
     return schema
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--samples", type=int, default=int(os.environ.get("BENCH_SAMPLES") or DEFAULT_SAMPLES),
-                   help="training samples per contestant on the Criteo-shaped set (env BENCH_SAMPLES)")
-    p.add_argument("--seeds", type=int, default=int(os.environ.get("BENCH_SEEDS") or 3),
-                   help="seeds; AUC is the mean over them, samples/s from the first (env BENCH_SEEDS)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=int(os.environ.get("BENCH_SAMPLES") or DEFAULT_SAMPLES),
+        help="training samples per contestant on the Criteo-shaped set (env BENCH_SAMPLES)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=int(os.environ.get("BENCH_SEEDS") or 3),
+        help="seeds; AUC is the mean over them, samples/s from the first (env BENCH_SEEDS)",
+    )
     p.add_argument("--datasets", default="movielens,criteo", help="comma-separated: movielens, criteo")
-    p.add_argument("--layouts", default=os.environ.get("BENCH_LAYOUTS", "1x1,1x2,2x1"),
-                   help="NN-worker layouts MxT tried for (a) and (b): M workers x T torch threads (env BENCH_LAYOUTS)")
-    p.add_argument("--baseline-threads", default=os.environ.get("BENCH_BASELINE_THREADS", "1,2"),
-                   help="torch threads tried for (c) and (d) on the first seed, fastest kept "
-                        "(env BENCH_BASELINE_THREADS)")
-    p.add_argument("--delay", type=float, default=float(os.environ.get("BENCH_DELAY_S") or 0.002),
-                   help="injected seconds per parameter-server call (env BENCH_DELAY_S; 0 and no bandwidth: skip)")
-    p.add_argument("--bandwidth", type=float, default=float(os.environ.get("BENCH_BANDWIDTH") or 0.0),
-                   help="injected bandwidth cap of parameter-server calls, bytes/s (env BENCH_BANDWIDTH; 0: none)")
+    p.add_argument(
+        "--layouts",
+        default=os.environ.get("BENCH_LAYOUTS", "1x1,1x2,2x1"),
+        help="NN-worker layouts MxT tried for (a) and (b): M workers x T torch threads (env BENCH_LAYOUTS)",
+    )
+    p.add_argument(
+        "--baseline-threads",
+        default=os.environ.get("BENCH_BASELINE_THREADS", "1,2"),
+        help="torch threads tried for (c) and (d) on the first seed, fastest kept (env BENCH_BASELINE_THREADS)",
+    )
+    p.add_argument(
+        "--delay",
+        type=float,
+        default=float(os.environ.get("BENCH_DELAY_S") or 0.002),
+        help="injected seconds per parameter-server call (env BENCH_DELAY_S; 0 and no bandwidth: skip)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=float(os.environ.get("BENCH_BANDWIDTH") or 0.0),
+        help="injected bandwidth cap of parameter-server calls, bytes/s (env BENCH_BANDWIDTH; 0: none)",
+    )
     p.add_argument("--batch-size", type=int, default=4096, help="global batch on the Criteo-shaped set")
     p.add_argument("--eval-rows", type=int, default=1_000_000, help="eval rows of the Criteo-shaped set")
     p.add_argument("--vocab", type=int, default=100_000, help="IDs per slot of the Criteo-shaped set")
     p.add_argument("--movielens-data", default="data/movielens")
     p.add_argument("--work", default="", help="working folder (datasets are reused from it); default: temporary")
-    p.add_argument("--torchrec-python", default="", help="python of the TorchRec environment "
-                   "(default: $TORCHREC_PYTHON or .venv-torchrec/bin/python)")
+    p.add_argument(
+        "--torchrec-python",
+        default="",
+        help="python of the TorchRec environment (default: $TORCHREC_PYTHON or .venv-torchrec/bin/python)",
+    )
     p.add_argument("--out", default="", help="also write the JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the trained models")
     args = p.parse_args(argv)
@@ -337,36 +443,64 @@ def main(argv: list[str] | None = None) -> int:
     try:
         baseline_threads = [int(v) for v in args.baseline_threads.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--baseline-threads: expected comma-separated integers, got {args.baseline_threads!r}") \
-            from None
+        raise ValueError(
+            f"--baseline-threads: expected comma-separated integers, got {args.baseline_threads!r}"
+        ) from None
     if not baseline_threads or min(baseline_threads) < 1:
         raise ValueError("--baseline-threads: give at least one thread count >= 1")
     work = args.work or tempfile.mkdtemp(prefix="bench-hybrid-")
     os.makedirs(work, exist_ok=True)
-    _log(f"work folder {work}; {args.samples} samples, {args.seeds} seed(s), layouts {args.layouts}, "
-         f"{os.cpu_count()} CPUs, load {_loadavg()}")
+    _log(
+        f"work folder {work}; {args.samples} samples, {args.seeds} seed(s), layouts {args.layouts}, "
+        f"{os.cpu_count()} CPUs, load {_loadavg()}"
+    )
     lines = []
-    common = dict(seeds=args.seeds, layouts=layouts, delay_s=args.delay, bandwidth=args.bandwidth,
-                  torchrec_python=args.torchrec_python, baseline_threads=baseline_threads, keep=args.keep)
+    common = dict(
+        seeds=args.seeds,
+        layouts=layouts,
+        delay_s=args.delay,
+        bandwidth=args.bandwidth,
+        torchrec_python=args.torchrec_python,
+        baseline_threads=baseline_threads,
+        keep=args.keep,
+    )
     for name in sorted(datasets, key=lambda d: d != "movielens"):  # MovieLens first, the Criteo-shaped set last
         if name == "movielens":
             data_dir = os.path.join(work, "movielens")
             config, schema = prepare_movielens(args.movielens_data, data_dir)
             tc = config.trainer
             samples = int(schema["rows"]["train"]) * tc.epochs
-            line = bench_dataset("movielens", config, data_dir, work, samples, tc.batch_size * tc.num_workers,
-                                 extra={"train_rows": schema["rows"]["train"], "eval_rows": schema["rows"]["eval"]},
-                                 **common)
+            line = bench_dataset(
+                "movielens",
+                config,
+                data_dir,
+                work,
+                samples,
+                tc.batch_size * tc.num_workers,
+                extra={"train_rows": schema["rows"]["train"], "eval_rows": schema["rows"]["eval"]},
+                **common,
+            )
         else:
             from persia_core.bench.criteo_synth import criteo_config_dict
 
             data_dir = os.path.join(work, f"criteo_synth-{args.samples}-{args.eval_rows}-{args.vocab}")
             schema = prepare_criteo(data_dir, args.samples, args.eval_rows, args.vocab)
             config = RunConfig.from_dict(criteo_config_dict(args.batch_size))
-            line = bench_dataset("criteo_synth", config, data_dir, work, args.samples, args.batch_size,
-                                 extra={"train_rows": args.samples, "eval_rows": args.eval_rows,
-                                        "vocab_per_slot": args.vocab,
-                                        "planted_auc": schema["synthetic"]["planted_auc"]}, **common)
+            line = bench_dataset(
+                "criteo_synth",
+                config,
+                data_dir,
+                work,
+                args.samples,
+                args.batch_size,
+                extra={
+                    "train_rows": args.samples,
+                    "eval_rows": args.eval_rows,
+                    "vocab_per_slot": args.vocab,
+                    "planted_auc": schema["synthetic"]["planted_auc"],
+                },
+                **common,
+            )
         lines.append(json.dumps(line))
         _log(f"{name} done")
     if args.out:

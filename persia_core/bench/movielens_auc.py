@@ -36,10 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix="bench-auc-")
     shipped = load_config("movielens")
-    floor = shipped.with_overrides({
-        "layout.history_length": 0,
-        "slots": [s for s in shipped.to_dict()["slots"] if s["name"] not in ("history", "liked_history")],
-    })
+    floor = shipped.with_overrides(
+        {
+            "layout.history_length": 0,
+            "slots": [s for s in shipped.to_dict()["slots"] if s["name"] not in ("history", "liked_history")],
+        }
+    )
     out = {}
     for name, cfg in (("shipped", shipped), ("floor_features", floor)):
         data = os.path.join(work, name, "data")
@@ -54,10 +56,17 @@ def main(argv: list[str] | None = None) -> int:
             m = evaluate(os.path.join(d, "model"), data)["metrics"]
             aucs.append(m["auc"])
             lls.append(m["logloss"])
-            print(f"{name} seed {seed}: AUC={m['auc']:.4f} logloss={m['logloss']:.4f} NE={m['ne']:.4f} "
-                  f"({time.time() - t0:.1f} s train+eval)", flush=True)
-        out[name] = {"auc_mean": statistics.mean(aucs), "auc_std": statistics.pstdev(aucs),
-                     "logloss_mean": statistics.mean(lls), "aucs": aucs}
+            print(
+                f"{name} seed {seed}: AUC={m['auc']:.4f} logloss={m['logloss']:.4f} NE={m['ne']:.4f} "
+                f"({time.time() - t0:.1f} s train+eval)",
+                flush=True,
+            )
+        out[name] = {
+            "auc_mean": statistics.mean(aucs),
+            "auc_std": statistics.pstdev(aucs),
+            "logloss_mean": statistics.mean(lls),
+            "aucs": aucs,
+        }
     out["floor_auc"] = 0.685
     print(json.dumps(out))
     return 0

@@ -39,7 +39,7 @@ def _zipf_sampler(live, exponent: float, seed: int):
     import numpy as np
 
     ranks = np.arange(1, len(live) + 1, dtype=np.float64)
-    cdf = np.cumsum(ranks ** -exponent)
+    cdf = np.cumsum(ranks**-exponent)
     cdf /= cdf[-1]
     rng = np.random.default_rng(seed)
     return lambda n: live[np.minimum(np.searchsorted(cdf, rng.random(n)), len(live) - 1)]
@@ -79,8 +79,14 @@ def _ratio_summary(ratios: list[float]) -> dict:
     import numpy as np
 
     q = np.percentile(ratios, [0, 25, 50, 75, 100])
-    return {"median": float(q[2]), "q1": float(q[1]), "q3": float(q[3]), "min": float(q[0]), "max": float(q[4]),
-            "rounds": len(ratios)}
+    return {
+        "median": float(q[2]),
+        "q1": float(q[1]),
+        "q3": float(q[3]),
+        "min": float(q[0]),
+        "max": float(q[4]),
+        "rounds": len(ratios),
+    }
 
 
 MIN_ROWS = 1024
@@ -91,11 +97,16 @@ row count below) holds at least 1024 rows (``embedding.table.capacity_for_budget
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (see the module docstring); returns 0. Bad arguments: argparse's usage error (exit 2)."""
     p = argparse.ArgumentParser(prog="python -m persia_core.bench.ps", description=__doc__.split("\n")[0])
-    p.add_argument("--rows", type=int_at_least(MIN_ROWS), default=10_000_000,
-                   help=f"live IDs (rows), at least {MIN_ROWS}")
+    p.add_argument(
+        "--rows", type=int_at_least(MIN_ROWS), default=10_000_000, help=f"live IDs (rows), at least {MIN_ROWS}"
+    )
     p.add_argument("--batch", type=int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
-    p.add_argument("--repeats", type=int_at_least(1), default=12,
-                   help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)")
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=12,
+        help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)",
+    )
     p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
     args = p.parse_args(argv)
     os.environ["NUMBA_NUM_THREADS"] = "1"
@@ -124,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     sample = _zipf_sampler(live, 1.05, 1)
     batches = [sample(args.batch) for _ in range(3)]
     uniq_counts = [len(dedup(b)[0]) for b in batches]
-    print(f"workload: {len(live):,} live IDs, batches of {args.batch:,} raw IDs "
-          f"(~{int(np.mean(uniq_counts)):,} unique), Zipf 1.05, dim {dim}, rowwise_adagrad, 1 thread")
+    print(
+        f"workload: {len(live):,} live IDs, batches of {args.batch:,} raw IDs "
+        f"(~{int(np.mean(uniq_counts)):,} unique), Zipf 1.05, dim {dim}, rowwise_adagrad, 1 thread"
+    )
 
     # ---- in-process table and the plain PyTorch static table, measured interleaved -----------------------
     table = EmbeddingTable(dim, opt, capacity=len(live) + args.batch, init_scale=0.01)
@@ -170,20 +183,25 @@ def main(argv: list[str] | None = None) -> int:
     t_update(0)
     lookup_s = _interleaved(lambda i: table.lookup(batches[i]), t_lookup, len(batches), args.repeats)
     gather_s = _interleaved(lambda i: table.lookup(batches[i]), t_gather_only, len(batches), args.repeats)
-    apply_s = _interleaved(lambda i: table.apply_gradients(batches[i], grads), t_update, len(batches),
-                           args.repeats)
+    apply_s = _interleaved(lambda i: table.apply_gradients(batches[i], grads), t_update, len(batches), args.repeats)
     lookup_ratio, apply_ratio = _ratio_summary(lookup_s[2]), _ratio_summary(apply_s[2])
     lookups, torch_lookups = args.batch / lookup_s[0], args.batch / lookup_s[1]
     updates, torch_updates = args.batch / apply_s[0], args.batch / apply_s[1]
-    print(f"in-process: lookup {lookups / 1e6:.2f}M IDs/s, apply {updates / 1e6:.2f}M IDs/s "
-          f"({np.mean(uniq_counts) * updates / args.batch / 1e6:.2f}M unique rows/s)")
+    print(
+        f"in-process: lookup {lookups / 1e6:.2f}M IDs/s, apply {updates / 1e6:.2f}M IDs/s "
+        f"({np.mean(uniq_counts) * updates / args.batch / 1e6:.2f}M unique rows/s)"
+    )
     torch_gather = args.batch / gather_s[1]
-    print(f"plain PyTorch EmbeddingBag: lookup {torch_lookups / 1e6:.2f}M IDs/s (modulo hashing included; "
-          f"gather alone from rows hashed beforehand {torch_gather / 1e6:.2f}M IDs/s, ours in the same rounds "
-          f"{args.batch / gather_s[0] / 1e6:.2f}M), forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s")
-    print(f"paired rounds (static table's time / ours, > 1: ours faster): lookup median {lookup_ratio['median']:.3f} "
-          f"(quartiles {lookup_ratio['q1']:.3f}-{lookup_ratio['q3']:.3f}, {lookup_ratio['rounds']} rounds), "
-          f"apply median {apply_ratio['median']:.2f}")
+    print(
+        f"plain PyTorch EmbeddingBag: lookup {torch_lookups / 1e6:.2f}M IDs/s (modulo hashing included; "
+        f"gather alone from rows hashed beforehand {torch_gather / 1e6:.2f}M IDs/s, ours in the same rounds "
+        f"{args.batch / gather_s[0] / 1e6:.2f}M), forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s"
+    )
+    print(
+        f"paired rounds (static table's time / ours, > 1: ours faster): lookup median {lookup_ratio['median']:.3f} "
+        f"(quartiles {lookup_ratio['q1']:.3f}-{lookup_ratio['q3']:.3f}, {lookup_ratio['rounds']} rounds), "
+        f"apply median {apply_ratio['median']:.2f}"
+    )
     del emb, topt
 
     # ---- memory accounting ---------------------------------------------------------------------------
@@ -192,9 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     bpr64 = bytes_per_row("rowwise_adagrad", 64, cap)
     raw16, raw64 = 16 * 4 + 4, 64 * 4 + 4
     bpr16_fp16 = bytes_per_row("rowwise_adagrad", 16, cap, "fp16")
-    print(f"bytes/row: dim16 {bpr16:.1f} (raw {raw16}, x{bpr16 / raw16:.2f}); dim64 {bpr64:.1f} "
-          f"(raw {raw64}, x{bpr64 / raw64:.3f}); dim16 with fp16 storage {bpr16_fp16:.1f}; "
-          f"excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}")
+    print(
+        f"bytes/row: dim16 {bpr16:.1f} (raw {raw16}, x{bpr16 / raw16:.2f}); dim64 {bpr64:.1f} "
+        f"(raw {raw64}, x{bpr64 / raw64:.3f}); dim16 with fp16 storage {bpr16_fp16:.1f}; "
+        f"excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}"
+    )
     del table
 
     # ---- end to end through gRPC ---------------------------------------------------------------------
@@ -204,12 +224,17 @@ def main(argv: list[str] | None = None) -> int:
         from persia_core.ps.client import EmbeddingClient
         from persia_core.train.launcher import LocalCluster
 
-        cfg = RunConfig.from_dict({
-            "layout": {"kind": "delimited", "columns": ["label", "a"], "label_column": "label"},
-            "slots": [{"name": "a", "source": "a"}],
-            "embedding": {"tables": [{"name": "default", "dim": dim, "optimizer": {"name": "rowwise_adagrad"}}],
-                          "num_shards": 2, "shard_memory_bytes": 2 * len(live) * 100},
-        })
+        cfg = RunConfig.from_dict(
+            {
+                "layout": {"kind": "delimited", "columns": ["label", "a"], "label_column": "label"},
+                "slots": [{"name": "a", "source": "a"}],
+                "embedding": {
+                    "tables": [{"name": "default", "dim": dim, "optimizer": {"name": "rowwise_adagrad"}}],
+                    "num_shards": 2,
+                    "shard_memory_bytes": 2 * len(live) * 100,
+                },
+            }
+        )
         work = tempfile.mkdtemp(prefix="bench-ps-")
         path = os.path.join(work, "cfg.yaml")
         with open(path, "w") as f:
@@ -237,13 +262,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"end to end, 2 servers on 127.0.0.1: {grpc_ids / 1e6:.2f}M raw IDs/s (dedup + lookup + push)")
 
     result = {
-        "lookups_per_s_per_core": lookups, "updates_per_s_per_core": updates,
-        "grpc_ids_per_s": grpc_ids, "bytes_per_row": bpr16, "raw_bytes_per_row": raw16,
-        "bytes_per_row_dim64": bpr64, "raw_bytes_per_row_dim64": raw64, "bytes_per_row_fp16": bpr16_fp16,
-        "torch_static_lookups_per_s_per_core": torch_lookups, "torch_static_updates_per_s_per_core": torch_updates,
+        "lookups_per_s_per_core": lookups,
+        "updates_per_s_per_core": updates,
+        "grpc_ids_per_s": grpc_ids,
+        "bytes_per_row": bpr16,
+        "raw_bytes_per_row": raw16,
+        "bytes_per_row_dim64": bpr64,
+        "raw_bytes_per_row_dim64": raw64,
+        "bytes_per_row_fp16": bpr16_fp16,
+        "torch_static_lookups_per_s_per_core": torch_lookups,
+        "torch_static_updates_per_s_per_core": torch_updates,
         "torch_static_gather_only_per_s_per_core": torch_gather,
-        "lookup_speed_ratio_paired": lookup_ratio, "update_speed_ratio_paired": apply_ratio,
-        "unique_ids_per_batch": float(np.mean(uniq_counts)), "batch_raw_ids": args.batch, "live_ids": len(live),
+        "lookup_speed_ratio_paired": lookup_ratio,
+        "update_speed_ratio_paired": apply_ratio,
+        "unique_ids_per_batch": float(np.mean(uniq_counts)),
+        "batch_raw_ids": args.batch,
+        "live_ids": len(live),
     }
     print(json.dumps(result))
     return 0

@@ -30,8 +30,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO_ROOT / ".venv-torchrec" / "bin" / "python"
 
 
-def run_torchrec(data_dir: str, config_path: str, samples: int, seed: int = 0, batch_size: int = 0,
-                 threads: int = 0, python: str = "", timeout_s: float = 3600.0, log=None) -> dict:
+def run_torchrec(
+    data_dir: str,
+    config_path: str,
+    samples: int,
+    seed: int = 0,
+    batch_size: int = 0,
+    threads: int = 0,
+    python: str = "",
+    timeout_s: float = 3600.0,
+    log=None,
+) -> dict:
     """Run :func:`main` in the TorchRec environment (``python``, default ``$TORCHREC_PYTHON`` or
     ``.venv-torchrec/bin/python``) and return its JSON result; never raises for a failed contestant:
     returns ``{"sps": None, "auc": None, "logloss": None, "error": "<why>"}`` instead. ``log(line)`` gets its
@@ -40,13 +49,28 @@ def run_torchrec(data_dir: str, config_path: str, samples: int, seed: int = 0, b
     failed = {"sps": None, "auc": None, "logloss": None}
     if not os.path.exists(python):
         return {**failed, "error": f"TorchRec environment not found: {python} (create it with make venv-torchrec)"}
-    cmd = [python, "-m", "persia_core.bench.torchrec_contestant", "--data", data_dir, "--config", config_path,
-           "--samples", str(samples), "--seed", str(seed), "--batch-size", str(batch_size),
-           "--threads", str(threads)]
+    cmd = [
+        python,
+        "-m",
+        "persia_core.bench.torchrec_contestant",
+        "--data",
+        data_dir,
+        "--config",
+        config_path,
+        "--samples",
+        str(samples),
+        "--seed",
+        str(seed),
+        "--batch-size",
+        str(batch_size),
+        "--threads",
+        str(threads),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=str(REPO_ROOT))
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO_ROOT)
+        )
     except OSError as e:
         return {**failed, "error": f"cannot start {python}: {e}"}
     lines: list[str] = []
@@ -85,16 +109,31 @@ def _build(config, data, seed: int):
     table = config.embedding.tables[0]
     opt = table.optimizer
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(name=f"t_{s}", embedding_dim=table.dim, num_embeddings=max(v, 1),
-                                 feature_names=[s], pooling=PoolingType.SUM,
-                                 weight_init_min=-table.init_scale, weight_init_max=table.init_scale)
-              for s, v in zip(data.slots, data.vocab)]
-    ebc = FusedEmbeddingBagCollection(tables, optimizer_type=RowWiseAdagrad,
-                                      optimizer_kwargs={"lr": opt.lr, "eps": opt.eps}, device=torch.device("cpu"))
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{s}",
+            embedding_dim=table.dim,
+            num_embeddings=max(v, 1),
+            feature_names=[s],
+            pooling=PoolingType.SUM,
+            weight_init_min=-table.init_scale,
+            weight_init_max=table.init_scale,
+        )
+        for s, v in zip(data.slots, data.vocab)
+    ]
+    ebc = FusedEmbeddingBagCollection(
+        tables,
+        optimizer_type=RowWiseAdagrad,
+        optimizer_kwargs={"lr": opt.lr, "eps": opt.eps},
+        device=torch.device("cpu"),
+    )
     if config.model.kind == "dlrm":
-        model = DLRM(ebc, dense_in_features=len(data.dense_mean),
-                     dense_arch_layer_sizes=[*config.model.bottom, table.dim],
-                     over_arch_layer_sizes=[*config.model.hidden, 1])
+        model = DLRM(
+            ebc,
+            dense_in_features=len(data.dense_mean),
+            dense_arch_layer_sizes=[*config.model.bottom, table.dim],
+            over_arch_layer_sizes=[*config.model.hidden, 1],
+        )
         mean = torch.tensor(data.dense_mean, dtype=torch.float32)
         std = torch.tensor(data.dense_std, dtype=torch.float32)
 
@@ -103,8 +142,15 @@ def _build(config, data, seed: int):
     else:
         from persia_core.models import DNN
 
-        dense = DNN(len(data.slots), table.dim, len(data.dense_mean), list(config.model.hidden),
-                    list(config.model.bottom), data.dense_mean, data.dense_std)
+        dense = DNN(
+            len(data.slots),
+            table.dim,
+            len(data.dense_mean),
+            list(config.model.hidden),
+            list(config.model.bottom),
+            data.dense_mean,
+            data.dense_std,
+        )
         model = torch.nn.ModuleDict({"ebc": ebc, "dense": dense})
 
         def forward(kjt, x):
@@ -116,8 +162,7 @@ def _build(config, data, seed: int):
     return model, forward, dense_params
 
 
-def train_and_evaluate(data_dir: str, config_path: str, samples: int, seed: int, batch_size: int,
-                       threads: int) -> dict:
+def train_and_evaluate(data_dir: str, config_path: str, samples: int, seed: int, batch_size: int, threads: int) -> dict:
     """Contestant (d) in this process (TorchRec environment); returns the same keys as ``run_plain_torch``."""
     import numpy as np
     import torch
@@ -149,8 +194,15 @@ def train_and_evaluate(data_dir: str, config_path: str, samples: int, seed: int,
 
     rates = {s.name: s.id_dropout for s in config.slots}
     dropout = np.array([rates.get(s, 0.0) for s in data.slots])
-    out = train_loop(step, data, batch_size or config.trainer.batch_size, samples, seed, dropout,
-                     lambda m: print(f"torchrec: {m}", file=sys.stderr, flush=True))
+    out = train_loop(
+        step,
+        data,
+        batch_size or config.trainer.batch_size,
+        samples,
+        seed,
+        dropout,
+        lambda m: print(f"torchrec: {m}", file=sys.stderr, flush=True),
+    )
     t0 = time.perf_counter()
     model.eval()
     preds = []
@@ -159,8 +211,11 @@ def train_and_evaluate(data_dir: str, config_path: str, samples: int, seed: int,
         for start in range(0, len(ev), 16384):
             rows = np.arange(start, min(start + 16384, len(ev)))
             v, ln = ev.batch(rows)
-            preds.append(torch.sigmoid(forward(kjt(torch.from_numpy(v), torch.from_numpy(ln)),
-                                               torch.from_numpy(ev.dense[rows]))).numpy())
+            preds.append(
+                torch.sigmoid(
+                    forward(kjt(torch.from_numpy(v), torch.from_numpy(ln)), torch.from_numpy(ev.dense[rows]))
+                ).numpy()
+            )
     out.update(eval_metrics(ev.labels, np.concatenate(preds)))
     out["eval_seconds"] = time.perf_counter() - t0
     import torchrec

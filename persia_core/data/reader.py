@@ -104,8 +104,9 @@ class ParquetExamples:
             vals.append(v)
             offs.append(o[1:] + total)
             total += len(v)
-        ids = IdBatch(self.slots, np.concatenate(vals) if vals else np.zeros(0, np.uint64),
-                      np.concatenate(offs), len(rows))
+        ids = IdBatch(
+            self.slots, np.concatenate(vals) if vals else np.zeros(0, np.uint64), np.concatenate(offs), len(rows)
+        )
         return Batch(ids, self.dense[rows], self.labels[rows])
 
 

@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="persia_core.data.tfrecord", description=__doc__.split("\n")[0])
     p.add_argument("--input", required=True, help="TFRecord file, glob or folder (local or gs://)")
     p.add_argument("--output", required=True, help="folder for the delimited files (local or gs://)")
-    p.add_argument("--config", default="criteo", help="run config (shipped name or YAML path) with a "
-                                                      "delimited layout")
+    p.add_argument("--config", default="criteo", help="run config (shipped name or YAML path) with a delimited layout")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s tfrecord %(message)s")
     try:

@@ -30,8 +30,13 @@ import numpy as np
 
 from persia_core import io
 from persia_core.embedding import kernels as K
-from persia_core.embedding.sharded import (TableArrays, _has_internals, lru_state_dict, read_shard_file,
-                                           write_shard_arrays)
+from persia_core.embedding.sharded import (
+    TableArrays,
+    _has_internals,
+    lru_state_dict,
+    read_shard_file,
+    write_shard_arrays,
+)
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
 log = logging.getLogger("persia.delta")
@@ -142,8 +147,16 @@ class DeltaExporter:
         lock: held while the rows are read (the server's push lock), so a delta never splits a push.
     """
 
-    def __init__(self, tables: dict, tracker: DeltaTracker, delta_dir: str, shard: int, every_s: float = 0.0,
-                 first_seq: int = 0, lock=None):
+    def __init__(
+        self,
+        tables: dict,
+        tracker: DeltaTracker,
+        delta_dir: str,
+        shard: int,
+        every_s: float = 0.0,
+        first_seq: int = 0,
+        lock=None,
+    ):
         self.tables = tables
         self.tracker = tracker
         self.delta_dir = delta_dir
@@ -170,12 +183,14 @@ class DeltaExporter:
             if self.lock is not None:
                 with self.lock:
                     ids, evicted = self.tracker.take()
-                    tables = {n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables
-                              if len(ids[n]) or evicted[n]}
+                    tables = {
+                        n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]
+                    }
             else:
                 ids, evicted = self.tracker.take()
-                tables = {n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables
-                          if len(ids[n]) or evicted[n]}
+                tables = {
+                    n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]
+                }
             now = time.time()
             if not tables:
                 self.since = now

@@ -49,8 +49,9 @@ def prefetch(typingctx, arr, idx):
         ary = context.make_array(aryty)(context, builder, args[0])
         i = context.cast(builder, args[1], idxty, types.intp)
         zero = ir.Constant(ir.IntType(64), 0)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1),
-                                       wraparound=False, boundscheck=False)
+        ptr = cgutils.get_item_pointer(
+            context, builder, aryty, ary, [i] + [zero] * (aryty.ndim - 1), wraparound=False, boundscheck=False
+        )
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
@@ -429,8 +430,30 @@ def _touch_and_copy_rows(rows, last_used, step, touched, weights, out, stream):
 
 
 @njit(nogil=True, cache=True)
-def lookup(ids, create, index, keys, weights, qrow, qstep, qht, counters, capacity, step, last_used,
-           seed, scale, out, admit_prob, admit_after, sketch, refused, fill, rows, stream):
+def lookup(
+    ids,
+    create,
+    index,
+    keys,
+    weights,
+    qrow,
+    qstep,
+    qht,
+    counters,
+    capacity,
+    step,
+    last_used,
+    seed,
+    scale,
+    out,
+    admit_prob,
+    admit_after,
+    sketch,
+    refused,
+    fill,
+    rows,
+    stream,
+):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
     create=True: an unseen ID gets a row (deterministic init, state reset); when the table is full the least
@@ -812,8 +835,8 @@ def apply_adam(rows, grads, weights, m, v, steps, lr, beta1, beta2, eps, wd):
             continue
         steps[r] += 1
         k = steps[r]
-        bc1 = 1.0 - beta1 ** k
-        bc2 = 1.0 - beta2 ** k
+        bc1 = 1.0 - beta1**k
+        bc2 = 1.0 - beta2**k
         step_size = lr / bc1
         bc2_sqrt = np.sqrt(bc2)
         w = weights[r]

@@ -32,8 +32,14 @@ import numpy as np
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
-from persia_core.embedding.sharded import (TableArrays, lru_state_dict, make_tables, read_shard_file,
-                                           shard_file_bytes, write_shard_arrays)
+from persia_core.embedding.sharded import (
+    TableArrays,
+    lru_state_dict,
+    make_tables,
+    read_shard_file,
+    shard_file_bytes,
+    write_shard_arrays,
+)
 from persia_core.embedding.table import bytes_per_row, capacity_for_budget
 from persia_core.hashing import shard_of
 
@@ -70,18 +76,31 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
         bpr = bytes_per_row(t.optimizer.name, t.dim, cap, emb.storage)
         est = int(per_shard * bpr)
         total_est += est
-        tables[t.name] = {"dim": t.dim, "optimizer": t.optimizer.name, "bytes_per_row": bpr,
-                          "capacity_rows_per_shard": cap, "estimated_ids": ids,
-                          "estimated_rows_per_shard": per_shard, "estimated_bytes_per_shard": est,
-                          "slots": [s.name for s in config.slots if s.table == t.name]}
+        tables[t.name] = {
+            "dim": t.dim,
+            "optimizer": t.optimizer.name,
+            "bytes_per_row": bpr,
+            "capacity_rows_per_shard": cap,
+            "estimated_ids": ids,
+            "estimated_rows_per_shard": per_shard,
+            "estimated_bytes_per_shard": est,
+            "slots": [s.name for s in config.slots if s.table == t.name],
+        }
         if per_shard > cap:
             raise PlanError(
                 f"embedding table {t.name!r}: ~{ids} distinct IDs need ~{per_shard} rows per shard "
                 f"(~{est} bytes at {bpr:.1f} bytes/row) on {n} shards, but a shard's budget of "
                 f"{emb.shard_memory_bytes} bytes (embedding.shard_memory_bytes) holds {cap}; "
-                f"raise the budget or embedding.num_shards")
-    return {"routing": ROUTING, "num_shards": n, "shard_memory_bytes": emb.shard_memory_bytes,
-            "estimated_bytes_per_shard": total_est, "estimated_bytes_total": total_est * n, "tables": tables}
+                f"raise the budget or embedding.num_shards"
+            )
+    return {
+        "routing": ROUTING,
+        "num_shards": n,
+        "shard_memory_bytes": emb.shard_memory_bytes,
+        "estimated_bytes_per_shard": total_est,
+        "estimated_bytes_total": total_est * n,
+        "tables": tables,
+    }
 
 
 # ---- re-sharding --------------------------------------------------------------------------------------------
@@ -97,8 +116,9 @@ def storage_arrays(sd: dict[str, np.ndarray], meta: dict) -> TableArrays:
     return TableArrays(arrays, {**meta, "layout": "storage", "rows": n, "step": max(step, meta.get("step", 0))})
 
 
-def reshard(sources: list[dict[str, TableArrays]], num_shards: int,
-            capacities: dict[str, int] | None = None) -> tuple[list[dict[str, TableArrays]], dict]:
+def reshard(
+    sources: list[dict[str, TableArrays]], num_shards: int, capacities: dict[str, int] | None = None
+) -> tuple[list[dict[str, TableArrays]], dict]:
     """Re-route the rows of N shards to ``num_shards`` shards by ``hashing.shard_of``.
 
     Every row keeps its weights and optimizer state; recency is merged by each row's relative position in its old
@@ -151,8 +171,10 @@ def resolve_warm_start(path: str) -> str:
     if io.isdir(path) and not io.listdir(path):
         log.warning("warm start from %s: empty (no model blessed so far); starting cold", path)
         return ""
-    raise FileNotFoundError(f"warm start from {path!r}: not a Model artifact, checkpoint or blessed-model "
-                            f"location (no manifest.json or {gate.MARKER})")
+    raise FileNotFoundError(
+        f"warm start from {path!r}: not a Model artifact, checkpoint or blessed-model "
+        f"location (no manifest.json or {gate.MARKER})"
+    )
 
 
 def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
@@ -167,9 +189,11 @@ def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
         return
     if io.exists(warm_start_from) or io.isdir(warm_start_from):
         return
-    raise FileNotFoundError(f"warm_start_from {warm_start_from!r}: nothing there, and it is not this run's "
-                            f"blessed_dir {blessed_dir!r} (which may be empty before its first model); a typo "
-                            f"would start every scheduled run cold")
+    raise FileNotFoundError(
+        f"warm_start_from {warm_start_from!r}: nothing there, and it is not this run's "
+        f"blessed_dir {blessed_dir!r} (which may be empty before its first model); a typo "
+        f"would start every scheduled run cold"
+    )
 
 
 def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
@@ -184,8 +208,7 @@ def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense:
         if o["dim"] != t.dim:
             out.append(f"embedding.tables[{t.name}].dim: {o['dim']} -> {t.dim}")
         if o["optimizer"]["name"] != t.optimizer.name:
-            out.append(f"embedding.tables[{t.name}].optimizer.name: {o['optimizer']['name']!r} -> "
-                       f"{t.optimizer.name!r}")
+            out.append(f"embedding.tables[{t.name}].optimizer.name: {o['optimizer']['name']!r} -> {t.optimizer.name!r}")
     for name in sorted(set(old_tables) - {t.name for t in config.embedding.tables}):
         out.append(f"embedding.tables[{name}]: not in this run config")
 
@@ -221,9 +244,12 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
     fmt = manifest.get("format", "")
     if fmt == "persia-model/1":
         old_config, old_dense = manifest["config"], manifest.get("dense", [])
-        shards = [{"path": rel, "bytes": None, "crc32c": c}
-                  for rel, c in zip(manifest["shard_files"], manifest.get("shard_crc32c") or
-                                    [None] * len(manifest["shard_files"]))]
+        shards = [
+            {"path": rel, "bytes": None, "crc32c": c}
+            for rel, c in zip(
+                manifest["shard_files"], manifest.get("shard_crc32c") or [None] * len(manifest["shard_files"])
+            )
+        ]
         dense_rel = manifest["dense_file"]
     elif fmt.startswith("persia-checkpoint/"):
         from persia_core.train.checkpoint import CheckpointError, verify
@@ -240,10 +266,14 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         raise WarmStartError(f"warm start from {source}: unknown format {fmt!r}")
     problems = warm_start_differences(old_config, old_dense, config, schema["dense"])
     if problems:
-        raise WarmStartError(f"warm start from {source} refused: the run config no longer matches the previous "
-                             f"model: " + "; ".join(problems))
-    sources = [read_shard_file(io.join(source, e["path"]), e.get("bytes"), e.get("crc32c"), build_index=False).tables
-               for e in shards]
+        raise WarmStartError(
+            f"warm start from {source} refused: the run config no longer matches the previous "
+            f"model: " + "; ".join(problems)
+        )
+    sources = [
+        read_shard_file(io.join(source, e["path"]), e.get("bytes"), e.get("crc32c"), build_index=False).tables
+        for e in shards
+    ]
     new, report = reshard(sources, config.embedding.num_shards, capacities)
     from persia_core.train.launcher import shard_file_name
 
@@ -258,13 +288,19 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         if fmt != "persia-model/1":
             state = state["model"]
     except (ValueError, KeyError) as e:
-        raise WarmStartError(f"warm start from {source}: its dense weights {dense_path} cannot be read: "
-                             f"{e}") from e
+        raise WarmStartError(f"warm start from {source}: its dense weights {dense_path} cannot be read: {e}") from e
     buf = _io.BytesIO()
     torch.save(state, buf)
     io.write_bytes(io.join(output_dir, WARM_DENSE), buf.getvalue())
-    return {"from": source, "format": fmt, "previous_num_shards": len(shards), "rows": report["rows"],
-            "dropped_rows": report["dropped"], "dense_file": WARM_DENSE, "shard_files": files}
+    return {
+        "from": source,
+        "format": fmt,
+        "previous_num_shards": len(shards),
+        "rows": report["rows"],
+        "dropped_rows": report["dropped"],
+        "dense_file": WARM_DENSE,
+        "shard_files": files,
+    }
 
 
 def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_from: str = "") -> dict:
@@ -285,8 +321,13 @@ def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_fr
     else:
         files = []
         for s in range(plan["num_shards"]):
-            tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes, config.trainer.seed,
-                                 capacities=caps, storage=config.embedding.storage)
+            tables = make_tables(
+                config.embedding.tables,
+                config.embedding.shard_memory_bytes,
+                config.trainer.seed,
+                capacities=caps,
+                storage=config.embedding.storage,
+            )
             rel = shard_file_name(s)
             io.write_bytes(io.join(output_dir, rel), shard_file_bytes(tables))
             files.append(rel)

@@ -80,8 +80,10 @@ def _native_crc32c():
     except ImportError:
         return None
     base = os.path.dirname(google_crc32c.__file__)
-    for path in sorted(_glob.glob(os.path.join(base, os.pardir, "google_crc32c.libs", "libcrc32c*"))
-                       + _glob.glob(os.path.join(base, "libcrc32c*"))):
+    for path in sorted(
+        _glob.glob(os.path.join(base, os.pardir, "google_crc32c.libs", "libcrc32c*"))
+        + _glob.glob(os.path.join(base, "libcrc32c*"))
+    ):
         try:
             fn = ctypes.CDLL(path).crc32c_extend
         except (OSError, AttributeError):
@@ -209,8 +211,21 @@ class TableArrays:
 
 
 def _has_internals(t) -> bool:
-    need = ("keys", "weights", "last_used", "qrow", "qstep", "qht", "state", "index", "counters", "step",
-            "lock", "capacity", "dim")
+    need = (
+        "keys",
+        "weights",
+        "last_used",
+        "qrow",
+        "qstep",
+        "qht",
+        "state",
+        "index",
+        "counters",
+        "step",
+        "lock",
+        "capacity",
+        "dim",
+    )
     return all(hasattr(t, a) for a in need) and isinstance(getattr(t, "state"), dict)
 
 
@@ -223,9 +238,14 @@ def table_arrays(t: EmbeddingTable) -> TableArrays:
         n = int(t.counters[0])
         arrays = {"keys": t.keys[:n], "weights": t.weights[:n]}
         arrays.update({k: v[:n] for k, v in t.state.items()})
-        arrays.update({"last_used": t.last_used[:n],
-                       "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
-                       "counters": t.counters, "index": t.index})
+        arrays.update(
+            {
+                "last_used": t.last_used[:n],
+                "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
+                "counters": t.counters,
+                "index": t.index,
+            }
+        )
         _add_sketch(t, arrays)
         return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
     sd = t.state_dict()
@@ -266,8 +286,9 @@ def _members_of(tables: dict[str, TableArrays], server: dict | None) -> list[tup
     return members
 
 
-def write_shard_arrays(path: str, tables: dict[str, TableArrays], server: dict | None = None,
-                       fsync: bool = True) -> tuple[int, int]:
+def write_shard_arrays(
+    path: str, tables: dict[str, TableArrays], server: dict | None = None, fsync: bool = True
+) -> tuple[int, int]:
     """Write a shard file (see module docstring) from arrays. Local files go to a temporary name, are fsynced
     and renamed into place. Returns ``(bytes written, CRC-32C of the file)``."""
     from persia_core import io
@@ -286,8 +307,9 @@ def write_shard_arrays(path: str, tables: dict[str, TableArrays], server: dict |
     return w.pos, w.crc
 
 
-def write_shard_file(path: str, tables: dict[str, EmbeddingTable], server: dict | None = None,
-                     fsync: bool = True) -> tuple[int, int]:
+def write_shard_file(
+    path: str, tables: dict[str, EmbeddingTable], server: dict | None = None, fsync: bool = True
+) -> tuple[int, int]:
     """Write the tables of one shard (and the server's bookkeeping ``server``) to ``path`` from a consistent
     ``snapshot``. Returns ``(bytes, CRC-32C)``."""
     with snapshot(tables) as arrays:
@@ -333,8 +355,7 @@ def _members(f, size: int, where: str) -> list[_Member]:
         f.seek(start)
         try:
             version = npy.read_magic(f)
-            shape, fortran, dtype = (npy.read_array_header_1_0(f) if version == (1, 0)
-                                     else npy.read_array_header_2_0(f))
+            shape, fortran, dtype = npy.read_array_header_1_0(f) if version == (1, 0) else npy.read_array_header_2_0(f)
         except ValueError as e:
             raise ShardFileError(f"{where}: member {zi.filename} is not an array: {e}") from e
         if fortran or dtype.hasobject:
@@ -383,8 +404,9 @@ class ShardContents:
     crc32c: int | None = None
 
 
-def read_shard_file(path: str, expect_size: int | None = None, expect_crc32c: int | None = None,
-                    build_index: bool = True) -> ShardContents:
+def read_shard_file(
+    path: str, expect_size: int | None = None, expect_crc32c: int | None = None, build_index: bool = True
+) -> ShardContents:
     """Read a shard file, checking its integrity (see module docstring), into fresh arrays.
 
     Members stream straight from the file into their arrays; checksums and the hash index of every ``storage``
@@ -403,8 +425,9 @@ def read_shard_file(path: str, expect_size: int | None = None, expect_crc32c: in
         size, f = os.path.getsize(path), open(path, "rb", buffering=0)
     try:
         if expect_size is not None and size != int(expect_size):
-            raise ShardFileError(f"{path}: {size} bytes, but the manifest says {expect_size} (partial or "
-                                 f"overwritten file)")
+            raise ShardFileError(
+                f"{path}: {size} bytes, but the manifest says {expect_size} (partial or overwritten file)"
+            )
         return _read_members(f, size, path, expect_crc32c, build_index)
     finally:
         f.close()
@@ -457,12 +480,12 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
     finally:
         helper.shutdown(wait=True)
     if not check_zip and state["crc"] != int(expect_crc32c):
-        raise ShardFileError(f"{where}: CRC-32C {state['crc']:08x} does not match the manifest's "
-                             f"{int(expect_crc32c):08x} (corrupt file)")
+        raise ShardFileError(
+            f"{where}: CRC-32C {state['crc']:08x} does not match the manifest's {int(expect_crc32c):08x} (corrupt file)"
+        )
     if state["bad"]:
         raise ShardFileError(f"{where}: zip CRC-32 mismatch in {state['bad']} (corrupt file)")
-    out = ShardContents(server=meta.get("server", {}), size=size,
-                        crc32c=state["crc"] if not check_zip else None)
+    out = ShardContents(server=meta.get("server", {}), size=size, crc32c=state["crc"] if not check_zip else None)
     by_table: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in arrays.items():
         table, _, name = key.partition(".")
@@ -541,9 +564,14 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     n = len(a["keys"])
     _check_table_arrays(t, ta, label)
     expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
-    fast = (ta.meta.get("layout") == "storage" and _has_internals(t) and n <= t.capacity and n >= 1024
-            and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "last_used"))
-            and all(a[k].dtype == t.state[k].dtype for k in expected))
+    fast = (
+        ta.meta.get("layout") == "storage"
+        and _has_internals(t)
+        and n <= t.capacity
+        and n >= 1024
+        and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "last_used"))
+        and all(a[k].dtype == t.state[k].dtype for k in expected)
+    )
     if fast:
         index = a.get("index")
         if index is None or not index_consistent(index, a["keys"]):
@@ -565,8 +593,13 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         return
     sd = lru_state_dict(ta)
     if n > t.capacity:
-        log.warning("%s: %d rows do not fit the capacity %d; the %d least recently used are dropped", label, n,
-                    t.capacity, n - t.capacity)
+        log.warning(
+            "%s: %d rows do not fit the capacity %d; the %d least recently used are dropped",
+            label,
+            n,
+            t.capacity,
+            n - t.capacity,
+        )
         sd = {k: v[: t.capacity] for k, v in sd.items()}
     try:
         t.load_state_dict(sd)
@@ -577,8 +610,9 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     _restore_sketch(t, a)
 
 
-def load_shard_file(path: str, tables: dict[str, EmbeddingTable], expect_size: int | None = None,
-                    expect_crc32c: int | None = None) -> dict:
+def load_shard_file(
+    path: str, tables: dict[str, EmbeddingTable], expect_size: int | None = None, expect_crc32c: int | None = None
+) -> dict:
     """Load a shard file into ``tables`` (every table in the file must be defined by the run config; tables the
     file lacks are left as they are). Returns the server bookkeeping stored with it.
 
@@ -600,8 +634,7 @@ def check_shard_contents(contents: ShardContents, tables: dict[str, EmbeddingTab
     if unknown:
         raise ShardFileError(f"{path}: holds tables {unknown} that the run config does not define")
     for name, ta in contents.tables.items():
-        _check_table_arrays(tables[name], ta, f"{path}: table {name!r}",
-                            duplicates=ta.meta.get("layout") != "storage")
+        _check_table_arrays(tables[name], ta, f"{path}: table {name!r}", duplicates=ta.meta.get("layout") != "storage")
 
 
 def restore_shard_contents(contents: ShardContents, tables: dict[str, EmbeddingTable], path: str = "") -> None:
@@ -618,15 +651,22 @@ def _check_table_arrays(t: EmbeddingTable, ta: TableArrays, label: str, duplicat
     expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
     present = _state_names(a)
     if present != expected:
-        raise ShardFileError(f"{label}: optimizer state {sorted(present)} (optimizer "
-                             f"{ta.meta.get('optimizer', '?')}) does not match {t.optimizer.name} {sorted(expected)}")
+        raise ShardFileError(
+            f"{label}: optimizer state {sorted(present)} (optimizer "
+            f"{ta.meta.get('optimizer', '?')}) does not match {t.optimizer.name} {sorted(expected)}"
+        )
     if duplicates and n > 1 and len(K.dedup(np.ascontiguousarray(a["keys"], dtype=np.uint64))[0]) != n:
         raise ShardFileError(f"{label}: a feature ID appears in more than one row")
 
 
 # ---- in-process backend -------------------------------------------------------------------------------------
-def make_tables(tables: list[TableConfig], shard_memory_bytes: int, seed: int = 0,
-                capacities: dict[str, int] | None = None, storage: str = "fp32") -> dict[str, EmbeddingTable]:
+def make_tables(
+    tables: list[TableConfig],
+    shard_memory_bytes: int,
+    seed: int = 0,
+    capacities: dict[str, int] | None = None,
+    storage: str = "fp32",
+) -> dict[str, EmbeddingTable]:
     """One ``EmbeddingTable`` per table config for one shard, weights stored at ``storage`` precision. The
     shard's memory budget is split evenly between tables unless ``capacities`` (rows per table) is given."""
     out = {}
@@ -635,8 +675,17 @@ def make_tables(tables: list[TableConfig], shard_memory_bytes: int, seed: int = 
             cap = int(capacities[t.name])
         else:
             cap = capacity_for_budget(shard_memory_bytes // len(tables), t.optimizer.name, t.dim, storage)
-        out[t.name] = EmbeddingTable(t.dim, t.optimizer, cap, t.init_scale, seed, t.admit_probability,
-                                     t.admit_after_sightings, t.expire_after_steps, storage)
+        out[t.name] = EmbeddingTable(
+            t.dim,
+            t.optimizer,
+            cap,
+            t.init_scale,
+            seed,
+            t.admit_probability,
+            t.admit_after_sightings,
+            t.expire_after_steps,
+            storage,
+        )
     return out
 
 
@@ -661,8 +710,10 @@ class LocalEmbedding:
     def __init__(self, config: EmbeddingConfig, num_shards: int | None = None, seed: int = 0):
         self.config = config
         self.num_shards = num_shards or config.num_shards
-        self.shards = [make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
-                       for _ in range(self.num_shards)]
+        self.shards = [
+            make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
+            for _ in range(self.num_shards)
+        ]
         self.dims = {t.name: t.dim for t in config.tables}
 
     def load(self, paths: list[str]) -> None:
@@ -697,8 +748,15 @@ class LocalEmbedding:
                 out[pos] = self.shards[s][table].contains(ids[pos])
         return out
 
-    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int = 0,
-             sync_workers: int = 0, step_fraction: float = 1.0) -> Future:
+    def push(
+        self,
+        table: str,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        step: int = 0,
+        sync_workers: int = 0,
+        step_fraction: float = 1.0,
+    ) -> Future:
         for s, pos in enumerate(self._route(ids)):
             if len(pos):
                 self.shards[s][table].apply_gradients(ids[pos], grads[pos], step_fraction)

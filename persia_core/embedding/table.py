@@ -168,8 +168,10 @@ def row_bytes_without_index(optimizer: str, dim: int, storage: str = "fp32") -> 
     each), weights at ``storage`` precision, optimizer state (fp32)."""
     if storage not in STORAGE_BYTES:
         raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
-    state = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-                for shape, dt in state_shapes(optimizer, dim).values())
+    state = sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        for shape, dt in state_shapes(optimizer, dim).values()
+    )
     return 8 + 4 + 10 + STORAGE_BYTES[storage] * dim + state
 
 
@@ -206,16 +208,22 @@ def min_budget_bytes(optimizer: str, dim: int, storage: str = "fp32") -> int:
 
 def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: str = "fp32") -> float:
     """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
-    return (row_bytes_without_index(optimizer, dim, storage) + (4 * _index_slots(capacity) + QUEUE_FIXED_BYTES)
-            / capacity)
+    return (
+        row_bytes_without_index(optimizer, dim, storage) + (4 * _index_slots(capacity) + QUEUE_FIXED_BYTES) / capacity
+    )
 
 
 def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
     """Whether rows of ``weights: float32[R, D]`` can be copied into ``out: float32[N, D]`` with 64-byte
     non-temporal row stores (``kernels.gather_rows``): both C-contiguous, ``out`` 64-byte aligned, D a multiple
     of 16."""
-    return (out.ctypes.data % CACHE_LINE == 0 and out.shape[1] % 16 == 0 and out.flags.c_contiguous
-            and weights.flags.c_contiguous and weights.dtype == np.float32)
+    return (
+        out.ctypes.data % CACHE_LINE == 0
+        and out.shape[1] % 16 == 0
+        and out.flags.c_contiguous
+        and weights.flags.c_contiguous
+        and weights.dtype == np.float32
+    )
 
 
 class EmbeddingTable:
@@ -238,9 +246,18 @@ class EmbeddingTable:
     Thread safety: every public method takes the table's lock.
     """
 
-    def __init__(self, dim: int, optimizer: OptimizerConfig, capacity: int, init_scale: float = 0.01,
-                 seed: int = 0, admit_probability: float = 1.0, admit_after_sightings: int = 0,
-                 expire_after_steps: int = 0, storage: str = "fp32"):
+    def __init__(
+        self,
+        dim: int,
+        optimizer: OptimizerConfig,
+        capacity: int,
+        init_scale: float = 0.01,
+        seed: int = 0,
+        admit_probability: float = 1.0,
+        admit_after_sightings: int = 0,
+        expire_after_steps: int = 0,
+        storage: str = "fp32",
+    ):
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
         if capacity < 1:
@@ -279,8 +296,10 @@ class EmbeddingTable:
         self.qrow = aligned_array(K.queue_size(rows), np.int32, 0)  # recency queue (see kernels)
         self.qstep = aligned_array(K.queue_size(rows), np.int32, 0)
         self.qht = np.zeros(2, dtype=np.int64)
-        self.state = {name: aligned_array((rows, *shape), dt, 0)
-                      for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()}
+        self.state = {
+            name: aligned_array((rows, *shape), dt, 0)
+            for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()
+        }
         self.index = aligned_array(_index_slots(rows), np.int32, -1)
 
     def _grow(self, needed_rows: int) -> None:
@@ -325,10 +344,30 @@ class EmbeddingTable:
                 self._expire(self.step - self.expire_after_steps)
             fill = self.storage == "fp32"
             rows = np.empty(len(ids), dtype=np.int32)
-            created = K.lookup(ids, True, self.index, self.keys, self.weights if fill else _NO_WEIGHTS, self.qrow,
-                               self.qstep, self.qht, self.counters, self.capacity, self.step, self.last_used,
-                               self.seed, self.init_scale, out, self.admit_probability, self.admit_after,
-                               self.sketch, self.refused, fill, rows, _streamable(out, self.weights))
+            created = K.lookup(
+                ids,
+                True,
+                self.index,
+                self.keys,
+                self.weights if fill else _NO_WEIGHTS,
+                self.qrow,
+                self.qstep,
+                self.qht,
+                self.counters,
+                self.capacity,
+                self.step,
+                self.last_used,
+                self.seed,
+                self.init_scale,
+                out,
+                self.admit_probability,
+                self.admit_after,
+                self.sketch,
+                self.refused,
+                fill,
+                rows,
+                _streamable(out, self.weights),
+            )
             self._reset_state(created)
             if not fill:
                 if len(created):
@@ -344,8 +383,9 @@ class EmbeddingTable:
         lru = K._first_live(self.qrow, self.qstep, self.qht, self.last_used)
         if lru < 0 or self.last_used[lru] >= older_than:
             return 0
-        removed, moves = K.expire(older_than, self.index, self.keys, self.qrow, self.qstep, self.qht,
-                                  self.counters, self.last_used)
+        removed, moves = K.expire(
+            older_than, self.index, self.keys, self.qrow, self.qstep, self.qht, self.counters, self.last_used
+        )
         if len(moves):
             K.apply_moves(moves, self.weights)
             for arr in self.state.values():
@@ -431,19 +471,42 @@ class EmbeddingTable:
         elif o.name == "adagrad":
             K.apply_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)
         else:
-            K.apply_adam(rows, grads, weights, state["m"], state["v"], state["steps"], lr, o.beta1, o.beta2,
-                         o.eps, o.weight_decay)
+            K.apply_adam(
+                rows,
+                grads,
+                weights,
+                state["m"],
+                state["v"],
+                state["steps"],
+                lr,
+                o.beta1,
+                o.beta2,
+                o.eps,
+                o.weight_decay,
+            )
 
     def stats(self) -> dict:
         """Rows, capacity, evictions, inserts, read-only misses, dropped gradients, bytes allocated."""
         with self.lock:
-            allocated = (self.keys.nbytes + self.weights.nbytes + self.qrow.nbytes + self.qstep.nbytes
-                         + self.last_used.nbytes + self.index.nbytes + sum(a.nbytes for a in self.state.values()))
+            allocated = (
+                self.keys.nbytes
+                + self.weights.nbytes
+                + self.qrow.nbytes
+                + self.qstep.nbytes
+                + self.last_used.nbytes
+                + self.index.nbytes
+                + sum(a.nbytes for a in self.state.values())
+            )
             return {
-                "rows": int(self.counters[0]), "capacity": self.capacity, "evictions": int(self.counters[1]),
-                "inserts": int(self.counters[2]), "readonly_misses": int(self.counters[3]),
-                "dropped_gradients": self.dropped_gradients, "bytes_allocated": int(allocated + self.sketch.nbytes),
-                "not_admitted": int(self.refused[0]), "expired": self.expired,
+                "rows": int(self.counters[0]),
+                "capacity": self.capacity,
+                "evictions": int(self.counters[1]),
+                "inserts": int(self.counters[2]),
+                "readonly_misses": int(self.counters[3]),
+                "dropped_gradients": self.dropped_gradients,
+                "bytes_allocated": int(allocated + self.sketch.nbytes),
+                "not_admitted": int(self.refused[0]),
+                "expired": self.expired,
                 "bytes_per_row": bytes_per_row(self.optimizer.name, self.dim, self.capacity, self.storage),
                 "storage": self.storage,
             }
@@ -454,8 +517,11 @@ class EmbeddingTable:
         with self.lock:
             size = self.size
             order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)[::-1]
-            out = {"keys": self.keys[order].copy(), "weights": self.weights[order].copy(),
-                   "last_used": self.last_used[order].copy()}
+            out = {
+                "keys": self.keys[order].copy(),
+                "weights": self.weights[order].copy(),
+                "last_used": self.last_used[order].copy(),
+            }
             for name, arr in self.state.items():
                 out[name] = arr[order].copy()
             return out
@@ -471,13 +537,16 @@ class EmbeddingTable:
         if sd["weights"].shape != (n, self.dim):
             raise ValueError(f"state weights have shape {sd['weights'].shape}, expected ({n}, {self.dim})")
         if sd["weights"].dtype != self.wdtype:
-            raise ValueError(f"state weights are {sd['weights'].dtype}, this table stores {self.storage} "
-                             f"({np.dtype(self.wdtype).name})")
+            raise ValueError(
+                f"state weights are {sd['weights'].dtype}, this table stores {self.storage} "
+                f"({np.dtype(self.wdtype).name})"
+            )
         expected = set(state_shapes(self.optimizer.name, self.dim))
         present = set(sd) - {"keys", "weights", "last_used"}
         if present != expected:
-            raise ValueError(f"optimizer state arrays {sorted(present)} do not match {self.optimizer.name}: "
-                             f"{sorted(expected)}")
+            raise ValueError(
+                f"optimizer state arrays {sorted(present)} do not match {self.optimizer.name}: {sorted(expected)}"
+            )
         if n > 1 and len(K.dedup(np.ascontiguousarray(keys))[0]) != n:  # checked before anything is replaced
             raise ValueError("state has duplicate keys")
         with self.lock:
@@ -487,8 +556,9 @@ class EmbeddingTable:
             self.last_used[:n] = sd.get("last_used", np.zeros(n, np.int32))
             for name in expected:
                 self.state[name][:n] = sd[name]
-            K.queue_from_order(np.arange(n - 1, -1, -1, dtype=np.int32), self.last_used, self.qrow, self.qstep,
-                               self.qht)
+            K.queue_from_order(
+                np.arange(n - 1, -1, -1, dtype=np.int32), self.last_used, self.qrow, self.qstep, self.qht
+            )
             self.counters[:] = 0
             self.counters[0] = n
             self.step = int(self.last_used[:n].max()) if n else 0

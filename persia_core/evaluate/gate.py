@@ -53,12 +53,17 @@ def _num(v) -> float | None:
         return None
 
 
-def check_thresholds(min_auc: float = DEFAULT_MIN_AUC, max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-                     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE,
-                     as_flags: bool = False) -> None:
+def check_thresholds(
+    min_auc: float = DEFAULT_MIN_AUC,
+    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
+    max_ne: float = DEFAULT_MAX_NE,
+    as_flags: bool = False,
+) -> None:
     """The gate's own checks of its thresholds, also made by the entry points before a run starts (rather than at
     its last step). Raises ``ValueError`` naming the threshold (``--min-auc`` with ``as_flags``) for a ``max_ne``
     <= 0, a ``min_auc`` outside [0, 1] or a negative tolerance."""
+
     def name(n: str) -> str:
         return "--" + n.replace("_", "-") if as_flags else n
 
@@ -72,9 +77,14 @@ def check_thresholds(min_auc: float = DEFAULT_MIN_AUC, max_auc_drop: float = DEF
         raise ValueError(f"{name('max_logloss_increase')} must be >= 0, got {max_logloss_increase}")
 
 
-def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MIN_AUC,
-           max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-           max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
+def decide(
+    new_metrics: dict,
+    baseline: dict | None,
+    min_auc: float = DEFAULT_MIN_AUC,
+    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
+    max_ne: float = DEFAULT_MAX_NE,
+) -> dict:
     """Decide whether a newly evaluated model is blessed.
 
     Args:
@@ -114,8 +124,10 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
         reasons.append(f"passed: normalized entropy {ne:.6f} < max_ne {max_ne:g}")
     else:
         ok = False
-        reasons.append(f"rejected: normalized entropy {ne:.6f} >= max_ne {max_ne:g}"
-                       + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else ""))
+        reasons.append(
+            f"rejected: normalized entropy {ne:.6f} >= max_ne {max_ne:g}"
+            + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else "")
+        )
     if baseline is None:
         reasons.append("no blessed baseline yet: only the min_auc and normalized-entropy checks apply")
     else:
@@ -126,21 +138,28 @@ def decide(new_metrics: dict, baseline: dict | None, min_auc: float = DEFAULT_MI
         elif auc is not None:
             floor = base_auc - max_auc_drop
             if auc >= floor:
-                reasons.append(f"passed: AUC {auc:.6f} >= baseline AUC {base_auc:.6f} - max_auc_drop "
-                               f"{max_auc_drop:.6f}")
+                reasons.append(
+                    f"passed: AUC {auc:.6f} >= baseline AUC {base_auc:.6f} - max_auc_drop {max_auc_drop:.6f}"
+                )
             else:
                 ok = False
-                reasons.append(f"rejected: AUC {auc:.6f} < baseline AUC {base_auc:.6f} - max_auc_drop "
-                               f"{max_auc_drop:.6f} (drop {base_auc - auc:.6f})")
+                reasons.append(
+                    f"rejected: AUC {auc:.6f} < baseline AUC {base_auc:.6f} - max_auc_drop "
+                    f"{max_auc_drop:.6f} (drop {base_auc - auc:.6f})"
+                )
         if base_ll is None or logloss is None:
             reasons.append("logloss undefined: logloss not compared with the baseline")
         elif logloss <= base_ll + max_logloss_increase:
-            reasons.append(f"passed: logloss {logloss:.6f} <= baseline logloss {base_ll:.6f} + "
-                           f"max_logloss_increase {max_logloss_increase:.6f}")
+            reasons.append(
+                f"passed: logloss {logloss:.6f} <= baseline logloss {base_ll:.6f} + "
+                f"max_logloss_increase {max_logloss_increase:.6f}"
+            )
         else:
             ok = False
-            reasons.append(f"rejected: logloss {logloss:.6f} > baseline logloss {base_ll:.6f} + "
-                           f"max_logloss_increase {max_logloss_increase:.6f} (worse by {logloss - base_ll:.6f})")
+            reasons.append(
+                f"rejected: logloss {logloss:.6f} > baseline logloss {base_ll:.6f} + "
+                f"max_logloss_increase {max_logloss_increase:.6f} (worse by {logloss - base_ll:.6f})"
+            )
     return {"bless": ok, "decision": "bless" if ok else "reject", "reasons": reasons}
 
 
@@ -207,22 +226,38 @@ def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) ->
         model = LoadedModel(path)
     except Exception as e:  # noqa: BLE001 - a broken blessed model must not fail today's run
         error = f"{type(e).__name__}: {e}"[:500]
-        log.warning("the latest blessed model %s cannot be loaded (%s): the gate judges the new model on the "
-                    "absolute thresholds alone", path, error)
+        log.warning(
+            "the latest blessed model %s cannot be loaded (%s): the gate judges the new model on the "
+            "absolute thresholds alone",
+            path,
+            error,
+        )
         return {"source": UNLOADABLE, "model": marker["model"], "error": error}
     try:
         m = evaluate(path, data_dir, batch_size=batch_size, user_slot="", model=model)["metrics"]
     except Exception as e:  # noqa: BLE001 - any failure of the old model must not fail today's run
-        log.warning("the latest blessed model in %s cannot score %s (%s: %s): the gate compares with the metrics "
-                    "stored when it was blessed", blessed_dir, data_dir, type(e).__name__, e)
+        log.warning(
+            "the latest blessed model in %s cannot score %s (%s: %s): the gate compares with the metrics "
+            "stored when it was blessed",
+            blessed_dir,
+            data_dir,
+            type(e).__name__,
+            e,
+        )
         return None
     return {**m, "source": "re-scored", "model": marker["model"]}
 
 
-def evaluate_gate(metrics: dict, blessed_dir: str, data_dir: str, min_auc: float = DEFAULT_MIN_AUC,
-                  max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-                  max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE,
-                  batch_size: int = 4096) -> tuple[dict, dict]:
+def evaluate_gate(
+    metrics: dict,
+    blessed_dir: str,
+    data_dir: str,
+    min_auc: float = DEFAULT_MIN_AUC,
+    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
+    max_ne: float = DEFAULT_MAX_NE,
+    batch_size: int = 4096,
+) -> tuple[dict, dict]:
     """The gate of a model just evaluated on ``data_dir``'s evaluation split (its ``metrics``): re-scores the
     latest blessed model of ``blessed_dir`` on the same rows (:func:`rescore_baseline`) and decides (:func:`gate`).
     Returns ``(decision, metrics carrying the re-scored baseline under RESCORED_KEY)``: the second is what the
@@ -232,9 +267,14 @@ def evaluate_gate(metrics: dict, blessed_dir: str, data_dir: str, min_auc: float
     return gate(carried, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne), carried
 
 
-def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
-         max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-         max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE, max_ne: float = DEFAULT_MAX_NE) -> dict:
+def gate(
+    metrics: dict,
+    blessed_dir: str,
+    min_auc: float = DEFAULT_MIN_AUC,
+    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
+    max_ne: float = DEFAULT_MAX_NE,
+) -> dict:
     """:func:`decide` against the latest blessed model in ``blessed_dir`` (none when it is empty or holds no
     marker): its metrics on the same evaluation rows when ``metrics`` carries them (``metrics[RESCORED_KEY]``,
     from :func:`rescore_baseline`), else the metrics stored when it was blessed; none when the re-score found
@@ -253,8 +293,10 @@ def gate(metrics: dict, blessed_dir: str, min_auc: float = DEFAULT_MIN_AUC,
     baseline = None if unloadable else rescored if current else stored
     out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
     if unloadable:
-        source = (f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "
-                  f"the new model is judged on the absolute thresholds alone, so a sound one replaces it")
+        source = (
+            f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "
+            f"the new model is judged on the absolute thresholds alone, so a sound one replaces it"
+        )
     elif baseline is None:
         source = "none"
     elif baseline is rescored:

@@ -110,7 +110,9 @@ def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
                 if len(values) != n - 1:
                     raise layouts.ParseError(
                         f"wrong field count: {len(values)} != {n - 1} (this file's rows have no label column: "
-                        f"{n - 1} fields, the config's {n} columns less '{layout.label_column}')", "wrong field count")
+                        f"{n - 1} fields, the config's {n} columns less '{layout.label_column}')",
+                        "wrong field count",
+                    )
                 values.insert(label_at, "0")
                 text = layout.delimiter.join(values)
             record = layouts.parse_delimited(text, layout)
@@ -126,13 +128,16 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
 
     layout = cfg.layout
     if layout.history_length > 0:
-        raise ValueError("predict: a movielens config with layout.history_length > 0 needs each user's whole "
-                         "history; run `persia preprocess` and pass the preprocessed Parquet rows instead")
+        raise ValueError(
+            "predict: a movielens config with layout.history_length > 0 needs each user's whole "
+            "history; run `persia preprocess` and pass the preprocessed Parquet rows instead"
+        )
     folder = os.path.dirname(path) if not io.is_gcs(path) else path.rpartition("/")[0]
     movies_path = io.join(folder, layout.movies_file)
     if not io.exists(movies_path):
-        raise FileNotFoundError(f"predict: raw MovieLens ratings need {movies_path} beside them (or pass "
-                                "preprocessed Parquet rows)")
+        raise FileNotFoundError(
+            f"predict: raw MovieLens ratings need {movies_path} beside them (or pass preprocessed Parquet rows)"
+        )
     movies = {}
     for line_no, line in enumerate(_lines(movies_path), start=1):
         try:
@@ -178,8 +183,9 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
         by_movie.setdefault(r["movieId"], []).append(i)
     tags: list[list[str]] = [[] for _ in ratings]
     for movie, idx in by_movie.items():
-        lists = layouts.tags_before_each(events.get(movie, []), [ratings[i][0]["timestamp"] for i in idx],
-                                         layout.max_tags)
+        lists = layouts.tags_before_each(
+            events.get(movie, []), [ratings[i][0]["timestamp"] for i in idx], layout.max_tags
+        )
         for i, t in zip(idx, lists):
             tags[i] = t
     out = [(layouts.movielens_record(r, movies[r["movieId"]], t), src) for (r, src), t in zip(ratings, tags)]
@@ -200,8 +206,9 @@ def raw_rows_table(path: str, config: RunConfig, bad: list | None = None) -> tup
     if not records:
         raise ValueError(f"predict input {path} holds no rows")
     specs = slot_specs(config)
-    rows = [encode_row(rec, specs, src, rec["ts"] if rec["ts"] is not None else i)
-            for i, (rec, src) in enumerate(records)]
+    rows = [
+        encode_row(rec, specs, src, rec["ts"] if rec["ts"] is not None else i) for i, (rec, src) in enumerate(records)
+    ]
     return rows_to_table(rows, config.slot_names, len(config.layout.dense_fields())), labelled
 
 
@@ -220,8 +227,14 @@ def _write(output_path: str, table: pa.Table) -> None:
     io.write_text(output_path, text.getvalue())
 
 
-def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig | str | None = None,
-            batch_size: int = 4096, dead_letter: str = "") -> dict:
+def predict(
+    model_dir: str,
+    input_path: str,
+    output_path: str,
+    config: RunConfig | str | None = None,
+    batch_size: int = 4096,
+    dead_letter: str = "",
+) -> dict:
     """Score the rows of ``input_path`` with the Model artifact in ``model_dir`` and write ``output_path``.
 
     See the module docstring for the input and output formats. ``config``: the run config whose layout parses
@@ -274,8 +287,18 @@ def predict(model_dir: str, input_path: str, output_path: str, config: RunConfig
     if dead_letter:
         io.write_text(dead_letter, "".join(json.dumps(b) + "\n" for b in bad))
         if bad:
-            log.warning("predict: %d malformed rows set aside in %s (first: %s: %s)", len(bad), dead_letter,
-                        bad[0]["source"], bad[0]["reason"])
+            log.warning(
+                "predict: %d malformed rows set aside in %s (first: %s: %s)",
+                len(bad),
+                dead_letter,
+                bad[0]["source"],
+                bad[0]["reason"],
+            )
     log.info("predict: %d rows -> %s", len(probs), output_path)
-    return {"rows": int(len(probs)), "output": output_path, "probability": probs,
-            "label": examples.labels if labelled else None, "malformed": len(bad) if bad is not None else 0}
+    return {
+        "rows": int(len(probs)),
+        "output": output_path,
+        "probability": probs,
+        "label": examples.labels if labelled else None,
+        "malformed": len(bad) if bad is not None else 0,
+    }

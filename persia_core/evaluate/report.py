@@ -94,9 +94,16 @@ def _kv_table(d: Mapping, key_header: str = "Name", value_header: str = "Value")
 
 
 #: Rows of the seen/unseen-user table: (metric key, label).
-_SPLIT_ROWS = (("auc", "AUC"), ("gauc", "GAUC"), ("logloss", "Log loss"), ("ne", "Normalized entropy"),
-               ("calibration", "Calibration (mean pred / base rate)"), ("base_rate", "Base rate"),
-               ("mean_prediction", "Mean prediction"), ("count", "Rows"))
+_SPLIT_ROWS = (
+    ("auc", "AUC"),
+    ("gauc", "GAUC"),
+    ("logloss", "Log loss"),
+    ("ne", "Normalized entropy"),
+    ("calibration", "Calibration (mean pred / base rate)"),
+    ("base_rate", "Base rate"),
+    ("mean_prediction", "Mean prediction"),
+    ("count", "Rows"),
+)
 
 
 def _num_td(v) -> str:
@@ -141,19 +148,29 @@ def _gate_section(gate: Mapping) -> str:
     cls = "bless" if decision == "bless" else "reject"
     where = gate.get("blessed_dir")
     if cls == "bless":
-        text = ("passes the gate: the bless step publishes it as the latest blessed model in " + str(where)
-                if where else "passes the gate (no blessed-model location is set, so nothing is published)")
+        text = (
+            "passes the gate: the bless step publishes it as the latest blessed model in " + str(where)
+            if where
+            else "passes the gate (no blessed-model location is set, so nothing is published)"
+        )
     else:
-        text = ("fails the gate: the latest blessed model in " + str(where) + " stays in place"
-                if where else "fails the gate: it is not published")
+        text = (
+            "fails the gate: the latest blessed model in " + str(where) + " stays in place"
+            if where
+            else "fails the gate: it is not published"
+        )
     items = "".join(f"<li>{_esc(r)}</li>" for r in gate.get("reasons", []))
-    parts = [f'<p><span class="gate {cls}">Decision: {_esc(decision)}</span> {_esc(text)}.</p>',
-             f"<ul>{items}</ul>" if items else ""]
+    parts = [
+        f'<p><span class="gate {cls}">Decision: {_esc(decision)}</span> {_esc(text)}.</p>',
+        f"<ul>{items}</ul>" if items else "",
+    ]
     baseline = gate.get("baseline")
     if baseline:
         keys = [k for k in ("auc", "gauc", "logloss", "ne", "calibration", "count") if k in baseline]
-        parts += ["<p>Baseline (latest blessed model):</p>", _kv_table({k: baseline[k] for k in keys},
-                                                                       "Metric", "Baseline")]
+        parts += [
+            "<p>Baseline (latest blessed model):</p>",
+            _kv_table({k: baseline[k] for k in keys}, "Metric", "Baseline"),
+        ]
     return "".join(parts)
 
 
@@ -261,7 +278,9 @@ def _throughput_figure(h: dict) -> str:
     ax = fig.add_subplot()
     if ok.any():
         ax.plot(t[1:][ok], ds[ok] / dt[ok], color="tab:green", marker=".", lw=1.2, label="Per logging interval")
-    ax.axhline(float(h["samples_per_s"]), color="black", ls="--", lw=1, label=f"Run: {h['samples_per_s']:.6g} samples/s")
+    ax.axhline(
+        float(h["samples_per_s"]), color="black", ls="--", lw=1, label=f"Run: {h['samples_per_s']:.6g} samples/s"
+    )
     ax.set_xlabel("Elapsed time (s)")
     ax.set_ylabel("Throughput (samples/s)")
     ax.set_title("Training throughput over time")
@@ -379,15 +398,20 @@ def write_report(
         parts.append(_roc_figure(y, p))
     parts += ["<h2>Calibration</h2>", _reliability_figure(y, p)]
     if user_split:
-        parts += ["<h2>Users seen and not seen in training</h2>",
-                  f"<p>Rows split by whether the trained model holds a row for their user "
-                  f"(slot <code>{_esc(user_split.get('slot', ''))}</code>); GAUC is the impression-weighted "
-                  "mean of per-user AUC over users with both classes.</p>",
-                  _split_table(metrics, user_split)]
+        parts += [
+            "<h2>Users seen and not seen in training</h2>",
+            f"<p>Rows split by whether the trained model holds a row for their user "
+            f"(slot <code>{_esc(user_split.get('slot', ''))}</code>); GAUC is the impression-weighted "
+            "mean of per-user AUC over users with both classes.</p>",
+            _split_table(metrics, user_split),
+        ]
     if coverage:
-        parts += ["<h2>Per-slot coverage</h2>",
-                  "<p>Evaluation IDs of each slot that have no row in the trained shards (never seen in "
-                  "training); they are looked up as the zero row.</p>", _coverage_table(coverage)]
+        parts += [
+            "<h2>Per-slot coverage</h2>",
+            "<p>Evaluation IDs of each slot that have no row in the trained shards (never seen in "
+            "training); they are looked up as the zero row.</p>",
+            _coverage_table(coverage),
+        ]
 
     if history is not None:
         parts += [

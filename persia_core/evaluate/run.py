@@ -66,8 +66,9 @@ def check_user_slot(user_slot: str, slots: list[str], model_dir: str = "") -> bo
     if user_slot in ("", DEFAULT_USER_SLOT):
         return False
     where = f" of the model {model_dir}" if model_dir else ""
-    raise ValueError(f"user slot {user_slot!r} is not a slot{where}; its slots are {slots} (or give '' for "
-                     f"no user slot)")
+    raise ValueError(
+        f"user slot {user_slot!r} is not a slot{where}; its slots are {slots} (or give '' for no user slot)"
+    )
 
 
 class LoadedModel:
@@ -83,8 +84,14 @@ class LoadedModel:
         self.slots = model_slot_order(self.config)
         self.embedding = LocalEmbedding(self.config.embedding, self.manifest["num_shards"], self.config.trainer.seed)
         self.embedding.load([io.join(model_dir, f) for f in self.manifest["shard_files"]])  # the resolved folder
-        self.dense = build_model(self.config.model, len(self.slots), self.layouts[0].dim, len(self.manifest["dense"]),
-                                 self.manifest["dense_mean"], self.manifest["dense_std"])
+        self.dense = build_model(
+            self.config.model,
+            len(self.slots),
+            self.layouts[0].dim,
+            len(self.manifest["dense"]),
+            self.manifest["dense_mean"],
+            self.manifest["dense_std"],
+        )
         self.dense.load_state_dict(io.read_state_dict(io.join(model_dir, self.manifest["dense_file"])))
         self.dense.eval()
 
@@ -100,8 +107,13 @@ class LoadedModel:
         return torch.sigmoid(self.dense(emb, torch.from_numpy(batch.dense))).numpy()
 
 
-def score(model: LoadedModel, examples: ParquetExamples, batch_size: int = 4096, desc: str = "score",
-          stream: StreamingMetrics | None = None) -> np.ndarray:
+def score(
+    model: LoadedModel,
+    examples: ParquetExamples,
+    batch_size: int = 4096,
+    desc: str = "score",
+    stream: StreamingMetrics | None = None,
+) -> np.ndarray:
     """Click probabilities ``float32[N]`` of every row of ``examples``, in order, ``batch_size`` rows at a time
     (progress: a bar on a terminal, periodic log lines elsewhere). Each batch is also fed to ``stream``."""
     if batch_size < 1:
@@ -158,8 +170,9 @@ def _gauc(labels: np.ndarray, preds: np.ndarray, user: np.ndarray, rows: np.ndar
     return group_auc(labels[rows], preds[rows], user[rows]) if rows.any() else None
 
 
-def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user",
-             model: LoadedModel | None = None) -> dict:
+def evaluate(
+    model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user", model: LoadedModel | None = None
+) -> dict:
     """Score the evaluation split of ``data_dir`` with the model in ``model_dir`` (``model``: that model already
     loaded, which is then not loaded again).
 
@@ -180,8 +193,7 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
     for a missing model or dataset file, ``ValueError`` for invalid ones."""
     model_dir, manifest = read_manifest(model_dir)  # a blessed-model location resolves to its latest blessed model
-    use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest["config"])),
-                                    model_dir)
+    use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest["config"])), model_dir)
     read_schema(data_dir)
     model = model if model is not None else LoadedModel(model_dir)
     examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots, num_dense=len(model.manifest["dense"]))
@@ -207,9 +219,17 @@ def evaluate(model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: s
     if io.exists(hp):
         history = json.loads(io.read_text(hp))
     log.info("evaluate: %d rows, AUC=%s logloss=%.4f", metrics["count"], metrics["auc"], metrics["logloss"])
-    return {"metrics": metrics, "roc": roc_points(labels, preds_all) if metrics["auc"] is not None else None,
-            "labels": labels, "preds": preds_all, "config": model.manifest["config"],
-            "train_history": history, "coverage": coverage, "user_split": user_split, "model_dir": model_dir}
+    return {
+        "metrics": metrics,
+        "roc": roc_points(labels, preds_all) if metrics["auc"] is not None else None,
+        "labels": labels,
+        "preds": preds_all,
+        "config": model.manifest["config"],
+        "train_history": history,
+        "coverage": coverage,
+        "user_split": user_split,
+        "model_dir": model_dir,
+    }
 
 
 def flat_metrics(result: dict) -> dict[str, float]:

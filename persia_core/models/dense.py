@@ -42,8 +42,16 @@ class DNN(_Base):
     Args: num_slots S, dim D, num_dense F, hidden (top MLP sizes), bottom (dense MLP sizes; [] = raw dense).
     """
 
-    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden: list[int], bottom: list[int],
-                 dense_mean=None, dense_std=None):
+    def __init__(
+        self,
+        num_slots: int,
+        dim: int,
+        num_dense: int,
+        hidden: list[int],
+        bottom: list[int],
+        dense_mean=None,
+        dense_std=None,
+    ):
         super().__init__(num_dense, dense_mean, dense_std)
         self.bottom = mlp([num_dense, *bottom], last_activation=True) if bottom and num_dense else nn.Identity()
         dense_out = (bottom[-1] if bottom else num_dense) if num_dense else 0
@@ -60,8 +68,16 @@ class DLRM(_Base):
     """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
     interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
 
-    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden: list[int], bottom: list[int],
-                 dense_mean=None, dense_std=None):
+    def __init__(
+        self,
+        num_slots: int,
+        dim: int,
+        num_dense: int,
+        hidden: list[int],
+        bottom: list[int],
+        dense_mean=None,
+        dense_std=None,
+    ):
         super().__init__(num_dense, dense_mean, dense_std)
         if not num_dense:
             raise ValueError("DLRM needs dense features (model.kind: dlrm with an empty dense list)")
@@ -81,8 +97,9 @@ class DLRM(_Base):
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
 
 
-def build_model(config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None,
-                dense_std=None) -> nn.Module:
+def build_model(
+    config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None
+) -> nn.Module:
     """The dense model named by ``config.kind``. Raises ``ValueError`` for an unusable combination."""
     cls = {"dnn": DNN, "dlrm": DLRM}[config.kind]
     return cls(num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)

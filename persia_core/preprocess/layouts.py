@@ -334,8 +334,11 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
     """
     values = strip_line_end(line).split(layout.delimiter)
     if len(values) == 1 and len(layout.columns) > 1:
-        raise ParseError(f"wrong field count: 1 != {len(layout.columns)} (no {layout.delimiter!r} in the line: "
-                         "check layout.delimiter)", "wrong field count")
+        raise ParseError(
+            f"wrong field count: 1 != {len(layout.columns)} (no {layout.delimiter!r} in the line: "
+            "check layout.delimiter)",
+            "wrong field count",
+        )
     _expect_fields(values, len(layout.columns))
     row = dict(zip(layout.columns, values))
     label = _parse_label(row[layout.label_column].strip(), layout.label_column)
@@ -350,7 +353,6 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
         dense.append(x)
     ts = None
     if layout.timestamp_column:
-        ts = _parse_timestamp(_require(row[layout.timestamp_column], layout.timestamp_column),
-                              layout.timestamp_column)
+        ts = _parse_timestamp(_require(row[layout.timestamp_column], layout.timestamp_column), layout.timestamp_column)
     fields = {name: ([row[name]] if row[name] else []) for name in layout.id_fields()}
     return {"label": label, "dense": dense, "fields": fields, "ts": ts}

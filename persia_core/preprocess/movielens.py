@@ -146,8 +146,6 @@ class JoinMovieLens(beam.PTransform):
         rows = joined.rows
         if self.config.layout.history_length > 0:
             rows = (
-                rows
-                | "GroupByUser" >> beam.GroupByKey()
-                | "AddUserHistory" >> beam.ParDo(UserHistoryFn(self.config))
+                rows | "GroupByUser" >> beam.GroupByKey() | "AddUserHistory" >> beam.ParDo(UserHistoryFn(self.config))
             )
         return {"rows": rows, "dead": tuple(dead) | "FlattenDead" >> beam.Flatten()}

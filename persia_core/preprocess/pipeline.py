@@ -202,8 +202,9 @@ class NumberRowsFn(beam.DoFn):
         if not ok:
             self.malformed.inc()
             raw = text  # the line's bytes, as read
-            dead = dead_letter(path, line_no, raw.decode("utf-8", errors="replace"), layouts.ParseError("not utf-8"),
-                               self.example)
+            dead = dead_letter(
+                path, line_no, raw.decode("utf-8", errors="replace"), layouts.ParseError("not utf-8"), self.example
+            )
             dead["raw_base64"] = base64.b64encode(raw).decode("ascii")
             yield TaggedOutput(DEAD, dead)
             return
@@ -224,8 +225,9 @@ class ReadNumberedLines(beam.PTransform):
     ``example``: whether these lines are examples (count towards the malformed budget) or side data.
     """
 
-    def __init__(self, files: list[str], has_header: bool, max_rows: int = 0, example: bool = True,
-                 redistribute: bool = False) -> None:
+    def __init__(
+        self, files: list[str], has_header: bool, max_rows: int = 0, example: bool = True, redistribute: bool = False
+    ) -> None:
         super().__init__()
         self.files = list(files)
         self.has_header = has_header
@@ -237,9 +239,8 @@ class ReadNumberedLines(beam.PTransform):
         read = (
             pbegin
             | "ListFiles" >> beam.Create(list(enumerate(self.files)))
-            | "ReadFiles" >> beam.ParDo(ReadFileLinesFn(self.has_header, self.max_rows)).with_outputs(
-                _COUNTS, main="lines"
-            )
+            | "ReadFiles"
+            >> beam.ParDo(ReadFileLinesFn(self.has_header, self.max_rows)).with_outputs(_COUNTS, main="lines")
         )
         lines = read.lines
         if self.redistribute:
@@ -334,9 +335,8 @@ class SplitAndShard(beam.PTransform):
         plan = (
             rows
             | "TsAndKey" >> beam.Map(lambda r: (r[TS], r[KEY]))
-            | "PlanSplit" >> beam.CombineGlobally(
-                SplitPlanFn(self.eval_fraction, self.num_train_shards, self.num_eval_shards)
-            )
+            | "PlanSplit"
+            >> beam.CombineGlobally(SplitPlanFn(self.eval_fraction, self.num_train_shards, self.num_eval_shards))
         )
         keyed = rows | "AssignShards" >> beam.ParDo(AssignShardFn(), plan=AsSingleton(plan)).with_outputs(
             _TRAIN_DENSE, main="keyed"
@@ -407,9 +407,8 @@ class WriteShards(beam.PTransform):
             (keyed, every_shard)
             | "WithEveryShard" >> beam.Flatten()
             | "GroupByShard" >> beam.GroupByKey()
-            | "WriteParquet" >> beam.ParDo(
-                WriteShardFn(self.output_dir, self.slot_names, self.num_dense, self.num_shards)
-            )
+            | "WriteParquet"
+            >> beam.ParDo(WriteShardFn(self.output_dir, self.slot_names, self.num_dense, self.num_shards))
         )
 
 
@@ -436,7 +435,8 @@ class WriteDeadLetters(beam.PTransform):
         _ = (
             dead
             | "ToJson" >> beam.Map(dead_letter_json)
-            | "WriteJsonLines" >> beam.io.WriteToText(
+            | "WriteJsonLines"
+            >> beam.io.WriteToText(
                 FileSystems.join(self.output_dir, schema.DEAD_LETTER_DIR, DEAD_LETTER_PREFIX),
                 file_name_suffix=".jsonl",
                 num_shards=1,
@@ -487,7 +487,9 @@ class Preprocess(beam.PTransform):
         config, layout, split = self.config, self.config.layout, self.config.split
         if layout.kind == "movielens":
             reads = {
-                name: pbegin | f"Read{name.title()}" >> ReadNumberedLines(
+                name: pbegin
+                | f"Read{name.title()}"
+                >> ReadNumberedLines(
                     self.inputs[name], True, split.max_rows if name == "ratings" else 0, example=name == "ratings"
                 )
                 for name in ("ratings", "movies", "tags")
@@ -521,7 +523,8 @@ class Preprocess(beam.PTransform):
         return (
             pbegin
             | "StatsTrigger" >> beam.Create([None])
-            | "WriteStats" >> beam.ParDo(
+            | "WriteStats"
+            >> beam.ParDo(
                 WriteStatsFn(self.output_dir),
                 plan=AsSingleton(split_out["plan"]),
                 dense=AsSingleton(dense),
@@ -550,9 +553,11 @@ def malformed_summary(data_dir: str) -> dict | None:
     if not io.exists(path):
         return None
     bad = json.loads(io.read_text(path)).get("malformed", {})
-    return {"rows": int(bad.get("examples", 0)) + int(bad.get("side_lines", 0)),
-            "by_reason": dict(sorted(bad.get("by_reason", {}).items(), key=lambda kv: -kv[1])),
-            "dead_letter": io.join(data_dir, schema.DEAD_LETTER_DIR)}
+    return {
+        "rows": int(bad.get("examples", 0)) + int(bad.get("side_lines", 0)),
+        "by_reason": dict(sorted(bad.get("by_reason", {}).items(), key=lambda kv: -kv[1])),
+        "dead_letter": io.join(data_dir, schema.DEAD_LETTER_DIR),
+    }
 
 
 def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
@@ -566,8 +571,10 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
     layout = config.layout
     if layout.kind == "movielens":
         if FileSystems.exists(data) and not io.isdir(data):
-            raise FileNotFoundError(f"preprocess: --data {data!r} is a file, but the MovieLens layout reads a folder "
-                                    f"holding {layout.ratings_file}, {layout.movies_file} and {layout.tags_file}")
+            raise FileNotFoundError(
+                f"preprocess: --data {data!r} is a file, but the MovieLens layout reads a folder "
+                f"holding {layout.ratings_file}, {layout.movies_file} and {layout.tags_file}"
+            )
         out = {}
         files = {"ratings": layout.ratings_file, "movies": layout.movies_file, "tags": layout.tags_file}
         for name, file in files.items():
@@ -603,8 +610,9 @@ def _clear_outputs(output_dir: str) -> None:
             FileSystems.delete(paths)
 
 
-def check_malformed(stats: dict[str, Any], max_fraction: float, dead_letter_dir: str,
-                    inputs: list[str] | None = None) -> None:
+def check_malformed(
+    stats: dict[str, Any], max_fraction: float, dead_letter_dir: str, inputs: list[str] | None = None
+) -> None:
     """Raise ``ValueError`` when malformed rows / rows read > ``max_fraction`` (or no rows were read from
     ``inputs``, the example files, which the message then names).
 
@@ -693,15 +701,17 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     plan = stats["plan"]
     if plan["train"] + plan["eval"] + stats["malformed"]["examples"] != stats["read"]:
         raise RuntimeError(f"preprocess: rows do not add up (train + eval + malformed != read): {stats}")
-    check_malformed(stats, config.split.max_malformed_fraction, FileSystems.join(output_dir, schema.DEAD_LETTER_DIR),
-                    inputs.get("ratings") or inputs.get("files"))
+    check_malformed(
+        stats,
+        config.split.max_malformed_fraction,
+        FileSystems.join(output_dir, schema.DEAD_LETTER_DIR),
+        inputs.get("ratings") or inputs.get("files"),
+    )
     result = build_schema(config, stats)
     io.write_text(io.join(output_dir, schema.SCHEMA_FILE), json.dumps(result, indent=1) + "\n")
     io.write_text(io.join(output_dir, RUN_CONFIG_FILE), config.to_yaml())
     log.info("preprocess: %s rows in %.1f s -> %s", result["rows"], time.monotonic() - started, output_dir)
     return result
-
-
 
 
 def unknown_beam_flags(beam_args: list[str]) -> list[str]:
@@ -729,8 +739,10 @@ def refuse_unknown_flags(parser: argparse.ArgumentParser, beam_args: list[str]) 
         else:
             close = difflib.get_close_matches(flag, ours, n=1, cutoff=0.6)
             hints.append(f"{flag}: did you mean {close[0]}?" if close else flag)
-    parser.error(f"unknown flag(s), neither {parser.prog}'s own ({', '.join(ours)}) nor Apache Beam pipeline "
-                 f"options (Beam would ignore them): " + "; ".join(hints))
+    parser.error(
+        f"unknown flag(s), neither {parser.prog}'s own ({', '.join(ours)}) nor Apache Beam pipeline "
+        f"options (Beam would ignore them): " + "; ".join(hints)
+    )
 
 
 @contextlib.contextmanager
@@ -748,8 +760,11 @@ def _quiet_beam_options():
 def main(argv: list[str] | None = None) -> dict:
     """Command line: ``--data``, ``--output``, ``--config`` (shipped name or YAML path), ``--set key=value``
     (repeatable); every other flag is a Beam pipeline option. Prints the row counts; returns the schema dict."""
-    parser = argparse.ArgumentParser(prog="persia preprocess", allow_abbrev=False,
-                                     description="persia preprocess: raw files -> Parquet shards + schema.json")
+    parser = argparse.ArgumentParser(
+        prog="persia preprocess",
+        allow_abbrev=False,
+        description="persia preprocess: raw files -> Parquet shards + schema.json",
+    )
     parser.add_argument("--data", required=True, help="MovieLens folder, or a delimited file / folder / glob")
     parser.add_argument("--output", required=True, help="output folder (local or gs://)")
     parser.add_argument("--config", default="movielens", help="shipped config name or a YAML path")

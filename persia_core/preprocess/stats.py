@@ -118,7 +118,6 @@ class SplitPlanFn(beam.CombineFn):
         }
 
 
-
 # --------------------------------------------------------------------------------------------- malformed lines
 
 
@@ -155,7 +154,6 @@ class MalformedSummaryFn(beam.CombineFn):
             "by_reason": dict(acc["by_reason"]),
             "reason_example": dict(acc["reason_example"]),
         }
-
 
 
 # --------------------------------------------------------------------------------------------- dense and IDs

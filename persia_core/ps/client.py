@@ -50,10 +50,18 @@ class EmbeddingClient:
             back to messages for that shard.
     """
 
-    def __init__(self, addresses: list[str], config: EmbeddingConfig, token: str | None = None,
-                 timeout_s: float = 20.0, retries: int = 3, delay_s: float = 0.0,
-                 bandwidth_bytes_per_s: float = 0.0, client_id: str | None = None,
-                 shared_memory: bool | None = None):
+    def __init__(
+        self,
+        addresses: list[str],
+        config: EmbeddingConfig,
+        token: str | None = None,
+        timeout_s: float = 20.0,
+        retries: int = 3,
+        delay_s: float = 0.0,
+        bandwidth_bytes_per_s: float = 0.0,
+        client_id: str | None = None,
+        shared_memory: bool | None = None,
+    ):
         self.addresses = list(addresses)
         self.num_shards = len(addresses)
         self.dims = {t.name: t.dim for t in config.tables}
@@ -80,8 +88,16 @@ class EmbeddingClient:
         self.dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
 
     # ---- one call ------------------------------------------------------------------------------------
-    def call(self, method: str, shard: int, meta: dict | None = None, arrays: dict | None = None,
-             timeout_s: float | None = None, reply_bytes: int = 0, consume=None):
+    def call(
+        self,
+        method: str,
+        shard: int,
+        meta: dict | None = None,
+        arrays: dict | None = None,
+        timeout_s: float | None = None,
+        reply_bytes: int = 0,
+        consume=None,
+    ):
         """One blocking call with deadline and retries (safe: pushes carry sequence numbers). Returns
         ``(meta, arrays)`` of the answer, or ``consume(meta, arrays)`` when given (called before a shared-memory
         reply's segment is reused, so it may read the arrays in place). ``reply_bytes``: expected bytes of the
@@ -100,8 +116,12 @@ class EmbeddingClient:
                 pool.discard(seg)
             seg = pool.acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
             entries, off = seg.put(arrays)
-            return wire.encode({**(meta or {}), "shm": {"name": seg.name, "size": seg.size, "arrays": entries,
-                                                        "out": [off, seg.size - off]}})
+            return wire.encode(
+                {
+                    **(meta or {}),
+                    "shm": {"name": seg.name, "size": seg.size, "arrays": entries, "out": [off, seg.size - off]},
+                }
+            )
 
         try:
             try:
@@ -125,7 +145,8 @@ class EmbeddingClient:
                     clean = True
                 try:
                     resp = self.calls[method][shard](
-                        req, timeout=max(min(per_attempt, deadline - time.monotonic()), 0.001), metadata=self.metadata)
+                        req, timeout=max(min(per_attempt, deadline - time.monotonic()), 0.001), metadata=self.metadata
+                    )
                     out_meta, out_arrays = wire.decode(resp)
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
@@ -174,11 +195,16 @@ class EmbeddingClient:
         def fill(pos):
             def consume(meta, arrays):
                 out[pos] = arrays["rows"]
+
             return consume
 
-        futs = [self.pool.submit(self.call, method, s, {"table": table}, {"ids": ids[pos]}, None,
-                                 len(pos) * row_bytes, fill(pos))
-                for s, pos in enumerate(parts) if len(pos)]
+        futs = [
+            self.pool.submit(
+                self.call, method, s, {"table": table}, {"ids": ids[pos]}, None, len(pos) * row_bytes, fill(pos)
+            )
+            for s, pos in enumerate(parts)
+            if len(pos)
+        ]
         for f in futs:
             f.result()
         return out
@@ -191,8 +217,15 @@ class EmbeddingClient:
         """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``; unseen -> zero row, nothing inserted."""
         return self._gather("LookupReadonly", table, ids)
 
-    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int = 0,
-             sync_workers: int = 0, step_fraction: float = 1.0) -> Future:
+    def push(
+        self,
+        table: str,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        step: int = 0,
+        sync_workers: int = 0,
+        step_fraction: float = 1.0,
+    ) -> Future:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
         when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
@@ -201,8 +234,9 @@ class EmbeddingClient:
         self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction)
         return out
 
-    def _dispatch_push(self, out: Future, table: str, ids, grads, step: int, sync_workers: int,
-                       step_fraction: float = 1.0) -> None:
+    def _dispatch_push(
+        self, out: Future, table: str, ids, grads, step: int, sync_workers: int, step_fraction: float = 1.0
+    ) -> None:
         try:
             ids = np.ascontiguousarray(ids, dtype=np.uint64)
             grads = np.ascontiguousarray(grads, dtype=np.float32)
@@ -211,10 +245,15 @@ class EmbeddingClient:
             futs = []
             for s, pos in enumerate(parts):
                 if len(pos) or sync:  # in sync mode every shard hears from every worker every step
-                    meta = {"table": table, "client": self.client_id, "seq": next(self._seq[s]), "step": step,
-                            "sync_workers": sync_workers, "step_fraction": step_fraction}
-                    futs.append(self.pool.submit(self.call, "Push", s, meta,
-                                                 {"ids": ids[pos], "grads": grads[pos]}))
+                    meta = {
+                        "table": table,
+                        "client": self.client_id,
+                        "seq": next(self._seq[s]),
+                        "step": step,
+                        "sync_workers": sync_workers,
+                        "step_fraction": step_fraction,
+                    }
+                    futs.append(self.pool.submit(self.call, "Push", s, meta, {"ids": ids[pos], "grads": grads[pos]}))
         except BaseException as e:
             out.set_exception(e)
             return
@@ -249,8 +288,10 @@ class EmbeddingClient:
 
     def dump(self, paths: list[str]) -> list[int]:
         """Each shard writes its state to ``paths[shard]`` (concurrently). Returns bytes written per shard."""
-        futs = [self.pool.submit(self.call, "Dump", s, {"path": p}, None, max(self.timeout_s, 600.0))
-                for s, p in enumerate(paths)]
+        futs = [
+            self.pool.submit(self.call, "Dump", s, {"path": p}, None, max(self.timeout_s, 600.0))
+            for s, p in enumerate(paths)
+        ]
         return [int(f.result()[0]["bytes"]) for f in futs]
 
     def stats(self) -> list[dict]:

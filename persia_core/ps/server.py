@@ -55,8 +55,13 @@ import numpy as np
 from persia_core import io
 from persia_core.argchecks import storage_root
 from persia_core.config import RunConfig, load_config
-from persia_core.embedding.sharded import (check_shard_contents, make_tables, read_shard_file,
-                                          restore_shard_contents, write_shard_file)
+from persia_core.embedding.sharded import (
+    check_shard_contents,
+    make_tables,
+    read_shard_file,
+    restore_shard_contents,
+    write_shard_file,
+)
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 
@@ -136,8 +141,13 @@ class ParameterServerShard:
     def __init__(self, config: RunConfig, shard: int, num_shards: int, capacities: dict[str, int] | None = None):
         self.shard = shard
         self.num_shards = num_shards
-        self.tables = make_tables(config.embedding.tables, config.embedding.shard_memory_bytes,
-                                  seed=config.trainer.seed, capacities=capacities, storage=config.embedding.storage)
+        self.tables = make_tables(
+            config.embedding.tables,
+            config.embedding.shard_memory_bytes,
+            seed=config.trainer.seed,
+            capacities=capacities,
+            storage=config.embedding.storage,
+        )
         self.cond = threading.Condition()
         self.applied: dict[str, _Applied] = {}
         self.pending: dict[tuple[str, int], dict[str, tuple[np.ndarray, np.ndarray]]] = {}
@@ -170,8 +180,9 @@ class ParameterServerShard:
         from persia_core.embedding.delta import DeltaExporter, DeltaTracker
 
         self.tracker = DeltaTracker(self.tables)
-        self.exporter = DeltaExporter(self.tables, self.tracker, delta_dir, self.shard, every_s, self.delta_seq,
-                                      lock=self.cond)
+        self.exporter = DeltaExporter(
+            self.tables, self.tracker, delta_dir, self.shard, every_s, self.delta_seq, lock=self.cond
+        )
         self.exporter.start()
 
     def export_delta(self) -> str | None:
@@ -214,8 +225,10 @@ class ParameterServerShard:
             key = (meta["table"], step)
             if not rec.seen(seq):
                 if client in self.pending.get(key, {}):
-                    raise ValueError(f"push: client {client!r} already pushed step {step} of table "
-                                     f"{meta['table']!r} (sequence numbers differ: not a retry)")
+                    raise ValueError(
+                        f"push: client {client!r} already pushed step {step} of table "
+                        f"{meta['table']!r} (sequence numbers differ: not a retry)"
+                    )
                 self.pending.setdefault(key, {})[client] = (ids.copy(), grads.copy())
                 rec.add(seq)
             else:
@@ -238,25 +251,37 @@ class ParameterServerShard:
             while self.done_steps.get(meta["table"], -1) < step:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"shard {self.shard}: sync step {step} of table {meta['table']!r} got "
-                                       f"{len(self.pending.get(key, {}))} of {m} workers' pushes in time")
+                    raise TimeoutError(
+                        f"shard {self.shard}: sync step {step} of table {meta['table']!r} got "
+                        f"{len(self.pending.get(key, {}))} of {m} workers' pushes in time"
+                    )
                 self.cond.wait(remaining)
             return {"applied": True, "duplicate": False, "dropped": 0}
 
     def stats(self) -> dict:
         with self.cond:
-            return {"shard": self.shard, "num_shards": self.num_shards, "pushes": self.pushes,
-                    "duplicate_pushes": self.duplicates, "table_cpu_s": round(self.table_cpu_s, 6),
-                    "process_cpu_s": round(time.process_time(), 6),
-                    "tables": {n: t.stats() for n, t in self.tables.items()}}
+            return {
+                "shard": self.shard,
+                "num_shards": self.num_shards,
+                "pushes": self.pushes,
+                "duplicate_pushes": self.duplicates,
+                "table_cpu_s": round(self.table_cpu_s, 6),
+                "process_cpu_s": round(time.process_time(), 6),
+                "tables": {n: t.stats() for n, t in self.tables.items()},
+            }
 
     def server_state(self) -> dict:
         """The bookkeeping that goes into a dump: applied-push records per client, last combined step per table
         (K = 0), counters, and the number of the last delta exported."""
-        return {"shard": self.shard, "num_shards": self.num_shards,
-                "applied": {c: r.to_json() for c, r in self.applied.items()},
-                "done_steps": dict(self.done_steps), "pushes": self.pushes, "duplicates": self.duplicates,
-                "delta_seq": self.exporter.seq if self.exporter is not None else self.delta_seq}
+        return {
+            "shard": self.shard,
+            "num_shards": self.num_shards,
+            "applied": {c: r.to_json() for c, r in self.applied.items()},
+            "done_steps": dict(self.done_steps),
+            "pushes": self.pushes,
+            "duplicates": self.duplicates,
+            "delta_seq": self.exporter.seq if self.exporter is not None else self.delta_seq,
+        }
 
     def restore_server_state(self, state: dict) -> None:
         """Take back ``server_state()`` from a dump of the same shard (a state re-sharded from other shards has
@@ -426,13 +451,27 @@ class _Servicer:
         def health(meta, arrays, ctx):
             return {"ok": True, "shard": s.shard, "pid": os.getpid()}, {}
 
-        methods = {"Lookup": lookup, "LookupReadonly": lookup_readonly, "Push": push, "Contains": contains,
-                   "Dump": dump, "Load": load, "Stats": stats, "Health": health}
+        methods = {
+            "Lookup": lookup,
+            "LookupReadonly": lookup_readonly,
+            "Push": push,
+            "Contains": contains,
+            "Dump": dump,
+            "Load": load,
+            "Stats": stats,
+            "Health": health,
+        }
         return grpc.method_handlers_generic_handler(SERVICE, {k: self._wrap(v) for k, v in methods.items()})
 
 
-def serve(shard: ParameterServerShard, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-          max_workers: int = 32, storage_roots: list[str] | None = None) -> tuple[grpc.Server, int]:
+def serve(
+    shard: ParameterServerShard,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    max_workers: int = 32,
+    storage_roots: list[str] | None = None,
+) -> tuple[grpc.Server, int]:
     """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
     ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
 
@@ -453,8 +492,13 @@ def warm_up(config: RunConfig) -> None:
     the server takes calls: on a fresh container the first call would otherwise spend its deadline compiling."""
     from persia_core.embedding.sharded import make_tables
 
-    tables = make_tables(config.embedding.tables, 0, config.trainer.seed,
-                         capacities={t.name: 1024 for t in config.embedding.tables}, storage=config.embedding.storage)
+    tables = make_tables(
+        config.embedding.tables,
+        0,
+        config.trainer.seed,
+        capacities={t.name: 1024 for t in config.embedding.tables},
+        storage=config.embedding.storage,
+    )
     ids = np.arange(8, dtype=np.uint64)
     for t in tables.values():
         t.lookup(ids)
@@ -477,13 +521,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
     p.add_argument("--port-file", default="", help="write the bound port here once serving")
-    p.add_argument("--storage-root", action="append", default=None, type=storage_root,
-                   help="a folder (or URL prefix such as gs://bucket/run) under which Dump and Load may write and "
-                        f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)")
+    p.add_argument(
+        "--storage-root",
+        action="append",
+        default=None,
+        type=storage_root,
+        help="a folder (or URL prefix such as gs://bucket/run) under which Dump and Load may write and "
+        f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)",
+    )
     args = p.parse_args(argv)
     env_roots = os.environ.get(STORAGE_ROOTS_ENV, "")
-    roots = args.storage_root if args.storage_root is not None else (
-        [r.strip() for r in env_roots.split(",")] if env_roots else [])  # a blank entry is refused below
+    roots = (
+        args.storage_root
+        if args.storage_root is not None
+        else ([r.strip() for r in env_roots.split(",")] if env_roots else [])
+    )  # a blank entry is refused below
     try:
         roots = resolve_storage_roots(roots)
     except ValueError as e:  # from the environment variable (the flag's values were checked by argparse)
@@ -493,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("ps", args.shard)
     token = os.environ.get(TOKEN_ENV) or None
     if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.error("refusing to serve on %s without a token: set %s (remote calls need a shared token)",
-                  args.host, TOKEN_ENV)
+        log.error(
+            "refusing to serve on %s without a token: set %s (remote calls need a shared token)", args.host, TOKEN_ENV
+        )
         return 2
     config = load_config(args.config)
     capacities = None
@@ -509,8 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as e:  # ShardFileError, or a path that is no regular file
             log.error("refused the state to start from: %s", e)
             return EXIT_BAD_INIT
-        log.info("loaded %s in %.2f s (%s rows)", args.init, time.perf_counter() - t0,
-                 {n: t.size for n, t in shard.tables.items()})
+        log.info(
+            "loaded %s in %.2f s (%s rows)",
+            args.init,
+            time.perf_counter() - t0,
+            {n: t.size for n, t in shard.tables.items()},
+        )
     if args.delta_dir and args.delta_every_s > 0:
         shard.start_deltas(args.delta_dir, args.delta_every_s)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
@@ -528,8 +585,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(tmp, "w") as f:
             f.write(str(port))
         os.replace(tmp, args.port_file)
-    log.info("serving shard %d/%d on %s:%d (token %s; Dump/Load %s)", args.shard, args.num_shards, args.host, port,
-             "required" if token else "off", f"under {', '.join(roots)}" if roots else "anywhere")
+    log.info(
+        "serving shard %d/%d on %s:%d (token %s; Dump/Load %s)",
+        args.shard,
+        args.num_shards,
+        args.host,
+        port,
+        "required" if token else "off",
+        f"under {', '.join(roots)}" if roots else "anywhere",
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())

@@ -87,7 +87,7 @@ def remove_orphans() -> int:
         return 0
     dead = set()
     for name in names:
-        pid = int(name[len(PREFIX):len(PREFIX) + 8], 16)
+        pid = int(name[len(PREFIX) : len(PREFIX) + 8], 16)
         try:
             os.kill(pid, 0)
         except ProcessLookupError:

@@ -47,9 +47,12 @@ def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         header = json.loads(data[8 : 8 + hlen])
     except json.JSONDecodeError as e:
         raise ValueError(f"bad message header: {e}") from e
-    if not isinstance(header, dict) or not isinstance(header.get("meta", {}), dict) \
-            or not isinstance(header.get("arrays", []), list):
-        raise ValueError("bad message header: expected {\"meta\": {...}, \"arrays\": [...]}")
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("meta", {}), dict)
+        or not isinstance(header.get("arrays", []), list)
+    ):
+        raise ValueError('bad message header: expected {"meta": {...}, "arrays": [...]}')
     base = 8 + hlen
     body = memoryview(data)[base:]
     arrays = {}
@@ -59,8 +62,7 @@ def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         name, dtype, shape, offset, nbytes = entry
         if not isinstance(name, str) or dtype not in ALLOWED:
             raise ValueError(f"array {name!r}: dtype {dtype!r} not allowed")
-        if not isinstance(shape, list) or not all(_count(d) for d in shape) \
-                or not _count(offset) or not _count(nbytes):
+        if not isinstance(shape, list) or not all(_count(d) for d in shape) or not _count(offset) or not _count(nbytes):
             raise ValueError(f"array {name!r}: shape, offset and size must be integers >= 0")
         dt = np.dtype(dtype).newbyteorder("<")
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1

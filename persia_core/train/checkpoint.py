@@ -51,12 +51,27 @@ DENSE_FILE = "dense.pt"
 NAME = re.compile(r"^ckpt-(\d{10})$")
 log = logging.getLogger("persia.checkpoint")
 
-RESUME_MAY_DIFFER = ("layout", "split", "embedding.num_shards", "embedding.shard_memory_bytes", "trainer.epochs",
-                     "trainer.embedding_staleness", "trainer.rpc_timeout_s", "trainer.threads_per_worker",
-                     "trainer.prefetch_threads", "trainer.device", "trainer.network_delay_s",
-                     "trainer.network_bandwidth_bytes_per_s", "trainer.shared_memory", "trainer.delta_every_s",
-                     "trainer.checkpoint_every_steps", "trainer.checkpoint_every_s", "trainer.checkpoint_keep",
-                     "trainer.checkpoint_at_end", "trainer.checkpoint_dir")
+RESUME_MAY_DIFFER = (
+    "layout",
+    "split",
+    "embedding.num_shards",
+    "embedding.shard_memory_bytes",
+    "trainer.epochs",
+    "trainer.embedding_staleness",
+    "trainer.rpc_timeout_s",
+    "trainer.threads_per_worker",
+    "trainer.prefetch_threads",
+    "trainer.device",
+    "trainer.network_delay_s",
+    "trainer.network_bandwidth_bytes_per_s",
+    "trainer.shared_memory",
+    "trainer.delta_every_s",
+    "trainer.checkpoint_every_steps",
+    "trainer.checkpoint_every_s",
+    "trainer.checkpoint_keep",
+    "trainer.checkpoint_at_end",
+    "trainer.checkpoint_dir",
+)
 """Config keys (prefixes) that may change between a checkpoint and the run resuming from it: the data is
 fingerprinted separately, shards are re-routed, more epochs continue the same schedule, and the rest are
 execution settings that leave the arithmetic (at K = 0) unchanged."""
@@ -125,15 +140,24 @@ def read_manifest(path: str) -> dict:
     checkpoint) or unreadable."""
     mpath = io.join(path, MANIFEST)
     if not io.exists(mpath):
-        raise CheckpointError(f"{path}: no {MANIFEST} (a partial checkpoint: it was being written when the run "
-                              f"stopped)")
+        raise CheckpointError(
+            f"{path}: no {MANIFEST} (a partial checkpoint: it was being written when the run stopped)"
+        )
     try:
         manifest = json.loads(io.read_text(mpath))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{mpath}: unreadable manifest: {e}") from e
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list) or not all(
-            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("bytes"), int)
-            and isinstance(e.get("crc32c"), int) for e in manifest.get("files", [])):
+    if (
+        not isinstance(manifest, dict)
+        or not isinstance(manifest.get("files", []), list)
+        or not all(
+            isinstance(e, dict)
+            and isinstance(e.get("path"), str)
+            and isinstance(e.get("bytes"), int)
+            and isinstance(e.get("crc32c"), int)
+            for e in manifest.get("files", [])
+        )
+    ):
         raise CheckpointError(f"{mpath}: malformed manifest (each file needs path, bytes and crc32c)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
@@ -156,15 +180,20 @@ def _check_complete(path: str, manifest: dict) -> None:
         return
     listed = {e["path"] for e in manifest.get("files", [])}
     try:
-        wanted = [DENSE_FILE, *(rank_file(r) for r in range(int(manifest["num_workers"]))),
-                  *(shard_rel(s) for s in range(int(manifest["num_shards"])))]
+        wanted = [
+            DENSE_FILE,
+            *(rank_file(r) for r in range(int(manifest["num_workers"]))),
+            *(shard_rel(s) for s in range(int(manifest["num_shards"]))),
+        ]
     except (TypeError, ValueError) as e:  # counts that are no integers (read_manifest checked the file list)
         raise CheckpointError(f"{io.join(path, MANIFEST)}: malformed manifest ({e})") from e
     missing = [w for w in wanted if w not in listed]
     if missing:
-        raise CheckpointError(f"{io.join(path, MANIFEST)}: lists no {', '.join(missing[:5])}"
-                              f"{' ...' if len(missing) > 5 else ''} (num_shards {manifest['num_shards']}, "
-                              f"num_workers {manifest['num_workers']}): an incomplete checkpoint")
+        raise CheckpointError(
+            f"{io.join(path, MANIFEST)}: lists no {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''} (num_shards {manifest['num_shards']}, "
+            f"num_workers {manifest['num_workers']}): an incomplete checkpoint"
+        )
 
 
 def _size(path: str) -> int | None:
@@ -194,18 +223,24 @@ def verify(path: str, deep: bool = True, deep_roles: tuple[str, ...] | None = No
         if size is None:
             raise CheckpointError(f"{fpath}: listed in the manifest but missing")
         if size != entry["bytes"]:
-            raise CheckpointError(f"{fpath}: {size} bytes, the manifest says {entry['bytes']} (partial or "
-                                  f"overwritten file)")
+            raise CheckpointError(
+                f"{fpath}: {size} bytes, the manifest says {entry['bytes']} (partial or overwritten file)"
+            )
         if deep and (deep_roles is None or entry.get("role") in deep_roles):
             _, crc = file_crc32c(fpath)
             if crc != entry["crc32c"]:
-                raise CheckpointError(f"{fpath}: CRC-32C {crc:08x} does not match the manifest's "
-                                      f"{entry['crc32c']:08x} (corrupt file)")
+                raise CheckpointError(
+                    f"{fpath}: CRC-32C {crc:08x} does not match the manifest's {entry['crc32c']:08x} (corrupt file)"
+                )
     return manifest
 
 
-def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_roles=("dense", "worker"),
-                refusals: list[str] | None = None) -> tuple[str, dict] | None:
+def find_latest(
+    ckpt_dir: str,
+    skip: set[str] | frozenset = frozenset(),
+    deep_roles=("dense", "worker"),
+    refusals: list[str] | None = None,
+) -> tuple[str, dict] | None:
     """The newest checkpoint under ``ckpt_dir`` that passes ``verify`` (shard files: size only; their CRC-32C
     is checked by the servers as they load them), skipping paths in ``skip`` (refused by a server). A refused
     checkpoint is logged (and its reason appended to ``refusals``) and the previous one is tried.
@@ -229,9 +264,11 @@ def find_latest(ckpt_dir: str, skip: set[str] | frozenset = frozenset(), deep_ro
                 complete_refused.append(path)
     if complete_refused:
         why = "; ".join(refusals[-3:]) if refusals else "refused by a parameter server"
-        raise CheckpointError(f"every checkpoint under {ckpt_dir} is refused ({len(complete_refused)} complete "
-                              f"ones: {why}); not starting afresh silently (to start afresh on purpose: a new "
-                              f"output folder, or remove the checkpoints)")
+        raise CheckpointError(
+            f"every checkpoint under {ckpt_dir} is refused ({len(complete_refused)} complete "
+            f"ones: {why}); not starting afresh silently (to start afresh on purpose: a new "
+            f"output folder, or remove the checkpoints)"
+        )
     return None
 
 
@@ -278,8 +315,14 @@ def remove_manifest(path: str) -> None:
 
 def write_manifest(path: str, step: int, files: list[dict], lineage: dict, extra: dict | None = None) -> dict:
     """Write the manifest last, atomically: from then on the checkpoint at ``path`` is complete."""
-    manifest = {"format": FORMAT, "step": int(step), "created_unix": time.time(), "files": files,
-                "lineage": lineage, **(extra or {})}
+    manifest = {
+        "format": FORMAT,
+        "step": int(step),
+        "created_unix": time.time(),
+        "files": files,
+        "lineage": lineage,
+        **(extra or {}),
+    }
     manifest["manifest_crc32c"] = _manifest_crc(manifest)
     write_durable(io.join(path, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
     return manifest
@@ -315,8 +358,12 @@ def code_version() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if os.path.exists(os.path.join(root, ".git")):
         try:
-            out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty", "--tags"],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["git", "-C", root, "describe", "--always", "--dirty", "--tags"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if out.returncode == 0 and out.stdout.strip():
                 return "git:" + out.stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
@@ -366,8 +413,12 @@ def data_fingerprint(data_dir: str) -> dict:
 
 def lineage(config: RunConfig, data_dir: str) -> dict:
     """Code version, run config hash and input data fingerprints (see module docstring)."""
-    return {"code_version": code_version(), "config_sha256": config_sha256(config), "config": config.to_dict(),
-            "data": data_fingerprint(data_dir)}
+    return {
+        "code_version": code_version(),
+        "config_sha256": config_sha256(config),
+        "config": config.to_dict(),
+        "data": data_fingerprint(data_dir),
+    }
 
 
 def _flatten(d, prefix: str = "") -> dict[str, object]:
@@ -411,20 +462,28 @@ def check_lineage(manifest: dict, current: dict, where: str) -> None:
     problems = config_differences(old.get("config", {}), current["config"], RESUME_MAY_DIFFER)
     od, nd = old.get("data", {}), current["data"]
     if od.get("train_files") != nd.get("train_files") or od.get("rows") != nd.get("rows"):
-        changed = sorted(k for k in set(od.get("train_files", {})) | set(nd.get("train_files", {}))
-                         if od.get("train_files", {}).get(k) != nd.get("train_files", {}).get(k))
+        changed = sorted(
+            k
+            for k in set(od.get("train_files", {})) | set(nd.get("train_files", {}))
+            if od.get("train_files", {}).get(k) != nd.get("train_files", {}).get(k)
+        )
         problems.append(f"input data differs (train files changed: {changed or 'row counts'})")
     if problems:
-        raise CheckpointError(f"{where} was written by another run; refusing to resume from it: "
-                              + "; ".join(problems[:10]) + ("" if len(problems) <= 10 else " ...")
-                              + " (to start afresh: a new output folder, or remove the checkpoints)")
+        raise CheckpointError(
+            f"{where} was written by another run; refusing to resume from it: "
+            + "; ".join(problems[:10])
+            + ("" if len(problems) <= 10 else " ...")
+            + " (to start afresh: a new output folder, or remove the checkpoints)"
+        )
 
 
 # ---- the dense model, RNG states ------------------------------------------------------------------------------
 def dense_bytes(model: torch.nn.Module, optimizer) -> bytes:
     buf = _io.BytesIO()
-    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict()}, buf)
+    torch.save(
+        {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict()},
+        buf,
+    )
     return buf.getvalue()
 
 
@@ -438,9 +497,11 @@ def rng_state() -> dict:
     """Python, NumPy and torch global RNG states, JSON-able."""
     py = random.getstate()
     name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": [py[0], list(py[1]), py[2]],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-            "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")}
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+    }
 
 
 def set_rng_state(state: dict) -> None:
@@ -457,8 +518,7 @@ def dump_shards(backend, paths: list[str], timeout_s: float = 1800.0) -> list[tu
     """Have every shard write its state to ``paths[shard]``, concurrently. Returns ``(bytes, CRC-32C)`` per shard.
     ``backend``: an ``EmbeddingClient`` (Dump RPCs) or an in-process ``LocalEmbedding``."""
     if hasattr(backend, "call") and hasattr(backend, "pool"):
-        futs = [backend.pool.submit(backend.call, "Dump", s, {"path": p}, None, timeout_s)
-                for s, p in enumerate(paths)]
+        futs = [backend.pool.submit(backend.call, "Dump", s, {"path": p}, None, timeout_s) for s, p in enumerate(paths)]
         out = []
         for f in futs:
             meta = f.result()[0]
@@ -476,8 +536,16 @@ class Checkpointer:
     shared through the step's loss all-reduce), and ``save`` when it says so; see the module docstring for the
     protocol. ``lineage`` goes into every manifest."""
 
-    def __init__(self, settings: CheckpointSettings, rank: int, world: int, backend, num_shards: int,
-                 lineage_info: dict, extra: dict | None = None):
+    def __init__(
+        self,
+        settings: CheckpointSettings,
+        rank: int,
+        world: int,
+        backend,
+        num_shards: int,
+        lineage_info: dict,
+        extra: dict | None = None,
+    ):
         self.settings = settings
         self.rank = rank
         self.world = world
@@ -516,8 +584,7 @@ class Checkpointer:
             from concurrent.futures import ThreadPoolExecutor
 
             ex = ThreadPoolExecutor(max_workers=1)
-            futs = ex.submit(dump_shards, self.backend,
-                             [io.join(path, shard_rel(s)) for s in range(self.num_shards)])
+            futs = ex.submit(dump_shards, self.backend, [io.join(path, shard_rel(s)) for s in range(self.num_shards)])
             ex.shutdown(wait=False)
         files = []
         rel = rank_file(self.rank)
@@ -537,14 +604,28 @@ class Checkpointer:
         if self.rank != 0:
             return None
         files.sort(key=lambda e: e["path"])
-        write_manifest(path, steps_done, files, self.lineage,
-                       {"num_shards": self.num_shards, "num_workers": self.world,
-                        "seconds_to_write": time.perf_counter() - t0, **self.extra})
+        write_manifest(
+            path,
+            steps_done,
+            files,
+            self.lineage,
+            {
+                "num_shards": self.num_shards,
+                "num_workers": self.world,
+                "seconds_to_write": time.perf_counter() - t0,
+                **self.extra,
+            },
+        )
         self.written.append(path)
         removed = prune(self.settings.dir, self.settings.keep)
-        log.info("checkpoint %s written in %.2f s (%d files, %.1f MB)%s", path, time.perf_counter() - t0,
-                 len(files), sum(f["bytes"] for f in files) / 1e6,
-                 f"; removed {len(removed)} older" if removed else "")
+        log.info(
+            "checkpoint %s written in %.2f s (%d files, %.1f MB)%s",
+            path,
+            time.perf_counter() - t0,
+            len(files),
+            sum(f["bytes"] for f in files) / 1e6,
+            f"; removed {len(removed)} older" if removed else "",
+        )
         return path
 
 
@@ -556,7 +637,9 @@ def load_rank_state(ckpt: str, manifest: dict, rank: int, world: int) -> dict:
     """Rank ``rank``'s saved state (checked). Raises ``CheckpointError`` when the checkpoint was written by a
     different number of NN workers (the data position is per worker)."""
     if int(manifest.get("num_workers", world)) != world:
-        raise CheckpointError(f"{ckpt} was written by {manifest.get('num_workers')} NN workers, this run has "
-                              f"{world}: the data position is per worker, so resume with the same "
-                              f"trainer.num_workers")
+        raise CheckpointError(
+            f"{ckpt} was written by {manifest.get('num_workers')} NN workers, this run has "
+            f"{world}: the data position is per worker, so resume with the same "
+            f"trainer.num_workers"
+        )
     return json.loads(read_file_checked(ckpt, manifest, rank_file(rank)))

@@ -58,8 +58,9 @@ class TableLayout:
 def table_layouts(config: RunConfig) -> list[TableLayout]:
     """Tables in config order, each with its slots in config order; slot order fed to the model is the
     concatenation. Raises ``ValueError`` if tables have different dims (the models need one D)."""
-    out = [TableLayout(t.name, t.dim, [s.name for s in config.slots if s.table == t.name])
-           for t in config.embedding.tables]
+    out = [
+        TableLayout(t.name, t.dim, [s.name for s in config.slots if s.table == t.name]) for t in config.embedding.tables
+    ]
     out = [t for t in out if t.slots]
     if len({t.dim for t in out}) > 1:
         raise ValueError("embedding.tables: the dense models need one embedding dim across tables used by slots")
@@ -115,8 +116,14 @@ def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedI
     return out
 
 
-def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, num_slots: int,
-              batch_size: int, one_per_bag: bool = False) -> torch.Tensor:
+def pool_bags(
+    rows: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    num_slots: int,
+    batch_size: int,
+    one_per_bag: bool = False,
+) -> torch.Tensor:
     """Sum-pool the rows of each bag: ``rows: float32[U, D]``, ``inverse: int64[N]`` (row of each ID),
     ``offsets: int64[S_t*B + 1]`` -> ``float32[B, S_t, D]``, on the tensors' device.
 
@@ -132,8 +139,9 @@ def pool_bags(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, 
 
 def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
     """``pool_bags`` over a host-side ``PreparedIds``."""
-    return pool_bags(rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size,
-                     prep.one_per_bag)
+    return pool_bags(
+        rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size, prep.one_per_bag
+    )
 
 
 def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
@@ -196,9 +204,22 @@ class HybridTrainPipeline:
             release the GIL). A feeder thread decodes batches in order; results are consumed in order.
     """
 
-    def __init__(self, model, optimizer, backend, layouts: list[TableLayout], batches, staleness: int,
-                 num_workers: int, rank: int = 0, dropout: dict[str, float] | None = None, seed: int = 0,
-                 device: str | torch.device = "cpu", fp16_transfer: bool = False, prefetch_threads: int = 2):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        backend,
+        layouts: list[TableLayout],
+        batches,
+        staleness: int,
+        num_workers: int,
+        rank: int = 0,
+        dropout: dict[str, float] | None = None,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        fp16_transfer: bool = False,
+        prefetch_threads: int = 2,
+    ):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.fp16 = fp16_transfer
@@ -222,8 +243,14 @@ class HybridTrainPipeline:
         # seconds of the main thread per phase of progress() (wait: for the prepared batch)
         # seconds per phase of a step; the first batch's wait (opening the data, the first lookups: start-up)
         # is kept apart, so that "wait" says how long steady-state steps wait on the prepared batch
-        self.phase_s = {"first_batch_wait": 0.0, "wait": 0.0, "forward": 0.0, "backward": 0.0, "push": 0.0,
-                        "optimizer": 0.0}
+        self.phase_s = {
+            "first_batch_wait": 0.0,
+            "wait": 0.0,
+            "forward": 0.0,
+            "backward": 0.0,
+            "push": 0.0,
+            "optimizer": 0.0,
+        }
         self._waited_first = False
         self.queue: queue.Queue = queue.Queue()
         # batches handed to the preparation pool and not yet trained on: at most one per preparation thread
@@ -276,6 +303,7 @@ class HybridTrainPipeline:
 
     def _stage(self, item: "_Item") -> "_Item":
         """Turn the item's arrays into tensors on the training device (rows as fp16 when asked)."""
+
         def host(a: np.ndarray, half: bool = False) -> torch.Tensor:
             t = torch.from_numpy(a)
             if half:
@@ -364,9 +392,16 @@ class HybridTrainPipeline:
             else:
                 grads, fell_back = grads_to_host(g / self.M, self.fp16)
                 self.fp16_fallbacks += int(fell_back)
-            futs.append(self.backend.push(t.name, item.prepared[t.name].uniq, grads, step=item.step,
-                                          sync_workers=self.M if self.K == 0 else 0,
-                                          step_fraction=1.0 if self.K == 0 else 1.0 / self.M))
+            futs.append(
+                self.backend.push(
+                    t.name,
+                    item.prepared[t.name].uniq,
+                    grads,
+                    step=item.step,
+                    sync_workers=self.M if self.K == 0 else 0,
+                    step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
+                )
+            )
         self._track(item.step, futs)
         t4 = time.perf_counter()
         self.optimizer.step()
@@ -415,8 +450,10 @@ class HybridTrainPipeline:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 pending = sum(not g.done() for g in self.inflight)
-                raise TimeoutError(f"{pending} gradient push(es) of this worker not applied within {timeout_s:.0f} s "
-                                   f"(a parameter server that does not answer? see the servers' logs)") from None
+                raise TimeoutError(
+                    f"{pending} gradient push(es) of this worker not applied within {timeout_s:.0f} s "
+                    f"(a parameter server that does not answer? see the servers' logs)"
+                ) from None
         if self.error is not None:
             raise self.error
 
@@ -449,8 +486,9 @@ def make_schedule(rows_per_worker: list[int], batch_size: int, epochs: int, seed
     for epoch in range(epochs):
         perms = []
         for r, n in enumerate(rows_per_worker):
-            perms.append(np.random.default_rng([seed, epoch, r]).permutation(n) if shuffle
-                         else np.arange(n, dtype=np.int64))
+            perms.append(
+                np.random.default_rng([seed, epoch, r]).permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+            )
         for t in range(steps):
             total = 0
             for r, p in enumerate(perms):

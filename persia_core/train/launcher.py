@@ -91,9 +91,11 @@ def check_local_process_count(num_shards: int, num_workers: int) -> None:
     """Raise ``ValueError`` naming both settings when a local job would start more than ``max_local_processes``."""
     limit = max_local_processes()
     if num_shards + num_workers > limit:
-        raise ValueError(f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
-                         f"{num_shards + num_workers} local processes, more than the {limit} this machine allows; "
-                         f"a job that large runs on a cluster (python -m pipelines.submit)")
+        raise ValueError(
+            f"embedding.num_shards={num_shards} and trainer.num_workers={num_workers} make "
+            f"{num_shards + num_workers} local processes, more than the {limit} this machine allows; "
+            f"a job that large runs on a cluster (python -m pipelines.submit)"
+        )
 
 
 class ProgressRelay:
@@ -198,8 +200,10 @@ class _Proc:
 
 def _failed(p: _Proc, what: str) -> "TrainingFailed":
     """``TrainingFailed`` naming ``p``, what happened to it, and its last log lines."""
-    return TrainingFailed(f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
-                          f"{os.path.dirname(p.log_path)}):\n{p.tail()}")
+    return TrainingFailed(
+        f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
+        f"{os.path.dirname(p.log_path)}):\n{p.tail()}"
+    )
 
 
 def shard_file_name(shard: int) -> str:
@@ -218,9 +222,18 @@ class LocalCluster:
             write and read (``persia_core.ps.server.check_storage_path``); None: any path.
     """
 
-    def __init__(self, config_path: str, num_shards: int, num_workers: int, work_dir: str, plan_path: str = "",
-                 init_dir: str = "", delta_dir: str = "", delta_every_s: float = 0.0,
-                 storage_roots: list[str] | None = None):
+    def __init__(
+        self,
+        config_path: str,
+        num_shards: int,
+        num_workers: int,
+        work_dir: str,
+        plan_path: str = "",
+        init_dir: str = "",
+        delta_dir: str = "",
+        delta_every_s: float = 0.0,
+        storage_roots: list[str] | None = None,
+    ):
         check_local_process_count(num_shards, num_workers)
         self.config_path = config_path
         self.num_shards = num_shards
@@ -256,8 +269,14 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict) -> _Proc:
         log_path = os.path.join(self.work_dir, "logs", f"{name}.log")
         f = open(log_path, "w")
-        popen = subprocess.Popen([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 preexec_fn=_die_with_parent, start_new_session=True)
+        popen = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
         f.close()
         return _Proc(name, popen, log_path)
 
@@ -273,8 +292,18 @@ class LocalCluster:
             if os.path.exists(pf):
                 os.remove(pf)
             port_files.append(pf)
-            args = ["-m", "persia_core.ps.server", "--config", self.config_path, "--shard", str(s),
-                    "--num-shards", str(self.num_shards), "--port-file", pf]
+            args = [
+                "-m",
+                "persia_core.ps.server",
+                "--config",
+                self.config_path,
+                "--shard",
+                str(s),
+                "--num-shards",
+                str(self.num_shards),
+                "--port-file",
+                pf,
+            ]
             if self.plan_path:
                 args += ["--plan", self.plan_path]
             init = inits[s] if inits is not None else None
@@ -297,12 +326,14 @@ class LocalCluster:
             while not os.path.exists(pf):
                 for p in self.servers:
                     if p.popen.poll() == EXIT_BAD_INIT:
-                        raise InitRefused(f"{p.name} refused the state it was to start from; last log lines:\n"
-                                          f"{p.tail()}")
+                        raise InitRefused(
+                            f"{p.name} refused the state it was to start from; last log lines:\n{p.tail()}"
+                        )
                 self._check_alive(self.servers)
                 if time.monotonic() > deadline:
-                    raise TrainingFailed(f"{proc.name} did not start serving within {timeout_s:.0f} s; "
-                                         f"last log lines:\n{proc.tail()}")
+                    raise TrainingFailed(
+                        f"{proc.name} did not start serving within {timeout_s:.0f} s; last log lines:\n{proc.tail()}"
+                    )
                 time.sleep(0.05)
             with open(pf) as f:
                 self.addresses.append(f"127.0.0.1:{int(f.read())}")
@@ -321,10 +352,20 @@ class LocalCluster:
                 if var not in os.environ:
                     extra[var] = "lo"
         for r in range(self.num_workers):
-            env = self._env(RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r,
-                            PERSIA_PS_ADDRESSES=",".join(self.addresses), **extra)
-            args = ["-m", "persia_core.train.worker", "--config", self.config_path, "--data", data_dir,
-                    "--out", out_dir, *(extra_args or [])]
+            env = self._env(
+                RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r, PERSIA_PS_ADDRESSES=",".join(self.addresses), **extra
+            )
+            args = [
+                "-m",
+                "persia_core.train.worker",
+                "--config",
+                self.config_path,
+                "--data",
+                data_dir,
+                "--out",
+                out_dir,
+                *(extra_args or []),
+            ]
             self.workers.append(self._spawn(f"nn_worker-{r}", args, env))
 
     def _check_alive(self, procs: list[_Proc], allow_clean_exit: bool = False) -> None:
@@ -340,8 +381,11 @@ class LocalCluster:
             if p.stopped_since is None:
                 p.stopped_since = now
             elif now - p.stopped_since >= STOPPED_FAIL_S:
-                raise _failed(p, f"has been stopped (SIGSTOP) for {now - p.stopped_since:.0f} s, and the job "
-                                 f"cannot go on without it")
+                raise _failed(
+                    p,
+                    f"has been stopped (SIGSTOP) for {now - p.stopped_since:.0f} s, and the job "
+                    f"cannot go on without it",
+                )
 
     def check(self) -> None:
         """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""
@@ -429,12 +473,15 @@ def _capacities(config: RunConfig, plan_path: str) -> dict[str, int]:
         plan = json.loads(io.read_text(plan_path))
         return {n: int(t["capacity_rows_per_shard"]) for n, t in plan["tables"].items()}
     emb = config.embedding
-    return {t.name: capacity_for_budget(emb.shard_memory_bytes // len(emb.tables), t.optimizer.name, t.dim)
-            for t in emb.tables}
+    return {
+        t.name: capacity_for_budget(emb.shard_memory_bytes // len(emb.tables), t.optimizer.name, t.dim)
+        for t in emb.tables
+    }
 
 
-def _checkpoint_inits(ckpt_path: str, manifest: dict, n: int, config: RunConfig, plan_path: str,
-                      work_dir: str) -> list[dict]:
+def _checkpoint_inits(
+    ckpt_path: str, manifest: dict, n: int, config: RunConfig, plan_path: str, work_dir: str
+) -> list[dict]:
     """The state each of the ``n`` servers starts from: the checkpoint's shard files (checked by the servers as
     they load them), or, for a checkpoint of another shard count, its rows re-sharded into ``work_dir``."""
     from persia_core.embedding.plan import reshard
@@ -446,8 +493,10 @@ def _checkpoint_inits(ckpt_path: str, manifest: dict, n: int, config: RunConfig,
         return [{"path": io.join(ckpt_path, e["path"]), "bytes": e["bytes"], "crc32c": e["crc32c"]} for e in shards]
     log.info("re-sharding %s from %d to %d shards", ckpt_path, len(shards), n)
     try:
-        sources = [read_shard_file(io.join(ckpt_path, e["path"]), e["bytes"], e["crc32c"], build_index=False).tables
-                   for e in shards]
+        sources = [
+            read_shard_file(io.join(ckpt_path, e["path"]), e["bytes"], e["crc32c"], build_index=False).tables
+            for e in shards
+        ]
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     out, report = reshard(sources, n, _capacities(config, plan_path))
@@ -467,9 +516,13 @@ def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
 
     if settings is None:
         tc = config.trainer
-        settings = CheckpointSettings(dir=tc.checkpoint_dir, every_steps=tc.checkpoint_every_steps,
-                                      every_s=tc.checkpoint_every_s, keep=tc.checkpoint_keep,
-                                      at_end=tc.checkpoint_at_end)
+        settings = CheckpointSettings(
+            dir=tc.checkpoint_dir,
+            every_steps=tc.checkpoint_every_steps,
+            every_s=tc.checkpoint_every_s,
+            keep=tc.checkpoint_keep,
+            at_end=tc.checkpoint_at_end,
+        )
     if not settings.dir:
         settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
     return settings
@@ -480,13 +533,17 @@ def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) ->
     ``schema``) does not hold, or when its train split has no row, before any process starts."""
     rows = schema.get("rows", {})
     if rows.get("train") == 0:
-        raise ValueError(f"{io.join(data_dir, 'schema.json')}: the train split holds no row ({rows.get('read', '?')} "
-                         f"read, {rows.get('malformed', '?')} malformed, {rows.get('eval', '?')} in the eval split); "
-                         f"nothing to train on")
+        raise ValueError(
+            f"{io.join(data_dir, 'schema.json')}: the train split holds no row ({rows.get('read', '?')} "
+            f"read, {rows.get('malformed', '?')} malformed, {rows.get('eval', '?')} in the eval split); "
+            f"nothing to train on"
+        )
     missing = [s.name for s in config.slots if s.name not in schema.get("slots", [])]
     if missing:
-        raise ValueError(f"{io.join(data_dir, 'schema.json')}: the data has no slot(s) {missing} of the run "
-                         f"config; it holds {schema.get('slots', [])} (was it preprocessed with another config?)")
+        raise ValueError(
+            f"{io.join(data_dir, 'schema.json')}: the data has no slot(s) {missing} of the run "
+            f"config; it holds {schema.get('slots', [])} (was it preprocessed with another config?)"
+        )
 
 
 def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> None:
@@ -496,19 +553,25 @@ def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> N
     where = io.join(init_dir, "shard_plan.json")
     n = config.embedding.num_shards
     if int(plan.get("num_shards", n)) != n:
-        raise ValueError(f"{where}: the initial shards were planned for {plan['num_shards']} shards, but "
-                         f"embedding.num_shards is {n}; run init-shards again with embedding.num_shards={n} "
-                         f"(it re-shards a warm start), or train with embedding.num_shards={plan['num_shards']}")
+        raise ValueError(
+            f"{where}: the initial shards were planned for {plan['num_shards']} shards, but "
+            f"embedding.num_shards is {n}; run init-shards again with embedding.num_shards={n} "
+            f"(it re-shards a warm start), or train with embedding.num_shards={plan['num_shards']}"
+        )
     planned = plan.get("tables", {})
     for t in config.embedding.tables:
         p = planned.get(t.name)
         if p is None:
-            raise ValueError(f"{where}: no embedding table {t.name!r} in the plan (it has {sorted(planned)}); "
-                             f"run init-shards again with this config")
+            raise ValueError(
+                f"{where}: no embedding table {t.name!r} in the plan (it has {sorted(planned)}); "
+                f"run init-shards again with this config"
+            )
         for field, have in (("dim", t.dim), ("optimizer", t.optimizer.name)):
             if p.get(field, have) != have:
-                raise ValueError(f"{where}: table {t.name!r} was planned with {field} {p[field]!r}, but the config "
-                                 f"has {have!r}; run init-shards again with this config")
+                raise ValueError(
+                    f"{where}: table {t.name!r} was planned with {field} {p[field]!r}, but the config "
+                    f"has {have!r}; run init-shards again with this config"
+                )
 
 
 class Terminated(KeyboardInterrupt):
@@ -535,8 +598,17 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", work_dir: str = "",
-          checkpoint=None, resume_from: str = "auto", delta_every_s: float = 0.0, delta_dir: str = "") -> dict:
+def train(
+    config: RunConfig,
+    data_dir: str,
+    model_dir: str,
+    init_dir: str = "",
+    work_dir: str = "",
+    checkpoint=None,
+    resume_from: str = "auto",
+    delta_every_s: float = 0.0,
+    delta_dir: str = "",
+) -> dict:
     """Run hybrid training with ``embedding.num_shards`` parameter servers and ``trainer.num_workers`` NN
     workers on this machine; write the Model artifact to ``model_dir`` (see module docstring).
 
@@ -554,12 +626,22 @@ def train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str = "", 
     or the shard plan of ``init_dir`` (checked before anything is written or started), ``Terminated`` (a
     ``KeyboardInterrupt``) on SIGTERM, after stopping every process it started."""
     with sigterm_as_interrupt():
-        return _train(config, data_dir, model_dir, init_dir, work_dir, checkpoint, resume_from, delta_every_s,
-                      delta_dir)
+        return _train(
+            config, data_dir, model_dir, init_dir, work_dir, checkpoint, resume_from, delta_every_s, delta_dir
+        )
 
 
-def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work_dir: str, checkpoint,
-           resume_from: str, delta_every_s: float, delta_dir: str) -> dict:
+def _train(
+    config: RunConfig,
+    data_dir: str,
+    model_dir: str,
+    init_dir: str,
+    work_dir: str,
+    checkpoint,
+    resume_from: str,
+    delta_every_s: float,
+    delta_dir: str,
+) -> dict:
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
     from persia_core.train import checkpoint as ckpt
@@ -573,16 +655,20 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
     if resume_from == "" and (settings.periodic or settings.at_end):
         earlier = [p for _, p in ckpt.list_checkpoints(settings.dir) if io.exists(io.join(p, ckpt.MANIFEST))]
         if earlier:  # they would prune this run's checkpoints (higher steps), and a retry would resume them
-            raise ValueError(f"resume_from '': {settings.dir} holds checkpoints of an earlier run "
-                             f"({', '.join(os.path.basename(p) for p in earlier[:3])}"
-                             f"{' ...' if len(earlier) > 3 else ''}); to start afresh, remove them or write to a new "
-                             f"output (or checkpoint) folder")
+            raise ValueError(
+                f"resume_from '': {settings.dir} holds checkpoints of an earlier run "
+                f"({', '.join(os.path.basename(p) for p in earlier[:3])}"
+                f"{' ...' if len(earlier) > 3 else ''}); to start afresh, remove them or write to a new "
+                f"output (or checkpoint) folder"
+            )
     plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
     plan = {}
     if init_dir:
         if not io.exists(plan_path):
-            raise FileNotFoundError(f"init_dir {init_dir}: " + (
-                "not an init_shards output (no shard_plan.json)" if io.exists(init_dir) else "no such folder"))
+            raise FileNotFoundError(
+                f"init_dir {init_dir}: "
+                + ("not an init_shards output (no shard_plan.json)" if io.exists(init_dir) else "no such folder")
+            )
         plan = json.loads(io.read_text(plan_path))
         # a checkpoint to resume from brings its own shards (re-sharded to any count); the init shards do not
         resuming = resume_from not in ("", "auto") or (resume_from == "auto" and ckpt.list_checkpoints(settings.dir))
@@ -614,8 +700,16 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
         inits = None
         worker_args = ["--lineage", lineage_path]
         if settings.periodic or settings.at_end:
-            worker_args += ["--checkpoint-dir", settings.dir, "--checkpoint-every-steps", str(settings.every_steps),
-                            "--checkpoint-every-s", str(settings.every_s), "--checkpoint-keep", str(settings.keep)]
+            worker_args += [
+                "--checkpoint-dir",
+                settings.dir,
+                "--checkpoint-every-steps",
+                str(settings.every_steps),
+                "--checkpoint-every-s",
+                str(settings.every_s),
+                "--checkpoint-keep",
+                str(settings.keep),
+            ]
             if not settings.at_end:
                 worker_args.append("--no-checkpoint-at-end")
         if chosen is not None:
@@ -635,15 +729,25 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
             worker_args += ["--init-dense", io.join(init_dir, plan["warm_start"]["dense_file"])]
         try:
             # the servers write their shards only into this run's model and checkpoint folders
-            with LocalCluster(cfg_path, n, m, work_dir, plan_path, init_dir, delta_dir, delta_every_s,
-                              storage_roots=[r for r in (model_dir, settings.dir) if r]) as cluster:
+            with LocalCluster(
+                cfg_path,
+                n,
+                m,
+                work_dir,
+                plan_path,
+                init_dir,
+                delta_dir,
+                delta_every_s,
+                storage_roots=[r for r in (model_dir, settings.dir) if r],
+            ) as cluster:
                 addresses = cluster.start_servers(inits=inits)
                 cluster.start_workers(data_dir, model_dir, worker_args)
                 cluster.wait_workers()
                 client = EmbeddingClient(addresses, config.embedding, token=cluster.token)
                 try:
                     dumped = cluster.run_watched(
-                        ckpt.dump_shards, client, [io.join(model_dir, shard_file_name(s)) for s in range(n)])
+                        ckpt.dump_shards, client, [io.join(model_dir, shard_file_name(s)) for s in range(n)]
+                    )
                     stats = cluster.run_watched(client.stats)
                 finally:
                     client.close()
@@ -655,10 +759,16 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
             reasons.append(str(e))
             refused.add(chosen[0])
     history = json.loads(io.read_text(io.join(model_dir, "train_metrics.json")))
-    history["shards"] = [{"shard": s["shard"], "rows": sum(t["rows"] for t in s["tables"].values()),
-                          "bytes": dumped[i][0], "evictions": sum(t["evictions"] for t in s["tables"].values()),
-                          "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values())}
-                         for i, s in enumerate(stats)]
+    history["shards"] = [
+        {
+            "shard": s["shard"],
+            "rows": sum(t["rows"] for t in s["tables"].values()),
+            "bytes": dumped[i][0],
+            "evictions": sum(t["evictions"] for t in s["tables"].values()),
+            "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values()),
+        }
+        for i, s in enumerate(stats)
+    ]
     io.write_text(io.join(model_dir, "train_metrics.json"), json.dumps(history))
     last = ckpt.list_checkpoints(settings.dir)
     manifest = {
@@ -672,9 +782,13 @@ def _train(config: RunConfig, data_dir: str, model_dir: str, init_dir: str, work
         "dense": schema["dense"],
         "dense_mean": schema.get("dense_mean"),
         "dense_std": schema.get("dense_std"),
-        "summary": {"samples_per_s": history["samples_per_s"], "max_staleness": history["max_staleness"],
-                    "final_loss": history["loss"][-1] if history["loss"] else None,
-                    "wall_seconds": time.time() - t0, "rows": [s["rows"] for s in history["shards"]]},
+        "summary": {
+            "samples_per_s": history["samples_per_s"],
+            "max_staleness": history["max_staleness"],
+            "final_loss": history["loss"][-1] if history["loss"] else None,
+            "wall_seconds": time.time() - t0,
+            "rows": [s["rows"] for s in history["shards"]],
+        },
         "lineage": info,
         "resumed_from": chosen[0] if chosen is not None else None,
         "checkpoints_refused": reasons,

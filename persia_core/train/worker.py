@@ -58,13 +58,29 @@ def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
     """The dense model for a run, seeded by ``trainer.seed`` (identical on every rank)."""
     torch.manual_seed(config.trainer.seed)
     layouts = table_layouts(config)
-    return build_model(config.model, sum(len(t.slots) for t in layouts), layouts[0].dim, len(schema["dense"]),
-                       schema.get("dense_mean"), schema.get("dense_std"))
+    return build_model(
+        config.model,
+        sum(len(t.slots) for t in layouts),
+        layouts[0].dim,
+        len(schema["dense"]),
+        schema.get("dense_mean"),
+        schema.get("dense_std"),
+    )
 
 
-def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: int, world: int,
-               progress_every: int = 20, on_step=None, checkpointer: "ckpt.Checkpointer | None" = None,
-               resume: tuple[str, dict] | None = None, init_dense: str = "") -> dict:
+def run_worker(
+    config: RunConfig,
+    data_dir: str,
+    out_dir: str,
+    backend,
+    rank: int,
+    world: int,
+    progress_every: int = 20,
+    on_step=None,
+    checkpointer: "ckpt.Checkpointer | None" = None,
+    resume: tuple[str, dict] | None = None,
+    init_dense: str = "",
+) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
 
@@ -113,15 +129,30 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         with warnings.catch_warnings():  # torch's own advice: keep broadcast_buffers=False until init_sync_buffers
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             net = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False)
+                model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
+            )
     else:
         net = model
     dropout = {s.name: s.id_dropout for s in config.slots}
-    batches = ((t, examples.batch(rows), schedule.global_batch[t])
-               for t, rows in itertools.islice(enumerate(schedule.rows[rank]), start, None))
-    pipe = HybridTrainPipeline(net, opt, backend, table_layouts(config), batches, tc.embedding_staleness, world,
-                               rank, dropout, tc.seed, device=device, fp16_transfer=tc.fp16_transfer,
-                               prefetch_threads=tc.prefetch_threads)
+    batches = (
+        (t, examples.batch(rows), schedule.global_batch[t])
+        for t, rows in itertools.islice(enumerate(schedule.rows[rank]), start, None)
+    )
+    pipe = HybridTrainPipeline(
+        net,
+        opt,
+        backend,
+        table_layouts(config),
+        batches,
+        tc.embedding_staleness,
+        world,
+        rank,
+        dropout,
+        tc.seed,
+        device=device,
+        fp16_transfer=tc.fp16_transfer,
+        prefetch_threads=tc.prefetch_threads,
+    )
     total_steps = len(schedule.global_batch)
     # everything built so far lives until the end: keep it out of the garbage collector's scans. Unfrozen (in
     # ``finally`` below) before returning: the DDP model and this pipeline sit in reference cycles, and frozen
@@ -136,10 +167,16 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
     done = start
 
     def state(steps_done: int) -> dict:
-        return {"step": steps_done, "samples": samples, "rank": rank, "world": world,
-                "elapsed_s": elapsed0 + time.perf_counter() - t0,
-                "max_staleness": max(max_stal0, pipe.max_staleness), "total_steps": total_steps,
-                "history": history if rank == 0 else None}
+        return {
+            "step": steps_done,
+            "samples": samples,
+            "rank": rank,
+            "world": world,
+            "elapsed_s": elapsed0 + time.perf_counter() - t0,
+            "max_staleness": max(max_stal0, pipe.max_staleness),
+            "total_steps": total_steps,
+            "history": history if rank == 0 else None,
+        }
 
     if checkpointer is not None:
         checkpointer.last_time = time.monotonic()  # the T-second clock starts with training, not start-up
@@ -192,15 +229,25 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
             if r.step % progress_every == 0 or r.step == total_steps - 1:
                 flush()
                 if rank == 0:
-                    log.info(PROGRESS_FORMAT, r.step + 1, total_steps,
-                             history["loss"][-1], samples / max(history["elapsed_s"][-1], 1e-9), r.staleness)
+                    log.info(
+                        PROGRESS_FORMAT,
+                        r.step + 1,
+                        total_steps,
+                        history["loss"][-1],
+                        samples / max(history["elapsed_s"][-1], 1e-9),
+                        r.staleness,
+                    )
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()
                 checkpointer.save(done, pipe, model, opt, state(done))
         flush()
         pipe.drain()
-        if (checkpointer is not None and checkpointer.settings.at_end and checkpointer.last_step != done
-                and not (resume is not None and done == start)):
+        if (
+            checkpointer is not None
+            and checkpointer.settings.at_end
+            and checkpointer.last_step != done
+            and not (resume is not None and done == start)
+        ):
             checkpointer.save(done, pipe, model, opt, state(done))
     finally:
         pipe.close()
@@ -213,13 +260,26 @@ def run_worker(config: RunConfig, data_dir: str, out_dir: str, backend, rank: in
         dist.all_reduce(max_stal, op=dist.ReduceOp.MAX)
         max_stal = max_stal.cpu()
         dist.barrier()
-    history.update({"samples_per_s": (samples - samples0) / max(elapsed, 1e-9), "max_staleness": int(max_stal.item()),
-                    "train_seconds": elapsed0 + elapsed, "wait_seconds_rank0": wait, "steps": total_steps,
-                    "num_workers": world, "embedding_staleness": tc.embedding_staleness, "device": str(device),
-                    "fp16_fallbacks": pipe.fp16_fallbacks, "resumed_from_step": start,
-                    "phase_seconds": {**{k: round(v, 3) for k, v in pipe.phase_s.items()},
-                                      "loss_all_reduce": round(loss_sync_s, 3),
-                                      "cpu_process": round(cpu_s, 3), "cpu_main_thread": round(main_cpu_s, 3)}})
+    history.update(
+        {
+            "samples_per_s": (samples - samples0) / max(elapsed, 1e-9),
+            "max_staleness": int(max_stal.item()),
+            "train_seconds": elapsed0 + elapsed,
+            "wait_seconds_rank0": wait,
+            "steps": total_steps,
+            "num_workers": world,
+            "embedding_staleness": tc.embedding_staleness,
+            "device": str(device),
+            "fp16_fallbacks": pipe.fp16_fallbacks,
+            "resumed_from_step": start,
+            "phase_seconds": {
+                **{k: round(v, 3) for k, v in pipe.phase_s.items()},
+                "loss_all_reduce": round(loss_sync_s, 3),
+                "cpu_process": round(cpu_s, 3),
+                "cpu_main_thread": round(main_cpu_s, 3),
+            },
+        }
+    )
     if rank == 0:
         buf = _io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
@@ -236,12 +296,17 @@ def settings_from(config: RunConfig, args, out_dir: str) -> "ckpt.CheckpointSett
     """Checkpoint settings from the command line (``--checkpoint-dir`` and friends), else from the
     ``trainer.checkpoint_*`` config fields where the config has them. None when checkpoints are off."""
     if args.checkpoint_dir:
+
         def num(v, default):
             return default if v is None else v
 
-        return ckpt.CheckpointSettings(dir=args.checkpoint_dir, every_steps=num(args.checkpoint_every_steps, 0),
-                                       every_s=num(args.checkpoint_every_s, 0.0), keep=num(args.checkpoint_keep, 2),
-                                       at_end=not args.no_checkpoint_at_end)
+        return ckpt.CheckpointSettings(
+            dir=args.checkpoint_dir,
+            every_steps=num(args.checkpoint_every_steps, 0),
+            every_s=num(args.checkpoint_every_s, 0.0),
+            keep=num(args.checkpoint_keep, 2),
+            at_end=not args.no_checkpoint_at_end,
+        )
     from persia_core.train.launcher import checkpoint_settings
 
     settings = checkpoint_settings(config, out_dir)
@@ -278,16 +343,22 @@ def main(argv: list[str] | None = None) -> int:
         # one machine (the local launcher): a file rendezvous, so nothing listens beyond 127.0.0.1; a cluster:
         # torch's env:// rendezvous at MASTER_ADDR:MASTER_PORT
         store = dist.FileStore(store_path, world) if store_path else None
-        dist.init_process_group(backend, rank=rank, world_size=world, store=store,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, store=store, timeout=datetime.timedelta(seconds=timeout)
+        )
     from persia_core.ps.client import EmbeddingClient
 
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
     tc = config.trainer
-    client = EmbeddingClient(addresses, config.embedding, timeout_s=tc.rpc_timeout_s,
-                             client_id=f"worker{rank}-{uuid.uuid4().hex[:12]}", delay_s=tc.network_delay_s,
-                             bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s,
-                             shared_memory=None if tc.shared_memory else False)
+    client = EmbeddingClient(
+        addresses,
+        config.embedding,
+        timeout_s=tc.rpc_timeout_s,
+        client_id=f"worker{rank}-{uuid.uuid4().hex[:12]}",
+        delay_s=tc.network_delay_s,
+        bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s,
+        shared_memory=None if tc.shared_memory else False,
+    )
     try:
         resume = None
         if args.resume:
@@ -295,11 +366,23 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(config, args, args.out)
         checkpointer = None
         if settings is not None:
-            info = json.loads(io.read_text(args.lineage)) if args.lineage else (
-                ckpt.lineage(config, args.data) if rank == 0 else {})
+            info = (
+                json.loads(io.read_text(args.lineage))
+                if args.lineage
+                else (ckpt.lineage(config, args.data) if rank == 0 else {})
+            )
             checkpointer = ckpt.Checkpointer(settings, rank, world, client, len(addresses), info)
-        run_worker(config, args.data, args.out, client, rank, world, checkpointer=checkpointer, resume=resume,
-                   init_dense=args.init_dense)
+        run_worker(
+            config,
+            args.data,
+            args.out,
+            client,
+            rank,
+            world,
+            checkpointer=checkpointer,
+            resume=resume,
+            init_dense=args.init_dense,
+        )
     finally:
         client.close()
         gc.collect()  # the DDP model (a reference cycle) releases the process group before it is destroyed

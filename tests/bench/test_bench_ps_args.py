@@ -9,13 +9,22 @@ import pytest
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "persia_core.bench.ps", *args], capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "persia_core.bench.ps", *args], capture_output=True, text=True, timeout=240
+    )
 
 
-@pytest.mark.parametrize("args, flag", [(["--rows", "-5"], "--rows"), (["--rows", "10", "--batch", "100"], "--rows"),
-                                        (["--rows", "1023"], "--rows"), (["--batch", "0"], "--batch"),
-                                        (["--repeats", "-1"], "--repeats"), (["--repeats", "0"], "--repeats")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--rows", "-5"], "--rows"),
+        (["--rows", "10", "--batch", "100"], "--rows"),
+        (["--rows", "1023"], "--rows"),
+        (["--batch", "0"], "--batch"),
+        (["--repeats", "-1"], "--repeats"),
+        (["--repeats", "0"], "--repeats"),
+    ],
+)
 def test_bench_ps_refuses_out_of_range_sizes_naming_the_flag(args, flag):
     p = _run(*args)
     assert p.returncode == 2

@@ -30,11 +30,34 @@ def test_criteo_synth_writes_one_hashed_id_per_slot_and_a_learnable_label(tmp_pa
 
 
 def test_bench_reports_every_contestant_and_null_torchrec_without_its_environment(tmp_path, capsys):
-    rc = hybrid.main(["--datasets", "criteo", "--samples", "3000", "--eval-rows", "2000", "--vocab", "400",
-                      "--seeds", "1", "--layouts", "1x1", "--baseline-threads", "1", "--batch-size", "500",
-                      "--delay", "0.001",
-                      "--work", str(tmp_path / "w"), "--torchrec-python", str(tmp_path / "no-venv" / "python"),
-                      "--out", str(tmp_path / "bench.jsonl")])
+    rc = hybrid.main(
+        [
+            "--datasets",
+            "criteo",
+            "--samples",
+            "3000",
+            "--eval-rows",
+            "2000",
+            "--vocab",
+            "400",
+            "--seeds",
+            "1",
+            "--layouts",
+            "1x1",
+            "--baseline-threads",
+            "1",
+            "--batch-size",
+            "500",
+            "--delay",
+            "0.001",
+            "--work",
+            str(tmp_path / "w"),
+            "--torchrec-python",
+            str(tmp_path / "no-venv" / "python"),
+            "--out",
+            str(tmp_path / "bench.jsonl"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     line = json.loads(out[-1])
@@ -92,8 +115,10 @@ def test_device_check_with_a_python_without_torch_names_what_it_needs(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None; from persia_core.bench import device_check; "
-            f"sys.exit(device_check.main(['--out', {str(tmp_path)!r}]))")
+    code = (
+        "import sys; sys.modules['torch'] = None; from persia_core.bench import device_check; "
+        f"sys.exit(device_check.main(['--out', {str(tmp_path)!r}]))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     written = json.loads((tmp_path / "device_check.json").read_text())

@@ -41,8 +41,15 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
     path = ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 7)
     manifest = ckpt.verify(path)
     assert manifest["step"] == 7 and manifest["lineage"] == {"note": "test"}
-    hist, resumed = _run(cfg, data, str(tmp_path / "b"), str(tmp_path / "b-ckpt"), every=7,
-                         resume=(path, manifest), backend=_restore(cfg, path, manifest))
+    hist, resumed = _run(
+        cfg,
+        data,
+        str(tmp_path / "b"),
+        str(tmp_path / "b-ckpt"),
+        every=7,
+        resume=(path, manifest),
+        backend=_restore(cfg, path, manifest),
+    )
     assert hist["step"] == full_hist["step"] and hist["samples"] == full_hist["samples"]
     np.testing.assert_allclose(hist["loss"], full_hist["loss"], atol=1e-6, rtol=0)
     a = torch.load(tmp_path / "a" / "dense.pt", weights_only=True)
@@ -53,8 +60,12 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
         for k in ("keys", "weights", "m", "v", "steps"):
             np.testing.assert_allclose(sa["default"][k], sb["default"][k], atol=1e-6, rtol=0, err_msg=k)
     # the final checkpoints hold the same dense optimizer (Adam) state
-    da, oa = ckpt.load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read())
-    db, ob = ckpt.load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read())
+    da, oa = ckpt.load_dense(
+        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read()
+    )
+    db, ob = ckpt.load_dense(
+        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read()
+    )
     for i, st in oa["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             np.testing.assert_allclose(st[k].numpy(), ob["state"][i][k].numpy(), atol=1e-6, rtol=0)
@@ -115,8 +126,14 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
         ckpt.verify(newest)
 
 
-@pytest.mark.parametrize("content", ["null", '{"format": "persia-checkpoint/1", "files": [{"path": "dense.pt"}]}',
-                                     '{"format": "persia-checkpoint/1", "files": "dense.pt"}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "null",
+        '{"format": "persia-checkpoint/1", "files": [{"path": "dense.pt"}]}',
+        '{"format": "persia-checkpoint/1", "files": "dense.pt"}',
+    ],
+)
 def test_a_malformed_manifest_is_refused_as_a_checkpoint_error(tmp_path, content):
     # before: AttributeError or KeyError, which escaped find_latest and failed the run instead of falling back
     path = tmp_path / "ckpt-0000000001"
@@ -131,8 +148,11 @@ def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_start
     for p in paths:
         dense = os.path.join(p, "dense.pt")
         open(dense, "r+b").truncate(10)
-    with pytest.raises(ckpt.CheckpointError, match=r"every checkpoint under .* is refused \(3 complete ones: "
-                                                   r".*dense\.pt.*remove the checkpoints"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"every checkpoint under .* is refused \(3 complete ones: "
+        r".*dense\.pt.*remove the checkpoints",
+    ):
         ckpt.find_latest(folder)
     # only partial checkpoints (a run stopped while writing its first): a fresh start, nothing is lost
     for p in paths:
@@ -181,9 +201,15 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_pa
     ckpt.check_lineage(manifest, ckpt.lineage(more_epochs, data), "ckpt")  # allowed to differ
     # execution settings: checkpointing more or less often must not block the resume (it did: the prefix
     # "trainer.checkpoint" matched no key)
-    settings = cfg.with_overrides({"trainer.checkpoint_every_steps": 7, "trainer.checkpoint_every_s": 60.0,
-                                   "trainer.checkpoint_keep": 5, "trainer.delta_every_s": 30.0,
-                                   "trainer.shared_memory": False})
+    settings = cfg.with_overrides(
+        {
+            "trainer.checkpoint_every_steps": 7,
+            "trainer.checkpoint_every_s": 60.0,
+            "trainer.checkpoint_keep": 5,
+            "trainer.delta_every_s": 30.0,
+            "trainer.shared_memory": False,
+        }
+    )
     ckpt.check_lineage(manifest, ckpt.lineage(settings, data), "ckpt")
     other = cfg.with_overrides({"trainer.batch_size": 8})
     with pytest.raises(ckpt.CheckpointError, match=r"trainer\.batch_size: 16 -> 8"):
@@ -203,8 +229,11 @@ def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_pa
     inits = _checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
     assert len(inits) == 3
     before = _restore(tiny_config(epochs=1), newest, manifest).state_dicts()
-    rows = {int(k): (w, a) for sd in before for k, w, a in zip(sd["default"]["keys"], sd["default"]["weights"],
-                                                               sd["default"]["acc"])}
+    rows = {
+        int(k): (w, a)
+        for sd in before
+        for k, w, a in zip(sd["default"]["keys"], sd["default"]["weights"], sd["default"]["acc"])
+    }
     after = LocalEmbedding(cfg.embedding, seed=0)
     seen = 0
     for s, init in enumerate(inits):

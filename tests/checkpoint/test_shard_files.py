@@ -133,8 +133,9 @@ def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state
 def test_reshard_beyond_capacity_keeps_the_most_recent_rows(tmp_path):
     t = _trained_table("rowwise_adagrad")
     recent = t.state_dict()["keys"]
-    new, report = reshard([{"default": S.TableArrays(t.state_dict(), {"layout": "lru", "dim": 4})}], 1,
-                            {"default": 1000})
+    new, report = reshard(
+        [{"default": S.TableArrays(t.state_dict(), {"layout": "lru", "dim": 4})}], 1, {"default": 1000}
+    )
     assert report["dropped"]["default"] == len(recent) - 1000
     np.testing.assert_array_equal(np.sort(new[0]["default"].arrays["keys"]), np.sort(recent[:1000]))
 
@@ -151,8 +152,12 @@ def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path)
         ids = np.unique(rng.integers(0, hi, n_ids).astype(np.uint64))
         shard.lookup("default", ids)  # creates rows
         seq[0] += 1
-        shard.push({"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0}, ids,
-                   rng.normal(size=(len(ids), 4)).astype(np.float32), None)
+        shard.push(
+            {"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0},
+            ids,
+            rng.normal(size=(len(ids), 4)).astype(np.float32),
+            None,
+        )
 
     def by_key(sd: dict) -> dict:
         o = np.argsort(sd["keys"])
@@ -198,6 +203,7 @@ def test_delta_export_runs_every_t_seconds_on_its_own(tmp_path):
 @pytest.mark.parametrize("small", [False, True])  # small: fewer than 1024 rows, the state-dict path
 def test_admission_sightings_survive_a_shard_file_round_trip(tmp_path, small):
     """An ID seen twice before a checkpoint is admitted on its third sighting after the restart, not its fifth."""
+
     def table():
         return EmbeddingTable(4, OptimizerConfig(name="adagrad", lr=0.05), 3000, 0.1, 0, admit_after_sightings=3)
 
@@ -239,10 +245,8 @@ def test_shard_files_of_format_2_with_a_linked_recency_list_still_load(tmp_path,
     prev[pos[1:]] = pos[:-1]
     counters = np.zeros(4, np.int64)
     counters[0] = n
-    arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([pos[0], pos[-1]], np.int32),
-                   "counters": counters})
-    ta = S.TableArrays(arrays, {"dim": 4, "optimizer": "adagrad", "layout": "storage", "rows": n,
-                                "step": int(t.step)})
+    arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([pos[0], pos[-1]], np.int32), "counters": counters})
+    ta = S.TableArrays(arrays, {"dim": 4, "optimizer": "adagrad", "layout": "storage", "rows": n, "step": int(t.step)})
     monkeypatch.setattr(S, "SHARD_FORMAT", "persia-shard/2")
     path = str(tmp_path / "old.npz")
     S.write_shard_arrays(path, {"default": ta})
@@ -255,8 +259,15 @@ def test_shard_files_of_format_2_with_a_linked_recency_list_still_load(tmp_path,
 
 
 def _misaligned(t: EmbeddingTable) -> list[str]:
-    arrays = {"keys": t.keys, "weights": t.weights, "last_used": t.last_used, "index": t.index, "qrow": t.qrow,
-              "qstep": t.qstep, **{f"state.{k}": v for k, v in t.state.items()}}
+    arrays = {
+        "keys": t.keys,
+        "weights": t.weights,
+        "last_used": t.last_used,
+        "index": t.index,
+        "qrow": t.qrow,
+        "qstep": t.qstep,
+        **{f"state.{k}": v for k, v in t.state.items()},
+    }
     return [k for k, v in arrays.items() if v.ctypes.data % 64 or not v.flags.c_contiguous]
 
 

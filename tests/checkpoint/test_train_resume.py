@@ -63,8 +63,11 @@ def runs(tmp_path_factory):
     def kill_after_second_checkpoint():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            done = [p for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
-                    if os.path.exists(os.path.join(p, "manifest.json"))]
+            done = [
+                p
+                for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
+                if os.path.exists(os.path.join(p, "manifest.json"))
+            ]
             if len(done) >= 2:
                 box["pids"] = _children(work)
                 (pid,) = _children(os.path.join(work, "ps-1.port"))  # the server of shard 1
@@ -109,8 +112,11 @@ def _rows(model_dir: str, cfg) -> dict:
 
 def test_resume_after_the_kill_skips_a_corrupt_checkpoint_and_ends_as_the_uninterrupted_run(runs):
     killed, ref = runs["killed"], runs["reference"]
-    done = [p for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
-            if os.path.exists(os.path.join(p, "manifest.json"))]
+    done = [
+        p
+        for _, p in list_checkpoints(os.path.join(killed, "checkpoints"))
+        if os.path.exists(os.path.join(p, "manifest.json"))
+    ]
     newest, previous = done[0], done[1]
     shard = os.path.join(newest, "shards", "shard-00000.npz")  # same size, one bit flipped
     with open(shard, "r+b") as f:
@@ -150,10 +156,14 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
         edit(d)
         return RunConfig.from_dict(d)
 
-    for edit, expected in ((lambda d: d["embedding"]["tables"][0].update(dim=8), r"dim: 4 -> 8"),
-                           (lambda d: d["embedding"]["tables"][0]["optimizer"].update(name="adam"),
-                            r"optimizer.name: 'rowwise_adagrad' -> 'adam'"),
-                           (lambda d: d.update(slots=d["slots"][:2]), r"slots: \['a', 'b', 'tags'\] -> \['a', 'b'\]")):
+    for edit, expected in (
+        (lambda d: d["embedding"]["tables"][0].update(dim=8), r"dim: 4 -> 8"),
+        (
+            lambda d: d["embedding"]["tables"][0]["optimizer"].update(name="adam"),
+            r"optimizer.name: 'rowwise_adagrad' -> 'adam'",
+        ),
+        (lambda d: d.update(slots=d["slots"][:2]), r"slots: \['a', 'b', 'tags'\] -> \['a', 'b'\]"),
+    ):
         with pytest.raises(WarmStartError, match=expected):
             init_shards(changed(edit), data, str(root / "refused"), warm_start_from=previous)
     shards = str(root / "warm-shards")
@@ -169,8 +179,17 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     batch = examples.batch(rows)
     with torch.no_grad():
         prep = prepare_ids(batch.ids, prev.layouts)
-        emb = torch.cat([pool(torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq)),
-                              prep["default"], 3, batch.size)], dim=1)
+        emb = torch.cat(
+            [
+                pool(
+                    torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq)),
+                    prep["default"],
+                    3,
+                    batch.size,
+                )
+            ],
+            dim=1,
+        )
         logits = prev.dense(emb, torch.from_numpy(batch.dense))
         expected = float(F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels)))
     assert abs(first_loss - expected) < 1e-6, (first_loss, expected)
@@ -185,8 +204,7 @@ def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused_before_anyt
     model = tmp_path / "model"
     shutil.copytree(os.path.join(runs["reference"], "checkpoints"), model / "checkpoints")
     with pytest.raises(ValueError, match=r"resume_from '': .*holds checkpoints of an earlier run \(ckpt-"):
-        train(_config(), runs["data"], str(model), work_dir=str(tmp_path / "work"), checkpoint=SETTINGS,
-              resume_from="")
+        train(_config(), runs["data"], str(model), work_dir=str(tmp_path / "work"), checkpoint=SETTINGS, resume_from="")
     assert not (model / "manifest.json").exists() and not (tmp_path / "work").exists()
 
 
@@ -222,8 +240,11 @@ def test_a_model_whose_dense_file_is_corrupt_is_refused_naming_that_file(runs, t
     data = open(dense, "rb").read()
     open(dense, "wb").write(data[: len(data) // 2])  # truncated, as by a copy cut short
     cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
-    with pytest.raises(WarmStartError, match=r"dense weights .*%s cannot be read: .*not a readable dense-model "
-                                              r"file \(%d bytes" % (manifest["dense_file"], len(data) // 2)):
+    with pytest.raises(
+        WarmStartError,
+        match=r"dense weights .*%s cannot be read: .*not a readable dense-model "
+        r"file \(%d bytes" % (manifest["dense_file"], len(data) // 2),
+    ):
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=model)
     with pytest.raises(ValueError, match=r"%s: not a readable dense-model file" % manifest["dense_file"]):
         LoadedModel(model)
@@ -254,6 +275,7 @@ def test_a_corrupt_newest_checkpoint_refused_while_re_sharding_it_falls_back_to_
 def _signal_once_training(model: str, work: str, role: str, sig: int, box: dict) -> threading.Thread:
     """A started thread that sends ``sig`` to ``role`` (``ps-1`` or ``nn_worker-1``) of the run in ``work`` once its
     first checkpoint exists, noting when in ``box["signalled_at"]``."""
+
     def run():
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -261,8 +283,12 @@ def _signal_once_training(model: str, work: str, role: str, sig: int, box: dict)
                 if role == "ps-1":
                     (pid,) = _children(os.path.join(work, "ps-1.port"))  # the server of shard 1
                 else:
-                    (pid,) = [p for p in _children(work) if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
-                              and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()]
+                    (pid,) = [
+                        p
+                        for p in _children(work)
+                        if b"RANK=1" in open(f"/proc/{p}/environ", "rb").read()
+                        and b"persia_core.train.worker" in open(f"/proc/{p}/cmdline", "rb").read()
+                    ]
                 box["signalled_at"] = time.monotonic()
                 os.kill(pid, sig)
                 return
@@ -289,8 +315,7 @@ def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_t
 
 
 @pytest.mark.parametrize("role", ["ps-1", "nn_worker-1"])
-def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_leaves_no_process(runs, role,
-                                                                                                  monkeypatch):
+def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_leaves_no_process(runs, role, monkeypatch):
     # SIGSTOP: alive but frozen. Its peers would wait on it for the gloo timeout (a worker) or minutes of RPC
     # retries (a server); the launcher sees the stopped state and fails the job after STOPPED_FAIL_S.
     import signal

@@ -22,8 +22,9 @@ COMMANDS = ("preprocess", "init-shards", "train", "evaluate", "predict", "plan",
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "persia_core", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "persia_core", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_help_lists_every_subcommand_and_explains_flags(capsys):
@@ -106,8 +107,28 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
     assert "samples_per_s" in json.loads(capsys.readouterr().out)["summary"]
 
     report, blessed = str(tmp_path / "report.html"), str(tmp_path / "blessed")
-    rc = main(["evaluate", "--model", model, "--data", data, "--report", report, "--user-slot", "a",
-               "--blessed-dir", blessed, "--min-auc", "0", "--max-ne", "100", "--bless", "--metrics-json", str(tmp_path / "m.json")])
+    rc = main(
+        [
+            "evaluate",
+            "--model",
+            model,
+            "--data",
+            data,
+            "--report",
+            report,
+            "--user-slot",
+            "a",
+            "--blessed-dir",
+            blessed,
+            "--min-auc",
+            "0",
+            "--max-ne",
+            "100",
+            "--bless",
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gate"]["decision"] == "bless" and os.path.exists(os.path.join(out["blessed_model"], "dense.pt"))
@@ -125,17 +146,53 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
 
     # the next day: warm-start from the blessed location, train afresh into a new folder
     warm = str(tmp_path / "warm")
-    assert main(["init-shards", "--data", data, "--output", warm, "--config", str(cfg),
-                 "--warm-start-from", blessed]) == 0
+    assert (
+        main(["init-shards", "--data", data, "--output", warm, "--config", str(cfg), "--warm-start-from", blessed]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["warm_start"]["rows"]["default"] > 0
-    assert main(["train", "--data", data, "--init", warm, "--output", str(tmp_path / "model2"),
-                 "--set", "trainer.epochs=1", "--resume-from", ""]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                data,
+                "--init",
+                warm,
+                "--output",
+                str(tmp_path / "model2"),
+                "--set",
+                "trainer.epochs=1",
+                "--resume-from",
+                "",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     # a blessed-model location given as --model with --bless: its latest blessed model is scored and copied (before:
     # scored, then refused as "not a trained model")
     other = str(tmp_path / "blessed-copy")
-    assert main(["evaluate", "--model", blessed, "--data", data, "--report", str(tmp_path / "r2.html"),
-                 "--blessed-dir", other, "--min-auc", "0", "--max-ne", "100", "--bless"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                blessed,
+                "--data",
+                data,
+                "--report",
+                str(tmp_path / "r2.html"),
+                "--blessed-dir",
+                other,
+                "--min-auc",
+                "0",
+                "--max-ne",
+                "100",
+                "--bless",
+            ]
+        )
+        == 0
+    )
     again = json.loads(capsys.readouterr().out)
     assert again["metrics"]["auc"] == out["metrics"]["auc"]
     assert os.path.exists(os.path.join(again["blessed_model"], "dense.pt"))
@@ -154,13 +211,31 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(tiny_config(epochs=500, network_delay_s=0.002, num_workers=2).to_yaml())
     work = tmp_path / "work"
-    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "train", "--data", data, "--config", str(cfg),
-                             "--output", str(tmp_path / "model"), "--work-dir", str(work)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "persia_core",
+            "train",
+            "--data",
+            data,
+            "--config",
+            str(cfg),
+            "--output",
+            str(tmp_path / "model"),
+            "--work-dir",
+            str(work),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and "step 21/" not in "".join(
-                open(f, errors="replace").read() for f in glob.glob(str(work / "logs" / "nn_worker-*.log"))):
+            open(f, errors="replace").read() for f in glob.glob(str(work / "logs" / "nn_worker-*.log"))
+        ):
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)
         children = descendants(proc.pid)
@@ -182,9 +257,24 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
 def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
-    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
-                             "--num-shards", "2", "--work-dir", str(tmp_path / "work")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "persia_core",
+            "serve-shards",
+            "--config",
+            str(cfg),
+            "--num-shards",
+            "2",
+            "--work-dir",
+            str(tmp_path / "work"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
@@ -215,14 +305,33 @@ def test_cli_serve_shards_leaves_no_temporary_folder_when_refused_or_stopped(tmp
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     env = {**os.environ, "TMPDIR": str(scratch)}
-    refused = subprocess.run([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
-                              "--init", str(tmp_path / "no-such")], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=120)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "persia_core",
+            "serve-shards",
+            "--config",
+            str(cfg),
+            "--init",
+            str(tmp_path / "no-such"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 2 and "is not a folder" in refused.stderr
     assert os.listdir(scratch) == []
-    proc = subprocess.Popen([sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg),
-                             "--num-shards", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "persia_core", "serve-shards", "--config", str(cfg), "--num-shards", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         info = json.loads(proc.stdout.readline() or proc.stderr.read())
         assert info["token_file"].startswith(str(scratch))
@@ -238,11 +347,15 @@ def test_cli_serve_shards_leaves_no_temporary_folder_when_refused_or_stopped(tmp
 def test_cli_preprocess_runs_beam_on_raw_files_and_applies_overrides(tmp_path, capsys):
     folder = tmp_path / "ml"
     folder.mkdir()
-    files = {"ratings.csv": ["userId,movieId,rating,timestamp"] + [f"{u},{m},{(u + m) % 5 + 1}.0,{1000 + 10 * i}"
-                                                                   for i, (u, m) in enumerate(
-                                                                       [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)])],
-             "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
-             "tags.csv": ["userId,movieId,tag,timestamp"]}
+    files = {
+        "ratings.csv": ["userId,movieId,rating,timestamp"]
+        + [
+            f"{u},{m},{(u + m) % 5 + 1}.0,{1000 + 10 * i}"
+            for i, (u, m) in enumerate([(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)])
+        ],
+        "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
+        "tags.csv": ["userId,movieId,tag,timestamp"],
+    }
     for name, lines in files.items():
         (folder / name).write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "out")
@@ -254,8 +367,18 @@ def test_cli_preprocess_runs_beam_on_raw_files_and_applies_overrides(tmp_path, c
     assert main(["preprocess", "--data", str(tmp_path / "missing"), "--output", out]) == 2
     # a mistyped flag of ours is refused, not handed to Beam (which dropped it with a warning and ran on, exit 0)
     capsys.readouterr()
-    rc = main(["preprocess", "--data", str(folder), "--output", str(tmp_path / "out2"), "--sett",
-               "split.eval_fraction=0.5", "--direct_num_workers=1"])
+    rc = main(
+        [
+            "preprocess",
+            "--data",
+            str(folder),
+            "--output",
+            str(tmp_path / "out2"),
+            "--sett",
+            "split.eval_fraction=0.5",
+            "--direct_num_workers=1",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "--sett: did you mean --set?" in err and "direct_num_workers" not in err.splitlines()[-1]
     assert not (tmp_path / "out2").exists()
@@ -269,26 +392,40 @@ def test_config_error_in_a_nested_section_says_where_it_sits(tmp_path):
         load_config(str(bad))
 
 
-@pytest.mark.parametrize("key, value, says", [
-    ("trainer.dense_lr", ".nan", "expected a finite number"),
-    ("embedding.tables.default.optimizer.lr", ".nan", "expected a finite number"),
-    ("trainer.rpc_timeout_s", ".nan", "expected a finite number"),
-    ("trainer.network_delay_s", ".inf", "expected a finite number"),
-    ("embedding.tables.default.optimizer.eps", ".inf", "expected a finite number"),
-    ("embedding.tables.default.optimizer.weight_decay", "-5", "must be >= 0"),
-    ("trainer.seed", "-1", "must be >= 0"),
-    ("embedding.shard_memory_bytes", "1.0e+20", "does not fit in a 64-bit integer"),
-    ("trainer.rpc_timeout_s", "1.0e+10", "must be in (0, 86400] seconds"),  # gRPC failed every call at once
-    ("embedding.tables.default.optimizer", "{name: adagrad, name: sgd}", "duplicate key 'name'"),
-])
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("trainer.dense_lr", ".nan", "expected a finite number"),
+        ("embedding.tables.default.optimizer.lr", ".nan", "expected a finite number"),
+        ("trainer.rpc_timeout_s", ".nan", "expected a finite number"),
+        ("trainer.network_delay_s", ".inf", "expected a finite number"),
+        ("embedding.tables.default.optimizer.eps", ".inf", "expected a finite number"),
+        ("embedding.tables.default.optimizer.weight_decay", "-5", "must be >= 0"),
+        ("trainer.seed", "-1", "must be >= 0"),
+        ("embedding.shard_memory_bytes", "1.0e+20", "does not fit in a 64-bit integer"),
+        ("trainer.rpc_timeout_s", "1.0e+10", "must be in (0, 86400] seconds"),  # gRPC failed every call at once
+        ("embedding.tables.default.optimizer", "{name: adagrad, name: sgd}", "duplicate key 'name'"),
+    ],
+)
 def test_cli_non_finite_negative_or_oversized_values_exit_2_naming_the_key(tmp_path, capsys, key, value, says):
     # before: NaN learning rates, an infinite delay or a 1e20-byte budget passed validation and failed (or not)
     # later inside a worker
     data = write_dataset(str(tmp_path / "data"))
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(tiny_config().to_yaml())
-    rc = main(["init-shards", "--data", data, "--output", str(tmp_path / "shards"), "--config", str(cfg),
-               "--set", f"{key}={value}"])
+    rc = main(
+        [
+            "init-shards",
+            "--data",
+            data,
+            "--output",
+            str(tmp_path / "shards"),
+            "--config",
+            str(cfg),
+            "--set",
+            f"{key}={value}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     assert says in err and key.rsplit(".", 1)[-1] in err
@@ -328,7 +465,8 @@ def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before
 
 
 def test_cli_init_shards_refuses_a_warm_start_location_where_nothing_exists_but_starts_cold_from_an_empty_one(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     # before: a typo printed a warning and started cold with exit 0, every night of a cron schedule
     data = write_dataset(str(tmp_path / "data"))
     cfg = tmp_path / "cfg.yaml"
@@ -337,8 +475,19 @@ def test_cli_init_shards_refuses_a_warm_start_location_where_nothing_exists_but_
     assert main([*args, "--output", str(tmp_path / "a"), "--warm-start-from", str(tmp_path / "blesed")]) == 2
     assert "--warm-start-from" in capsys.readouterr().err and not os.path.exists(tmp_path / "a")
     # the first day of a schedule, said on purpose (on Cloud Storage there is no empty folder to create)
-    assert main([*args, "--output", str(tmp_path / "b"), "--warm-start-from", str(tmp_path / "blessed"),
-                 "--cold-start-if-missing"]) == 0
+    assert (
+        main(
+            [
+                *args,
+                "--output",
+                str(tmp_path / "b"),
+                "--warm-start-from",
+                str(tmp_path / "blessed"),
+                "--cold-start-if-missing",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["warm_start"]["cold_start"] == "no model blessed there yet"
     (tmp_path / "blessed").mkdir()  # or the location exists, nothing blessed yet
     assert main([*args, "--output", str(tmp_path / "c"), "--warm-start-from", str(tmp_path / "blessed")]) == 0
@@ -353,8 +502,19 @@ def test_cli_serve_shards_refuses_a_model_of_another_shard_count(tmp_path, capsy
     model.mkdir(parents=True)
     for s in range(2):
         (model / f"shard-{s:05d}.npz").write_bytes(b"")
-    rc = main(["serve-shards", "--config", str(cfg), "--num-shards", "3", "--init", str(tmp_path / "model"),
-               "--work-dir", str(tmp_path / "work")])
+    rc = main(
+        [
+            "serve-shards",
+            "--config",
+            str(cfg),
+            "--num-shards",
+            "3",
+            "--init",
+            str(tmp_path / "model"),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert rc == 2
     assert "holds 2 shard files but 3 shards were asked" in capsys.readouterr().err
 
@@ -370,8 +530,19 @@ def test_cli_shard_budget_below_1024_rows_exits_2_naming_the_field_and_value(tmp
     cfg = tmp_path / "dim16.yaml"
     cfg.write_text(yaml.safe_dump(d))
     out = tmp_path / "shards"
-    rc = main(["init-shards", "--data", data, "--output", str(out), "--config", str(cfg),
-               "--set", "embedding.shard_memory_bytes=70000"])
+    rc = main(
+        [
+            "init-shards",
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--config",
+            str(cfg),
+            "--set",
+            "embedding.shard_memory_bytes=70000",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "embedding.shard_memory_bytes" in err and "70000" in err and "Traceback" not in err
@@ -391,8 +562,24 @@ def test_set_reaches_a_table_or_slot_by_name_or_index(tmp_path, capsys):
     data = write_dataset(str(tmp_path / "data"))
     (tmp_path / "data" / "run_config.yaml").write_text(tiny_config().to_yaml())
     out = str(tmp_path / "init")
-    assert main(["init-shards", "--data", data, "--output", out, "--set", "embedding.tables.default.dim=8",
-                 "--set", "embedding.tables[0].optimizer.lr=0.5", "--set", "slots.b.id_dropout=0.25"]) == 0
+    assert (
+        main(
+            [
+                "init-shards",
+                "--data",
+                data,
+                "--output",
+                out,
+                "--set",
+                "embedding.tables.default.dim=8",
+                "--set",
+                "embedding.tables[0].optimizer.lr=0.5",
+                "--set",
+                "slots.b.id_dropout=0.25",
+            ]
+        )
+        == 0
+    )
     cfg = load_config(os.path.join(out, "run_config.yaml"))
     assert (cfg.embedding.tables[0].dim, cfg.embedding.tables[0].optimizer.lr) == (8, 0.5)
     assert [s.id_dropout for s in cfg.slots] == [0.0, 0.25, 0.0]
@@ -417,8 +604,19 @@ def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_witho
     for s in range(2):
         (shards / f"shard-{s:05d}.npz").write_bytes(b"")
     (blessed / MARKER).write_text(json.dumps({"format": FORMAT, "model": "models/m1", "metrics": {"auc": 0.7}}))
-    rc = main(["serve-shards", "--config", str(cfg), "--num-shards", "3", "--init", str(blessed),
-               "--work-dir", str(tmp_path / "work")])
+    rc = main(
+        [
+            "serve-shards",
+            "--config",
+            str(cfg),
+            "--num-shards",
+            "3",
+            "--init",
+            str(blessed),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "models/m1 holds 2 shard files but 3 shards were asked" in err  # the blessed model's own shards
@@ -426,7 +624,8 @@ def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_witho
     rc = main(["serve-shards", "--config", str(cfg), "--init", str(blessed), "--work-dir", str(tmp_path / "work")])
     assert rc == 2 and f"{blessed / MARKER}: a blessed-model marker needs 'model'" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    rc = main(["serve-shards", "--config", str(cfg), "--init", str(tmp_path / "empty"),
-               "--work-dir", str(tmp_path / "work")])
+    rc = main(
+        ["serve-shards", "--config", str(cfg), "--init", str(tmp_path / "empty"), "--work-dir", str(tmp_path / "work")]
+    )
     assert rc == 2
     assert "no shard files" in capsys.readouterr().err

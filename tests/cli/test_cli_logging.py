@@ -11,7 +11,6 @@ import pytest
 from persia_core.logging_utils import log_format, progress, setup_logging, write_tensorboard
 
 
-
 @pytest.fixture
 def root_logger():
     """The root logger, with its handlers and level restored after the test."""
@@ -54,8 +53,14 @@ def test_cli_progress_off_a_terminal_is_periodic_log_lines(caplog):
     assert [r.getMessage().split(",")[0] for r in caplog.records] == ["x: 3 it"]
 
 
-HISTORY = {"samples": [16, 32, 48], "loss": [0.7, 0.6, 0.55], "elapsed_s": [0.1, 0.2, 0.4],
-           "staleness": [0, 1, 1], "samples_per_s": 120.0, "max_staleness": 1}
+HISTORY = {
+    "samples": [16, 32, 48],
+    "loss": [0.7, 0.6, 0.55],
+    "elapsed_s": [0.1, 0.2, 0.4],
+    "staleness": [0, 1, 1],
+    "samples_per_s": 120.0,
+    "max_staleness": 1,
+}
 
 
 def test_training_metrics_written_as_tensorboard_events(tmp_path):
@@ -84,10 +89,17 @@ def test_training_metrics_tensorboard_is_skipped_with_a_warning_without_the_pack
 
 def _tiny_movielens(folder) -> str:
     folder.mkdir()
-    files = {"ratings.csv": ["userId,movieId,rating,timestamp", "1,1,4.0,1000", "1,2,3.0,1010", "2,1,5.0,1020",
-                             "3,2,1.0,1030"],
-             "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
-             "tags.csv": ["userId,movieId,tag,timestamp"]}
+    files = {
+        "ratings.csv": [
+            "userId,movieId,rating,timestamp",
+            "1,1,4.0,1000",
+            "1,2,3.0,1010",
+            "2,1,5.0,1020",
+            "3,2,1.0,1030",
+        ],
+        "movies.csv": ["movieId,title,genres", "1,A (1999),Drama", "2,B (2001),Comedy|Drama"],
+        "tags.csv": ["userId,movieId,tag,timestamp"],
+    }
     for name, lines in files.items():
         (folder / name).write_text("\n".join(lines) + "\n")
     return str(folder)

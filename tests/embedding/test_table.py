@@ -19,11 +19,17 @@ def _torch_reference(opt_cfg: OptimizerConfig, w0: np.ndarray, grads: list[np.nd
     if opt_cfg.name == "sgd":
         opt = torch.optim.SGD([p], lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     elif opt_cfg.name == "adagrad":
-        opt = torch.optim.Adagrad([p], lr=opt_cfg.lr, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay,
-                                  initial_accumulator_value=opt_cfg.initial_accumulator)
+        opt = torch.optim.Adagrad(
+            [p],
+            lr=opt_cfg.lr,
+            eps=opt_cfg.eps,
+            weight_decay=opt_cfg.weight_decay,
+            initial_accumulator_value=opt_cfg.initial_accumulator,
+        )
     else:
-        opt = torch.optim.Adam([p], lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
-                               weight_decay=opt_cfg.weight_decay)
+        opt = torch.optim.Adam(
+            [p], lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay
+        )
     for g in grads:
         p.grad = torch.tensor(g)
         opt.step()
@@ -124,8 +130,9 @@ def test_state_dict_round_trip_keeps_rows_state_and_recency():
         np.testing.assert_array_equal(u.state_dict()[k], v)
     u.lookup(_ids(99999))  # evicts the least recently used, the same as t would
     t.lookup(_ids(99999))
-    np.testing.assert_array_equal(u.contains(np.arange(1024, dtype=np.uint64)),
-                                  t.contains(np.arange(1024, dtype=np.uint64)))
+    np.testing.assert_array_equal(
+        u.contains(np.arange(1024, dtype=np.uint64)), t.contains(np.arange(1024, dtype=np.uint64))
+    )
 
 
 def test_memory_budget_fixes_capacity_and_bytes_per_row():
@@ -238,7 +245,9 @@ def test_16_bit_storage_rounds_each_fp32_update_and_halves_the_weight_bytes(stor
     expect = decode(encode(r2.lookup_readonly(ids), storage), storage)
     np.testing.assert_array_equal(t.lookup_readonly(ids), expect)
     assert t.weights.dtype == np.uint16 and t.state["acc"].dtype == np.float32
-    assert row_bytes_without_index("rowwise_adagrad", 16, storage) == row_bytes_without_index("rowwise_adagrad", 16) - 32
+    assert (
+        row_bytes_without_index("rowwise_adagrad", 16, storage) == row_bytes_without_index("rowwise_adagrad", 16) - 32
+    )
     u = EmbeddingTable(D, cfg, capacity=4096, storage=storage)
     u.load_state_dict(t.state_dict())
     np.testing.assert_array_equal(u.lookup_readonly(ids), t.lookup_readonly(ids))
@@ -258,8 +267,9 @@ def test_a_partial_async_push_scales_the_step_of_scale_invariant_optimizers_but_
     g = np.random.default_rng(4).normal(size=(2, D)).astype(np.float32)
     for name in ("rowwise_adagrad", "adam", "sgd"):
         half = EmbeddingTable(D, OptimizerConfig(name=name, lr=0.1), capacity=1024, init_scale=0.5)
-        ref = EmbeddingTable(D, OptimizerConfig(name=name, lr=0.1 if name == "sgd" else 0.05), capacity=1024,
-                             init_scale=0.5)
+        ref = EmbeddingTable(
+            D, OptimizerConfig(name=name, lr=0.1 if name == "sgd" else 0.05), capacity=1024, init_scale=0.5
+        )
         half.lookup(ids)
         ref.lookup(ids)
         half.apply_gradients(ids, g, step_fraction=0.5)
@@ -461,8 +471,9 @@ def test_dedup_matches_numpy_unique_in_first_seen_order(n):
     from persia_core.embedding.kernels import dedup
 
     rng = np.random.default_rng(n)
-    pool = np.concatenate([rng.integers(0, 2**64 - 1, max(n // 4, 1), dtype=np.uint64, endpoint=True),
-                           _ids(0, 2**63, 2**64 - 1)])
+    pool = np.concatenate(
+        [rng.integers(0, 2**64 - 1, max(n // 4, 1), dtype=np.uint64, endpoint=True), _ids(0, 2**63, 2**64 - 1)]
+    )
     ids = pool[np.minimum(rng.zipf(1.3, n) - 1, len(pool) - 1)].astype(np.uint64)
     uniq, inverse = dedup(ids)
     ref, first = np.unique(ids, return_index=True)
@@ -472,8 +483,11 @@ def test_dedup_matches_numpy_unique_in_first_seen_order(n):
     assert len(uniq) == len(ref)
 
 
-@pytest.mark.parametrize("dim,storage", [(16, "fp32"), (8, "fp32"), (16, "fp16")],
-                         ids=["streamed-copy", "element-copy", "16-bit-caller-copy"])
+@pytest.mark.parametrize(
+    "dim,storage",
+    [(16, "fp32"), (8, "fp32"), (16, "fp16")],
+    ids=["streamed-copy", "element-copy", "16-bit-caller-copy"],
+)
 def test_lookup_rows_equal_a_readonly_lookup_through_eviction_admission_and_repeats(dim, storage):
     # each way a lookup copies rows out (64-byte streamed stores, an element loop, the 16-bit caller's copy)
     # against the read-only path (a separate probe and gather): found rows, repeats, rows created in the batch
@@ -482,11 +496,13 @@ def test_lookup_rows_equal_a_readonly_lookup_through_eviction_admission_and_repe
     from persia_core.embedding import kernels as K
     from persia_core.embedding.table import _streamable
 
-    t = EmbeddingTable(dim, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 20_000, 0.5, 0, storage=storage,
-                       admit_probability=0.7)  # decided per ID and step: all of a batch's sightings alike
+    t = EmbeddingTable(
+        dim, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 20_000, 0.5, 0, storage=storage, admit_probability=0.7
+    )  # decided per ID and step: all of a batch's sightings alike
     rng = np.random.default_rng(11)
-    pool = np.concatenate([rng.integers(0, 2**64 - 1, 60_000, dtype=np.uint64, endpoint=True),
-                           _ids(0, 2**63, 2**64 - 1)])
+    pool = np.concatenate(
+        [rng.integers(0, 2**64 - 1, 60_000, dtype=np.uint64, endpoint=True), _ids(0, 2**63, 2**64 - 1)]
+    )
     for _ in range(6):
         hot = pool[np.minimum(rng.zipf(1.2, 20_000) - 1, len(pool) - 1)]
         ids = rng.permutation(np.concatenate([hot, rng.choice(pool, 10_000)]))  # >= 1 MiB out at dim 16: pooled

@@ -38,16 +38,25 @@ def make_model(model_dir: str, config: RunConfig, seen: dict[str, list[str]], nu
         files.append(rel)
     torch.manual_seed(config.trainer.seed)
     layouts = table_layouts(config)
-    dense = build_model(config.model, len(model_slot_order(config)), layouts[0].dim, num_dense,
-                        [0.0] * num_dense, [1.0] * num_dense)
+    dense = build_model(
+        config.model, len(model_slot_order(config)), layouts[0].dim, num_dense, [0.0] * num_dense, [1.0] * num_dense
+    )
     buf = io.BytesIO()
     torch.save(dense.state_dict(), buf)
     with open(os.path.join(model_dir, "dense.pt"), "wb") as f:
         f.write(buf.getvalue())
-    manifest = {"format": FORMAT, "config": config.to_dict(), "num_shards": config.embedding.num_shards,
-                "shard_files": files, "dense_file": "dense.pt", "slots": config.slot_names,
-                "dense": [f"d{i}" for i in range(num_dense)], "dense_mean": [0.0] * num_dense,
-                "dense_std": [1.0] * num_dense, "summary": {}}
+    manifest = {
+        "format": FORMAT,
+        "config": config.to_dict(),
+        "num_shards": config.embedding.num_shards,
+        "shard_files": files,
+        "dense_file": "dense.pt",
+        "slots": config.slot_names,
+        "dense": [f"d{i}" for i in range(num_dense)],
+        "dense_mean": [0.0] * num_dense,
+        "dense_std": [1.0] * num_dense,
+        "summary": {},
+    }
     with open(os.path.join(model_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     return model_dir
@@ -60,16 +69,24 @@ def write_eval_rows(data_dir: str, rows: list[dict], slots: list[str]) -> str:
     cols = {
         S.LABEL: pa.array([float(r["label"]) for r in rows], pa.float32()),
         S.DENSE: pa.array([[float(r.get("x", 0.0))] for r in rows], pa.list_(pa.float32())),
-        **{S.slot_column(s): pa.array([feature_ids(s, r.get(s, [])) for r in rows], pa.list_(pa.uint64()))
-           for s in slots},
+        **{
+            S.slot_column(s): pa.array([feature_ids(s, r.get(s, [])) for r in rows], pa.list_(pa.uint64()))
+            for s in slots
+        },
         S.TS: pa.array(np.arange(len(rows)), pa.int64()),
         S.SOURCE: pa.array([f"hand:{i + 1}" for i in range(len(rows))], pa.string()),
     }
     rel = "eval/eval-00000-of-00001.parquet"
     pq.write_table(pa.table(cols, schema=S.arrow_schema(slots)), os.path.join(data_dir, rel))
-    schema = {"slots": slots, "dense": ["x"], "dense_mean": [0.0], "dense_std": [1.0],
-              "rows": {"train": 0, "eval": len(rows), "malformed": 0, "read": len(rows)},
-              "train_files": [], "eval_files": [rel]}
+    schema = {
+        "slots": slots,
+        "dense": ["x"],
+        "dense_mean": [0.0],
+        "dense_std": [1.0],
+        "rows": {"train": 0, "eval": len(rows), "malformed": 0, "read": len(rows)},
+        "train_files": [],
+        "eval_files": [rel],
+    }
     with open(os.path.join(data_dir, S.SCHEMA_FILE), "w") as f:
         json.dump(schema, f)
     return data_dir

@@ -11,8 +11,10 @@ from persia_core.evaluate.run import evaluate
 from support import tiny_config
 
 SLOTS = ["a", "b", "tags"]
-ROWS = [{"label": 1, "x": 0.5, "a": ["1"], "b": ["x"], "tags": ["t1"]},
-        {"label": 0, "x": -1.0, "a": ["2"], "b": ["y"], "tags": []}]
+ROWS = [
+    {"label": 1, "x": 0.5, "a": ["1"], "b": ["x"], "tags": ["t1"]},
+    {"label": 0, "x": -1.0, "a": ["2"], "b": ["y"], "tags": []},
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +61,15 @@ def test_cli_evaluate_default_or_empty_user_slot_absent_is_skipped_not_refused(h
     assert '"user_split": null' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags, named", [(["--min-auc", "2"], "--min-auc"), (["--min-auc", "nan"], "--min-auc"),
-                                          (["--max-auc-drop", "-0.1"], "--max-auc-drop"),
-                                          (["--max-logloss-increase", "-1"], "--max-logloss-increase")])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--min-auc", "2"], "--min-auc"),
+        (["--min-auc", "nan"], "--min-auc"),
+        (["--max-auc-drop", "-0.1"], "--max-auc-drop"),
+        (["--max-logloss-increase", "-1"], "--max-logloss-increase"),
+    ],
+)
 def test_cli_evaluate_gate_thresholds_out_of_range_exit_2_naming_the_flag(hand_made, tmp_path, capsys, flags, named):
     report = str(tmp_path / "r.html")
     assert _evaluate(*hand_made, report, *flags) == 2

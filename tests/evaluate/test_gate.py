@@ -50,10 +50,13 @@ def test_gate_without_baseline_uses_the_threshold_and_never_blesses_undefined_au
         decide({"auc": 0.7}, None, 0.5, -0.1)
     # AUC above the threshold but logloss no better than the base rate: never blessed, with or without a baseline
     for base in (None, {"auc": 0.5, "logloss": 0.9}):
-        worse = decide({"auc": 0.62, "logloss": 0.7, "ne": 1.006}, base, min_auc=0.5, max_auc_drop=0.0,
-                       max_logloss_increase=1.0)
-        assert not worse["bless"] and any("normalized entropy 1.006000 >= max_ne 1 (logloss no better than "
-                                          "predicting the base rate)" in r for r in worse["reasons"])
+        worse = decide(
+            {"auc": 0.62, "logloss": 0.7, "ne": 1.006}, base, min_auc=0.5, max_auc_drop=0.0, max_logloss_increase=1.0
+        )
+        assert not worse["bless"] and any(
+            "normalized entropy 1.006000 >= max_ne 1 (logloss no better than predicting the base rate)" in r
+            for r in worse["reasons"]
+        )
     passed = decide({"auc": 0.62, "logloss": 0.6, "ne": 0.95}, None, min_auc=0.5)
     assert passed["bless"] and "passed: normalized entropy 0.950000 < max_ne 1" in passed["reasons"]
     for ne in (None, float("nan")):  # one class in the eval split: said, not silently skipped
@@ -133,8 +136,13 @@ def _gated_pipeline():
     def gated(model_path: str, metrics_json: str, blessed_dir: str, min_auc: float = 0.6) -> str:
         # kfp.local cannot take an artifact as a pipeline input: import the Model folder by path
         model = dsl.importer(artifact_uri=model_path, artifact_class=Model, reimport=False)
-        g = gate(metrics_json=metrics_json, blessed_dir=blessed_dir, min_auc=min_auc, max_auc_drop=0.0,
-                 max_logloss_increase=0.01)
+        g = gate(
+            metrics_json=metrics_json,
+            blessed_dir=blessed_dir,
+            min_auc=min_auc,
+            max_auc_drop=0.0,
+            max_logloss_increase=0.01,
+        )
         with dsl.If(g.outputs["Output"] == "bless"):
             bless_model(model=model.output, metrics_json=metrics_json, blessed_dir=blessed_dir)
         return g.outputs["Output"]
@@ -146,8 +154,7 @@ def _gated_pipeline():
 def test_gate_under_kfp_local_blocks_a_worse_model_and_blesses_a_better_one(tmp_path):
     from kfp import local
 
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
-               raise_on_error=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"), raise_on_error=True)
     gated = _gated_pipeline()
     blessed = str(tmp_path / "blessed")
     bless(_fake_model(tmp_path / "m0", "zero"), BASE, blessed)  # yesterday's model
@@ -192,8 +199,9 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
     d = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0)
     assert d["decision"] == "bless", d["reasons"]
     assert d["baseline"]["auc"] == new["auc"]
-    assert d["reasons"][-1] == ("baseline: the latest blessed model re-scored on this evaluation data "
-                                f"({new['count']} rows)")
+    assert d["reasons"][-1] == (
+        f"baseline: the latest blessed model re-scored on this evaluation data ({new['count']} rows)"
+    )
     # the re-scored baseline never ends up in the next marker's stored metrics
     bless(model, {**new, RESCORED_KEY: base}, blessed)
     assert RESCORED_KEY not in read_marker(blessed)["metrics"]
@@ -259,8 +267,10 @@ def test_a_blessed_model_that_cannot_be_loaded_is_replaced_by_a_sound_new_model(
     new = {"auc": 0.74, "logloss": 0.51, "ne": 0.8}
     d = gate({**new, RESCORED_KEY: base}, blessed)
     assert d["decision"] == "bless" and d["baseline"] is None, d["reasons"]
-    assert any(r.startswith(f"baseline: none: the latest blessed model {marker['model']} cannot be loaded")
-               for r in d["reasons"])
+    assert any(
+        r.startswith(f"baseline: none: the latest blessed model {marker['model']} cannot be loaded")
+        for r in d["reasons"]
+    )
     assert gate(new, blessed)["decision"] == "reject"  # without the re-score: the stored metrics, as before
     assert not gate({"auc": 0.4, "logloss": 0.51, "ne": 0.8, RESCORED_KEY: base}, blessed, min_auc=0.5)["bless"]
     decision, carried = evaluate_gate(new, blessed, data)

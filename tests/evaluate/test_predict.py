@@ -54,8 +54,9 @@ def _raw_and_parquet(tmp_path, rows):
         S.DENSE: pa.array([[math.log1p(max(float(r[1] or 0), 0.0))] for r in rows], pa.list_(pa.float32())),
         S.slot_column("a"): pa.array([feature_ids("a", [r[2]] if r[2] else []) for r in rows], pa.list_(pa.uint64())),
         S.slot_column("b"): pa.array([feature_ids("b", [r[3]] if r[3] else []) for r in rows], pa.list_(pa.uint64())),
-        S.slot_column("tags"): pa.array([feature_ids("tags", [r[4]] if r[4] else []) for r in rows],
-                                        pa.list_(pa.uint64())),
+        S.slot_column("tags"): pa.array(
+            [feature_ids("tags", [r[4]] if r[4] else []) for r in rows], pa.list_(pa.uint64())
+        ),
         S.TS: pa.array(range(len(rows)), pa.int64()),
         S.SOURCE: pa.array([f"row{i}" for i in range(len(rows))], pa.string()),
     }
@@ -110,8 +111,9 @@ def _predict_setting_aside(model: str, tmp_path, name: str, text: str):
 
 def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_the_rest(trained, tmp_path):
     model, _ = trained
-    rows, out, set_aside = _predict_setting_aside(model, tmp_path, "rows.tsv",
-                                                  "1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\nshort\n0\t1.5\t2\t18\t5\n")
+    rows, out, set_aside = _predict_setting_aside(
+        model, tmp_path, "rows.tsv", "1\t0.5\t3\t17\t4\n1\tabc\t3\t17\t4\nshort\n0\t1.5\t2\t18\t5\n"
+    )
     assert out["rows"] == 2 and out["malformed"] == 2
     assert [b["source"] for b in set_aside] == [f"{rows}:2", f"{rows}:3"]
     assert set_aside[1]["raw"] == "short" and all(b["reason"] for b in set_aside)
@@ -129,10 +131,21 @@ def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_th
     assert np.array_equal(alone["probability"], out["probability"]) and alone["malformed"] == 0
 
 
-RATINGS = ["userId,movieId,rating,timestamp", "1,1,4.0,1000000000", "1,2,3.5,1000000100", "2,1,5.0,1000000200",
-           "2,3,2.0,1000000300", "3,2,4.5,1000000400", "3,1,1.0,1000000500"]
-MOVIES = ["movieId,title,genres", "1,Toy Story (1995),Adventure|Comedy", '2,"Babe Ruth Story, The (1948) ",Drama',
-          "3,Li'l Quinquin,(no genres listed)"]
+RATINGS = [
+    "userId,movieId,rating,timestamp",
+    "1,1,4.0,1000000000",
+    "1,2,3.5,1000000100",
+    "2,1,5.0,1000000200",
+    "2,3,2.0,1000000300",
+    "3,2,4.5,1000000400",
+    "3,1,1.0,1000000500",
+]
+MOVIES = [
+    "movieId,title,genres",
+    "1,Toy Story (1995),Adventure|Comedy",
+    '2,"Babe Ruth Story, The (1948) ",Drama',
+    "3,Li'l Quinquin,(no genres listed)",
+]
 TAGS = ["userId,movieId,tag,timestamp", "5,1,Pixar,999999000", "7,1,Funny,1000000000", "8,1,Later,1000000300"]
 
 
@@ -143,15 +156,22 @@ def test_predict_raw_movielens_ratings_join_movies_and_tags_like_preprocess(tmp_
     folder.mkdir()
     for name, lines in (("ratings.csv", RATINGS), ("movies.csv", MOVIES), ("tags.csv", TAGS)):
         (folder / name).write_bytes(("\r\n".join(lines) + "\r\n").encode())
-    cfg = RunConfig.from_dict({
-        "layout": {"kind": "movielens"},
-        "split": {"num_train_shards": 1},
-        "slots": [{"name": "user", "source": "userId"}, {"name": "movie", "source": "movieId"},
-                  {"name": "genres", "source": "genres"}, {"name": "tags", "source": "tags"},
-                  {"name": "year", "source": "year"}, {"name": "user_x_genre", "cross": ["userId", "genres"]}],
-        "embedding": {"tables": [{"name": "default", "dim": 4}], "num_shards": 2, "shard_memory_bytes": 1 << 22},
-        "model": {"kind": "dnn", "hidden": [8], "bottom": [4]},
-    })
+    cfg = RunConfig.from_dict(
+        {
+            "layout": {"kind": "movielens"},
+            "split": {"num_train_shards": 1},
+            "slots": [
+                {"name": "user", "source": "userId"},
+                {"name": "movie", "source": "movieId"},
+                {"name": "genres", "source": "genres"},
+                {"name": "tags", "source": "tags"},
+                {"name": "year", "source": "year"},
+                {"name": "user_x_genre", "cross": ["userId", "genres"]},
+            ],
+            "embedding": {"tables": [{"name": "default", "dim": 4}], "num_shards": 2, "shard_memory_bytes": 1 << 22},
+            "model": {"kind": "dnn", "hidden": [8], "bottom": [4]},
+        }
+    )
     seen = {"user": ["1", "2"], "movie": ["1"], "genres": ["Comedy"], "tags": ["pixar"], "year": ["1995"]}
     model = model_factory(str(tmp_path / "model"), cfg, seen, num_dense=len(cfg.layout.dense_fields()))
     out = tmp_path / "pre"
@@ -190,8 +210,9 @@ def test_predict_decides_once_per_file_whether_rows_carry_a_label(trained, tmp_p
     # a row one field short in a labelled file is malformed, never read as an unlabelled row with its fields
     # shifted (its label taken for the first feature); and the other way round in an unlabelled file
     model, _ = trained
-    labelled, out, (aside,) = _predict_setting_aside(model, tmp_path, "labelled.tsv",
-                                                     "1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\n0\t1.5\t2\t18\t5\n")
+    labelled, out, (aside,) = _predict_setting_aside(
+        model, tmp_path, "labelled.tsv", "1\t0.5\t3\t17\t4\n0\t1.5\t2\t18\n0\t1.5\t2\t18\t5\n"
+    )
     assert out["rows"] == 2 and out["malformed"] == 1 and out["label"].tolist() == [1.0, 0.0]
     assert aside["source"] == f"{labelled}:2" and aside["reason"] == "wrong field count: 4 != 5"
     with open(tmp_path / "labelled.tsv.csv") as f:
@@ -200,8 +221,11 @@ def test_predict_decides_once_per_file_whether_rows_carry_a_label(trained, tmp_p
         predict(model, str(labelled), str(tmp_path / "o2.csv"))
     unlabelled = tmp_path / "unlabelled.tsv"
     unlabelled.write_text("0.5\t3\t17\t4\n1\t1.5\t2\t18\t5\n1.5\t2\t18\t5\n")
-    with pytest.raises(ValueError, match=r"unlabelled.tsv:2: .*wrong field count: 5 != 4 \(this file's rows have "
-                                         r"no label column"):
+    with pytest.raises(
+        ValueError,
+        match=r"unlabelled.tsv:2: .*wrong field count: 5 != 4 \(this file's rows have "
+        r"no label column",
+    ):
         predict(model, str(unlabelled), str(tmp_path / "o3.csv"))
     served = predict(model, str(unlabelled), str(tmp_path / "o4.csv"), dead_letter=str(tmp_path / "d4.jsonl"))
     assert served["rows"] == 2 and served["malformed"] == 1 and served["label"] is None

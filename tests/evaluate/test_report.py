@@ -39,8 +39,15 @@ def test_report_is_self_contained_html_with_plots_and_metric_values(tmp_path):
     out = tmp_path / "sub" / "report.html"
     config = {"name": "movielens", "trainer": {"staleness": 3, "lr": np.float32(0.05)}, "tables": ("u", "i")}
 
-    ret = write_report(str(out), metrics, labels, preds, train_history=_history(), config=config,
-                       extra={"model_uri": "gs://bucket/model", "note": "<b>bold</b> & co"})
+    ret = write_report(
+        str(out),
+        metrics,
+        labels,
+        preds,
+        train_history=_history(),
+        config=config,
+        extra={"model_uri": "gs://bucket/model", "note": "<b>bold</b> & co"},
+    )
 
     assert ret == str(out) and out.exists()
     text = out.read_text(encoding="utf-8")
@@ -103,14 +110,31 @@ def _split_and_coverage(labels, preds):
     from persia_core.evaluate.metrics import subset_metrics
 
     seen = np.arange(labels.shape[0]) % 3 == 0
-    split = {"slot": "user", "seen": subset_metrics(labels, preds, seen),
-             "unseen": subset_metrics(labels, preds, ~seen)}
+    split = {
+        "slot": "user",
+        "seen": subset_metrics(labels, preds, seen),
+        "unseen": subset_metrics(labels, preds, ~seen),
+    }
     split["seen"]["gauc"] = 0.61234
     split["unseen"]["gauc"] = None
-    coverage = {"user": {"ids": 200, "unseen_ids": 150, "unseen_share": 0.75, "distinct_ids": 40,
-                         "unseen_distinct_ids": 30, "unseen_distinct_share": 0.75},
-                "movie": {"ids": 0, "unseen_ids": 0, "unseen_share": None, "distinct_ids": 0,
-                          "unseen_distinct_ids": 0, "unseen_distinct_share": None}}
+    coverage = {
+        "user": {
+            "ids": 200,
+            "unseen_ids": 150,
+            "unseen_share": 0.75,
+            "distinct_ids": 40,
+            "unseen_distinct_ids": 30,
+            "unseen_distinct_share": 0.75,
+        },
+        "movie": {
+            "ids": 0,
+            "unseen_ids": 0,
+            "unseen_share": None,
+            "distinct_ids": 0,
+            "unseen_distinct_ids": 0,
+            "unseen_distinct_share": None,
+        },
+    }
     return split, coverage
 
 
@@ -118,9 +142,12 @@ def test_report_shows_gate_decision_seen_unseen_split_and_slot_coverage(tmp_path
     labels, preds = _data(n=600, seed=4)
     metrics = binary_metrics(labels, preds)
     split, coverage = _split_and_coverage(labels, preds)
-    gate = {"bless": False, "decision": "reject",
-            "reasons": ["passed: AUC 0.700000 >= min_auc 0.500000", "rejected: AUC < baseline <AUC>"],
-            "baseline": {"auc": 0.8, "logloss": 0.4}}
+    gate = {
+        "bless": False,
+        "decision": "reject",
+        "reasons": ["passed: AUC 0.700000 >= min_auc 0.500000", "rejected: AUC < baseline <AUC>"],
+        "baseline": {"auc": 0.8, "logloss": 0.4},
+    }
     write_report(str(tmp_path / "r.html"), metrics, labels, preds, user_split=split, coverage=coverage, gate=gate)
     text = (tmp_path / "r.html").read_text()
     gate_part = text.split("<h2>Model gate</h2>")[1].split("<h2>")[0]
@@ -148,8 +175,16 @@ def test_report_every_plot_has_labelled_axes(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "_png_img", capture)
     labels, preds = _data(n=300, seed=2)
     split, coverage = _split_and_coverage(labels, preds)
-    write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds, train_history=_history(),
-                 user_split=split, coverage=coverage, gate={"decision": "bless", "reasons": []})
+    write_report(
+        str(tmp_path / "r.html"),
+        binary_metrics(labels, preds),
+        labels,
+        preds,
+        train_history=_history(),
+        user_split=split,
+        coverage=coverage,
+        gate={"decision": "bless", "reasons": []},
+    )
     assert len(figures) == 4  # ROC, reliability (+ histogram), loss, throughput
     for fig in figures:
         for ax in fig.axes:

@@ -35,8 +35,14 @@ def test_metric_coverage_per_slot_counts_ids_without_a_trained_row(hand_made):
     r = evaluate(*hand_made, user_slot="a")
     cov = r["coverage"]
     assert list(cov) == SLOTS
-    assert cov["a"] == {"ids": 5, "unseen_ids": 2, "unseen_share": 0.4, "distinct_ids": 3,
-                        "unseen_distinct_ids": 1, "unseen_distinct_share": pytest.approx(1 / 3)}
+    assert cov["a"] == {
+        "ids": 5,
+        "unseen_ids": 2,
+        "unseen_share": 0.4,
+        "distinct_ids": 3,
+        "unseen_distinct_ids": 1,
+        "unseen_distinct_share": pytest.approx(1 / 3),
+    }
     assert cov["b"]["ids"] == 6 and cov["b"]["unseen_ids"] == 3 and cov["b"]["unseen_share"] == 0.5
     assert cov["b"]["unseen_distinct_share"] == pytest.approx(2 / 3)
     assert cov["tags"]["ids"] == 6 and cov["tags"]["unseen_ids"] == 4

@@ -11,6 +11,7 @@ import socket
 PROJECT_NUMBER = 123456789012
 """The project number the emulator gives its buckets."""
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -23,8 +24,9 @@ def running_emulator():
     from gcp_storage_emulator.server import create_server
 
     port = _free_port()
-    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="persia-default",
-                           project_number=PROJECT_NUMBER)
+    server = create_server(
+        "127.0.0.1", port, in_memory=True, default_bucket="persia-default", project_number=PROJECT_NUMBER
+    )
     server.start()
     url = f"http://127.0.0.1:{port}"
     old = os.environ.get("STORAGE_EMULATOR_HOST")

@@ -83,8 +83,12 @@ def test_gcs_glob_matches_files_of_the_last_component_only(gcs_bucket):
         io.write_text(f"{b}/{k}", k)
     assert io.glob(f"{b}/raw/day_?.tsv") == [f"{b}/raw/day_0.tsv", f"{b}/raw/day_1.tsv"]
     assert io.glob(f"{b}/raw/day_*.tsv") == [f"{b}/raw/day_0.tsv", f"{b}/raw/day_1.tsv", f"{b}/raw/day_10.tsv"]
-    assert io.glob(f"{b}/raw/*") == [f"{b}/raw/day_0.tsv", f"{b}/raw/day_1.tsv", f"{b}/raw/day_10.tsv",
-                                     f"{b}/raw/readme.txt"]
+    assert io.glob(f"{b}/raw/*") == [
+        f"{b}/raw/day_0.tsv",
+        f"{b}/raw/day_1.tsv",
+        f"{b}/raw/day_10.tsv",
+        f"{b}/raw/readme.txt",
+    ]
     assert io.glob(f"{b}/raw/[r]*") == [f"{b}/raw/readme.txt"]
     assert io.glob(f"{b}/raw/readme.txt") == [f"{b}/raw/readme.txt"]
     assert io.glob(f"{b}/nope/*.tsv") == []

@@ -25,7 +25,8 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
         assert f"comp-{step}" in comps
     tasks = spec["root"]["dag"]["tasks"]
     assert tasks["train"]["dependentTasks"] == ["init-shards", "preprocess"] or set(
-        tasks["train"]["dependentTasks"]) == {"init-shards", "preprocess"}
+        tasks["train"]["dependentTasks"]
+    ) == {"init-shards", "preprocess"}
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["data"]["defaultValue"] == "data/movielens"
     assert params["num_parameter_servers"]["defaultValue"] == 0  # the run config's, unless a run says otherwise
@@ -35,14 +36,29 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
 @pytest.mark.timeout(180)
 def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
-    rc = run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
-                    "--max-rows", "3000", "--epochs", "1", "--parameter-servers", "2", "--nn-workers", "2"])
+    rc = run_local(
+        [
+            "--data",
+            os.path.join(ROOT, "data/movielens"),
+            "--pipeline-root",
+            str(tmp_path / "out"),
+            "--max-rows",
+            "3000",
+            "--epochs",
+            "1",
+            "--parameter-servers",
+            "2",
+            "--nn-workers",
+            "2",
+        ]
+    )
     assert rc == 0
     lines = capfd.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("eval: AUC=")
     # the train task's progress reaches the terminal (before: "train: running", then silence until the end)
-    assert any(re.fullmatch(r"\d\d:\d\d:\d\d train: step (\d+)/\1 loss \S+ samples/s \S+ staleness \d+", ln)
-               for ln in lines), lines
+    assert any(
+        re.fullmatch(r"\d\d:\d\d:\d\d train: step (\d+)/\1 loss \S+ samples/s \S+ staleness \d+", ln) for ln in lines
+    ), lines
     assert "cold start" in lines  # says how training started (no warm_start_from given)
     auc = float(lines[-1].split("AUC=")[1].split()[0])
     assert 0.0 < auc < 1.0
@@ -53,8 +69,12 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, mon
     assert "manifest.json" in found and "schema.json" in found and "shard_plan.json" in found
     manifest = json.load(open(found["manifest.json"][0]))
     assert manifest["num_shards"] == 2 and len(manifest["shard_files"]) == 2
-    reports = [p for d, _, fs in os.walk(tmp_path / "out") for p in [os.path.join(d, f) for f in fs]
-               if os.path.basename(os.path.dirname(p)) == "evaluate" or p.endswith("report")]
+    reports = [
+        p
+        for d, _, fs in os.walk(tmp_path / "out")
+        for p in [os.path.join(d, f) for f in fs]
+        if os.path.basename(os.path.dirname(p)) == "evaluate" or p.endswith("report")
+    ]
     assert any("<img" in open(p, errors="ignore").read() for p in reports if os.path.isfile(p))
 
 
@@ -90,8 +110,9 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert "run_local: preprocess: MovieLens ratings file" in err and "no-such-data" in err and "not found" in err
     assert len(err.strip().splitlines()) == 1 and not out  # one line, no task output, no traceback
     assert not (tmp_path / "out").exists()
-    rc = run_local(["--data", str(tmp_path / "none-*.tsv"), "--config", "criteo", "--pipeline-root",
-                    str(tmp_path / "out")])
+    rc = run_local(
+        ["--data", str(tmp_path / "none-*.tsv"), "--config", "criteo", "--pipeline-root", str(tmp_path / "out")]
+    )
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
@@ -104,9 +125,13 @@ def test_sigterm_to_run_local_ends_the_running_task_and_its_processes_and_exits_
     import time
 
     root = str(tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.run_local", "--pipeline-root", root, "--epochs", "30",
-                             "--max-rows", "20000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.run_local", "--pipeline-root", root, "--epochs", "30", "--max-rows", "20000"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""
@@ -148,8 +173,9 @@ def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(
     monkeypatch.chdir(ROOT)
     day = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
     part = tmp_path / f"dt={day}"  # not written: the check before any task names the resolved path
-    rc = run_local(["--data", str(tmp_path / "dt={date-1d}"), "--config", "criteo",
-                    "--pipeline-root", str(tmp_path / "out")])
+    rc = run_local(
+        ["--data", str(tmp_path / "dt={date-1d}"), "--config", "criteo", "--pipeline-root", str(tmp_path / "out")]
+    )
     out, err = capfd.readouterr()
     assert f"data: {part}" in out
     assert rc == 2 and f"no input files match '{part}'" in err
@@ -159,28 +185,40 @@ def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(
 def test_more_local_processes_than_the_machine_allows_are_refused_before_any_task(tmp_path, capfd, monkeypatch):
     # before: preprocess ran, then the train task failed the same way three times, 60 s and 120 s apart
     monkeypatch.chdir(ROOT)
-    rc = run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
-                    "--nn-workers", "5000"])
+    rc = run_local(
+        [
+            "--data",
+            os.path.join(ROOT, "data/movielens"),
+            "--pipeline-root",
+            str(tmp_path / "out"),
+            "--nn-workers",
+            "5000",
+        ]
+    )
     out, err = capfd.readouterr()
     assert rc == 2 and "trainer.num_workers=5000" in err and "python -m pipelines.submit" in err
     assert len(err.strip().splitlines()) == 1 and not out
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flag, value, says", [("--min-auc", "1.5", "--min-auc must be in [0, 1]"),
-                                               ("--max-ne", "0", "--max-ne must be > 0")])
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [("--min-auc", "1.5", "--min-auc must be in [0, 1]"), ("--max-ne", "0", "--max-ne must be > 0")],
+)
 def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
     # before: accepted, then the evaluate task failed after preprocess and train had run
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
-        run_local(["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"),
-                   flag, value])
+        run_local(
+            ["--data", os.path.join(ROOT, "data/movielens"), "--pipeline-root", str(tmp_path / "out"), flag, value]
+        )
     assert e.value.code == 2 and says in capfd.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refused_before_any_task(tmp_path, capfd,
-                                                                                                   monkeypatch):
+def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refused_before_any_task(
+    tmp_path, capfd, monkeypatch
+):
     """Day one of a schedule warm-starts from its own, still empty, blessed_dir: a cold start. Any other location
     where nothing exists is a typo that would cold-start every run: refused."""
     from persia_core.embedding.plan import check_warm_start_location
@@ -193,8 +231,16 @@ def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refuse
     with pytest.raises(FileNotFoundError, match="nothing there, and it is not this run's blessed_dir"):
         check_warm_start_location(str(tmp_path / "blesed" / "movielens"), blessed)
     monkeypatch.chdir(ROOT)
-    rc = run_local(["--pipeline-root", str(tmp_path / "out"), "--blessed-dir", blessed,
-                    "--warm-start-from", str(tmp_path / "blesed" / "movielens")])
+    rc = run_local(
+        [
+            "--pipeline-root",
+            str(tmp_path / "out"),
+            "--blessed-dir",
+            blessed,
+            "--warm-start-from",
+            str(tmp_path / "blesed" / "movielens"),
+        ]
+    )
     assert rc == 2 and "blesed" in capfd.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -211,8 +257,7 @@ def test_run_local_reports_its_own_run_when_another_shares_the_pipeline_root(tmp
     for name, auc in (("persia-hybrid-training-a", 0.71), ("persia-hybrid-training-b", 0.72)):
         (root / name / "evaluate").mkdir(parents=True)
         out = json.dumps({"auc": auc})
-        (root / name / "evaluate" / "executor_output.json").write_text(
-            json.dumps({"parameterValues": {"Output": out}}))
+        (root / name / "evaluate" / "executor_output.json").write_text(json.dumps({"parameterValues": {"Output": out}}))
     assert _this_run(str(root), before, json.dumps({"auc": 0.71})) == str(root / "persia-hybrid-training-a")
     assert _this_run(str(root), before, json.dumps({"auc": 0.72})) == str(root / "persia-hybrid-training-b")
     assert _this_run(str(root), before, json.dumps({"auc": 0.9})) == ""

@@ -7,8 +7,20 @@ import pytest
 from persia_core import planner
 from persia_core.embedding import table
 
-SEED_ARGS = ["--params", "1e14", "--dim", "32", "--weights", "fp16", "--optimizer", "rowwise_adagrad",
-             "--vm-ram-tb", "12", "--usable", "0.9"]
+SEED_ARGS = [
+    "--params",
+    "1e14",
+    "--dim",
+    "32",
+    "--weights",
+    "fp16",
+    "--optimizer",
+    "rowwise_adagrad",
+    "--vm-ram-tb",
+    "12",
+    "--usable",
+    "0.9",
+]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
@@ -22,8 +34,10 @@ def test_planner_fp32_capacity_equals_the_tables_own_capacity_for_budget(optimiz
 
 def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
     for opt in ("sgd", "rowwise_adagrad", "adam"):
-        assert (planner.row_bytes_without_index(opt, 32, "fp32") - planner.row_bytes_without_index(opt, 32, "fp16")
-                == 2 * 32)
+        assert (
+            planner.row_bytes_without_index(opt, 32, "fp32") - planner.row_bytes_without_index(opt, 32, "fp16")
+            == 2 * 32
+        )
     rb = planner.row_bytes("rowwise_adagrad", 32, "fp16", 1000, 2048)
     assert (rb.key, rb.lru, rb.last_used, rb.weights, rb.optimizer_state) == (8, 10, 4, 64, 4)
     assert rb.without_index == planner.row_bytes_without_index("rowwise_adagrad", 32, "fp16")
@@ -44,8 +58,11 @@ def test_planner_puts_100_trillion_parameters_on_at_most_the_seeds_30_servers(ca
     assert out[-1].startswith("parameter_servers=")
     n = int(out[-1].split("=")[1])
     assert 1 <= n <= 30
-    p = planner.plan(planner.PlanInputs(rows=int(1e14 / 32), dim=32, weights="fp16", optimizer="rowwise_adagrad",
-                                        vm_ram_tb=12, usable=0.9))
+    p = planner.plan(
+        planner.PlanInputs(
+            rows=int(1e14 / 32), dim=32, weights="fp16", optimizer="rowwise_adagrad", vm_ram_tb=12, usable=0.9
+        )
+    )
     assert p.parameter_servers == n
     assert p.row_bytes.total <= 104  # 360 TB x 0.9 / 3.125e12 rows
     assert p.memory_per_server_bytes <= 12e12 * 0.9
@@ -61,10 +78,30 @@ def test_planner_fp32_weights_do_not_fit_100_trillion_on_30_servers():
 
 def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(capsys, tmp_path):
     out = tmp_path / "plan.json"
-    rc = planner.main(["--slot", "user=1e6", "--slot", "item=2e5", "--dim", "16", "--vm-ram-tb", "0.064",
-                       "--throughput", "2e5", "--samples-per-gpu", "5e4", "--gpus-per-vm", "1",
-                       "--gpu-machine-type", "a2-highgpu-1g", "--image", "us-docker.pkg.dev/p/r/persia:1",
-                       "--json", str(out)])
+    rc = planner.main(
+        [
+            "--slot",
+            "user=1e6",
+            "--slot",
+            "item=2e5",
+            "--dim",
+            "16",
+            "--vm-ram-tb",
+            "0.064",
+            "--throughput",
+            "2e5",
+            "--samples-per-gpu",
+            "5e4",
+            "--gpus-per-vm",
+            "1",
+            "--gpu-machine-type",
+            "a2-highgpu-1g",
+            "--image",
+            "us-docker.pkg.dev/p/r/persia:1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == "parameter_servers=1"
     d = json.loads(out.read_text())
@@ -72,24 +109,46 @@ def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(cap
     assert d["shards_per_server"] == 1 and d["gpus"] == 4 and d["nn_vms"] == 4
     pools = d["worker_pool_specs"]
     assert [p["replicaCount"] for p in pools] == [1, 3, 1]
-    assert pools[0]["machineSpec"] == {"machineType": "a2-highgpu-1g", "acceleratorType": "NVIDIA_TESLA_A100",
-                                       "acceleratorCount": 1}
+    assert pools[0]["machineSpec"] == {
+        "machineType": "a2-highgpu-1g",
+        "acceleratorType": "NVIDIA_TESLA_A100",
+        "acceleratorCount": 1,
+    }
     assert pools[2]["machineSpec"] == {"machineType": "m2-ultramem-416"}
     assert all(p["containerSpec"]["command"] == ["python", "-m", "persia_core.cluster"] for p in pools)
     assert pools[2]["containerSpec"]["args"][:2] == ["--shards-per-server", "1"]
 
 
 def test_planner_network_bytes_per_step_count_ids_rows_and_the_dense_all_reduce():
-    p = planner.plan(planner.PlanInputs(rows=10**6, dim=8, batch_size=100, ids_per_sample=3, unique_fraction=0.5,
-                                        dense_params=1000, throughput=1e5, samples_per_gpu=5e4, gpus_per_vm=2,
-                                        vm_ram_tb=0.01))
+    p = planner.plan(
+        planner.PlanInputs(
+            rows=10**6,
+            dim=8,
+            batch_size=100,
+            ids_per_sample=3,
+            unique_fraction=0.5,
+            dense_params=1000,
+            throughput=1e5,
+            samples_per_gpu=5e4,
+            gpus_per_vm=2,
+            vm_ram_tb=0.01,
+        )
+    )
     unique = 100 * 3 * 0.5
     assert p.net_lookup_bytes_per_step == unique * (8 + 4 * 8) == p.net_push_bytes_per_step
     assert p.gpus == 2 and p.net_allreduce_bytes_per_step == 2 * (2 - 1) / 2 * 4 * 1000
 
 
-@pytest.mark.parametrize("bad", [["--params", "1e14", "--usable", "1.5"], ["--params", "1e14", "--weights", "fp8"],
-                                 ["--dim", "32"], ["--params", "x"], ["--slot", "novalue"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--params", "1e14", "--usable", "1.5"],
+        ["--params", "1e14", "--weights", "fp8"],
+        ["--dim", "32"],
+        ["--params", "x"],
+        ["--slot", "novalue"],
+    ],
+)
 def test_planner_cli_rejects_bad_input_with_a_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as e:
         planner.main(bad)
@@ -101,8 +160,13 @@ def test_planner_runs_as_persia_core_plan_and_as_its_own_module():
     import sys
 
     for module in (["persia_core", "plan"], ["persia_core.planner"]):
-        out = subprocess.run([sys.executable, "-m", *module, *SEED_ARGS], capture_output=True, text=True,
-                             check=True, timeout=120).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                [sys.executable, "-m", *module, *SEED_ARGS], capture_output=True, text=True, check=True, timeout=120
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         assert out[-1].startswith("parameter_servers=") and int(out[-1].split("=")[1]) <= 30
 
 
@@ -113,18 +177,26 @@ def test_planner_refuses_a_dim_below_one_naming_the_flag(dim, capsys):
     assert e.value.code == 2 and "--dim must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, flag", [(["--params", "inf"], "--params"), (["--params", "nan"], "--params"),
-                                        (["--params", "-5"], "--params"), (["--ids", "-3"], "--ids"),
-                                        (["--slot", "user=inf"], "--slot"),
-                                        (["--params", "1e14", "--usable", "nan"], "--usable"),
-                                        (["--params", "1e14", "--vm-ram-tb", "inf"], "--vm-ram-tb"),
-                                        (["--params", "1e14", "--ids-per-sample", "-1"], "--ids-per-sample")])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--params", "inf"], "--params"),
+        (["--params", "nan"], "--params"),
+        (["--params", "-5"], "--params"),
+        (["--ids", "-3"], "--ids"),
+        (["--slot", "user=inf"], "--slot"),
+        (["--params", "1e14", "--usable", "nan"], "--usable"),
+        (["--params", "1e14", "--vm-ram-tb", "inf"], "--vm-ram-tb"),
+        (["--params", "1e14", "--ids-per-sample", "-1"], "--ids-per-sample"),
+    ],
+)
 def test_planner_refuses_non_finite_or_non_positive_sizes_naming_the_flag(args, flag):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "persia_core", "plan", *args], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "persia_core", "plan", *args], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2, p.stderr
     error = p.stderr.strip().splitlines()[-1]  # above it: the usage, which lists every flag
     assert flag in error and "Traceback" not in p.stderr
@@ -154,6 +226,11 @@ def test_planner_a_huge_model_plans_quickly_and_matches_the_linear_search():
             servers += 1
         return servers
 
-    for rows, k, cap in [(1, 1, 1024), (10**6, 3, 1024), (10**9, 7, 5000), (12345678901, 2, 2**20),
-                         (10**12, 1, 2**31 - 1)]:
+    for rows, k, cap in [
+        (1, 1, 1024),
+        (10**6, 3, 1024),
+        (10**9, 7, 5000),
+        (12345678901, 2, 2**20),
+        (10**12, 1, 2**31 - 1),
+    ]:
         assert planner._servers_needed(rows, k, cap) == linear(rows, k, cap)

@@ -45,7 +45,7 @@ TINY_TAGS = [
     "6,1, pixar ,999999500",
     "7,1,Funny,1000000000",
     "8,1,Later,1000000300",
-    "9,1,\"Dwayne \"\"The Rock\"\" Johnson\",1000000700",
+    '9,1,"Dwayne ""The Rock"" Johnson",1000000700',
 ]
 
 

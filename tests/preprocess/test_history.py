@@ -62,11 +62,13 @@ def _config(history_length: int, history_slots: bool) -> RunConfig:
     history_names = {s["name"] for s in HISTORY_SLOTS}
     slots = [s for s in base.to_dict()["slots"] if s["name"] not in history_names]
     slots += HISTORY_SLOTS if history_slots else []
-    return base.with_overrides({
-        "layout.history_length": history_length,
-        "split.max_malformed_fraction": 0.5,
-        "slots": slots,
-    })
+    return base.with_overrides(
+        {
+            "layout.history_length": history_length,
+            "split.max_malformed_fraction": 0.5,
+            "slots": slots,
+        }
+    )
 
 
 def _run(data: str, out: str, cfg: RunConfig) -> tuple[dict, dict[int, dict]]:

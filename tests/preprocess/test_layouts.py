@@ -28,7 +28,10 @@ def criteo_line(label="1", dense=None, cats=None) -> str:
 
 def test_rating_label_is_one_at_or_above_threshold_and_ids_stay_strings():
     assert layouts.parse_rating("1,16,4.0,1217897793\r\n", ML) == {
-        "userId": "1", "movieId": "16", "label": 1.0, "timestamp": 1217897793
+        "userId": "1",
+        "movieId": "16",
+        "label": 1.0,
+        "timestamp": 1217897793,
     }
     assert layouts.parse_rating("1,24,3.5,1217895807", ML)["label"] == 0.0
     assert layouts.parse_rating("1,24,5,1217895807", ML)["label"] == 1.0
@@ -90,7 +93,9 @@ def test_missing_year_and_no_genres_listed_are_empty_lists_not_malformed():
 def test_tag_is_lower_cased_and_stripped_and_csv_quotes_are_undone():
     assert layouts.parse_tag('128,4270,"Dwayne ""The Rock"" Johnson",1269624103')["tag"] == 'dwayne "the rock" johnson'
     assert layouts.parse_tag("12,16, Robert De Niro ,1144396554") == {
-        "movieId": "16", "tag": "robert de niro", "timestamp": 1144396554
+        "movieId": "16",
+        "tag": "robert de niro",
+        "timestamp": 1144396554,
     }
     with pytest.raises(ParseError, match="missing tag"):
         layouts.parse_tag("12,16,  ,1144396554")
@@ -177,8 +182,11 @@ def test_dense_transform_none_keeps_raw_values():
         (criteo_line(label="2"), "label not 0/1 in label: '2'", "label not 0/1"),
         (criteo_line(label=""), "label not 0/1 in label: ''", "label not 0/1"),
         ("", "wrong field count: 1 != 40 (no '\\t' in the line: check layout.delimiter)", "wrong field count"),
-        (",".join(["1"] * 40), "wrong field count: 1 != 40 (no '\\t' in the line: check layout.delimiter)",
-         "wrong field count"),
+        (
+            ",".join(["1"] * 40),
+            "wrong field count: 1 != 40 (no '\\t' in the line: check layout.delimiter)",
+            "wrong field count",
+        ),
     ],
 )
 def test_malformed_delimited_line_raises_reason_and_countable_kind(line, reason, kind):

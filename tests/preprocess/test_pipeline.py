@@ -103,8 +103,18 @@ def test_schema_json_and_run_config_yaml_describe_the_output(tiny_movielens_run)
     with open(os.path.join(out, schema.SCHEMA_FILE)) as f:
         on_disk = json.load(f)
     assert on_disk == result
-    assert set(result) >= {"slots", "dense", "dense_mean", "dense_std", "rows", "distinct_ids", "split",
-                           "train_files", "eval_files", "config"}
+    assert set(result) >= {
+        "slots",
+        "dense",
+        "dense_mean",
+        "dense_std",
+        "rows",
+        "distinct_ids",
+        "split",
+        "train_files",
+        "eval_files",
+        "config",
+    }
     assert result["slots"] == ["user", "movie", "genres", "tags", "year", "user_x_genre", "history", "liked_history"]
     assert result["dense"] == ["hour", "weekday", "movie_age", "user_prior_ratings", "user_prior_like_rate"]
     assert result["split"] == {"by": "time", "cutoff": 1000000800, "eval_fraction": 0.2}
@@ -147,11 +157,16 @@ def test_ties_at_the_cutoff_all_go_to_eval_in_the_split_composite():
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as p:
         out = p | beam.Create(rows) | pipeline.SplitAndShard(0.8, 2, 1)
         # n = 10, floor(0.2 * 10) = 2 -> cutoff = sorted_ts[2] = 3: all three rows at ts 3 are eval
-        assert_that(out["plan"] | beam.Map(lambda plan: (plan["cutoff"], plan["train"], plan["eval"])),
-                    equal_to([(3, 2, 8)]), label="CheckPlan")
-        assert_that(out["keyed"] | beam.Map(lambda kv: (kv[0][0], kv[1][pipeline.TS])),
-                    equal_to([("train", 1), ("train", 2)] + [("eval", t) for t in (3, 3, 3, 4, 5, 6, 7, 8)]),
-                    label="CheckSplit")
+        assert_that(
+            out["plan"] | beam.Map(lambda plan: (plan["cutoff"], plan["train"], plan["eval"])),
+            equal_to([(3, 2, 8)]),
+            label="CheckPlan",
+        )
+        assert_that(
+            out["keyed"] | beam.Map(lambda kv: (kv[0][0], kv[1][pipeline.TS])),
+            equal_to([("train", 1), ("train", 2)] + [("eval", t) for t in (3, 3, 3, 4, 5, 6, 7, 8)]),
+            label="CheckSplit",
+        )
 
 
 def test_full_movielens_preprocess_writes_every_rating_within_a_minute(movielens_dir, tmp_path, helpers):
@@ -262,11 +277,16 @@ def test_parse_delimited_composite_routes_bad_lines_to_dead_letters():
     lines = [("f.tsv", 1, 0, good), ("f.tsv", 2, 1, "1\t2"), ("f.tsv", 3, 2, good.replace("1", "x", 1))]
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as p:
         out = p | beam.Create(lines) | pipeline.ParseDelimited(cfg)
-        assert_that(out["rows"] | beam.Map(lambda r: (r[pipeline.SOURCE], r[pipeline.TS], r[pipeline.LABEL])),
-                    equal_to([("f.tsv:1", 0, 1.0)]), label="CheckRows")
-        assert_that(out["dead"] | beam.Map(lambda d: (d["source"], d["reason"])),
-                    equal_to([("f.tsv:2", "wrong field count: 2 != 40"), ("f.tsv:3", "label not 0/1 in label: 'x'")]),
-                    label="CheckDead")
+        assert_that(
+            out["rows"] | beam.Map(lambda r: (r[pipeline.SOURCE], r[pipeline.TS], r[pipeline.LABEL])),
+            equal_to([("f.tsv:1", 0, 1.0)]),
+            label="CheckRows",
+        )
+        assert_that(
+            out["dead"] | beam.Map(lambda d: (d["source"], d["reason"])),
+            equal_to([("f.tsv:2", "wrong field count: 2 != 40"), ("f.tsv:3", "label not 0/1 in label: 'x'")]),
+            label="CheckDead",
+        )
 
 
 def test_encoded_row_decodes_to_the_parquet_columns():
@@ -274,8 +294,12 @@ def test_encoded_row_decodes_to_the_parquet_columns():
     record = {"label": 0.0, "dense": [0.5, 2.0], "fields": {"a": ["x", "y"], "b": ["z"]}, "ts": 7}
     row = pipeline.encode_row(record, specs, "f:3", 7)
     assert pipeline.decode_row(row, ["a", "ab"]) == {
-        "label": 0.0, "dense": [0.5, 2.0], "slot_a": feature_ids("a", ["x", "y"]),
-        "slot_ab": feature_ids("ab", ["x\x1ez", "y\x1ez"]), "ts": 7, "source": "f:3",
+        "label": 0.0,
+        "dense": [0.5, 2.0],
+        "slot_a": feature_ids("a", ["x", "y"]),
+        "slot_ab": feature_ids("ab", ["x\x1ez", "y\x1ez"]),
+        "ts": 7,
+        "source": "f:3",
     }
     table = pipeline.rows_to_table([row, row], ["a", "ab"], 2)
     assert table.schema.equals(schema.arrow_schema(["a", "ab"]))
@@ -296,11 +320,22 @@ def test_rerun_with_fewer_shards_removes_stale_shard_files_and_output_is_determi
 
 
 def test_main_splits_our_flags_from_beam_options_and_applies_set_overrides(tiny_movielens, tmp_path):
-    result = pipeline.main([
-        "--data", tiny_movielens, "--output", str(tmp_path), "--config", "movielens",
-        "--set", "split.max_malformed_fraction=0.5", "--set", "split.num_train_shards=3",
-        "--direct_num_workers=1", "--direct_running_mode=in_memory",
-    ])
+    result = pipeline.main(
+        [
+            "--data",
+            tiny_movielens,
+            "--output",
+            str(tmp_path),
+            "--config",
+            "movielens",
+            "--set",
+            "split.max_malformed_fraction=0.5",
+            "--set",
+            "split.num_train_shards=3",
+            "--direct_num_workers=1",
+            "--direct_running_mode=in_memory",
+        ]
+    )
     assert len(result["train_files"]) == 3
     assert result["config"]["split"]["max_malformed_fraction"] == 0.5
     with pytest.raises(ValueError, match="key=value"):
@@ -360,8 +395,9 @@ def test_blank_lines_are_not_rows_and_keep_the_line_numbers(tmp_path, helpers):
     lines[10:10] = ["", "  \t "]
     lines[40] = "1\t2"  # line 41 of the file: malformed
     path.write_text("\n".join(lines) + "\n\n")
-    result = helpers.run(helpers.config_with("criteo", split__max_malformed_fraction=0.05), str(path),
-                         str(tmp_path / "out"))
+    result = helpers.run(
+        helpers.config_with("criteo", split__max_malformed_fraction=0.05), str(path), str(tmp_path / "out")
+    )
     assert result["rows"]["read"] == 60 and result["rows"]["malformed"] == 1
     dead = helpers.read_dead_letters(str(tmp_path / "out"))
     assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:41", "wrong field count: 2 != 40")]
@@ -378,8 +414,10 @@ def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
         lines = [e for e in fn.process((0, f.name)) if isinstance(e, tuple)]
     finally:
         os.unlink(f.name)
-    assert [(ln[2], ln[4]) for ln in lines] == [(1, '15,339,"sand\rra bullock",1138537770'),
-                                                (2, "16,340,tag,1138537771")]
+    assert [(ln[2], ln[4]) for ln in lines] == [
+        (1, '15,339,"sand\rra bullock",1138537770'),
+        (2, "16,340,tag,1138537771"),
+    ]
 
 
 def test_parse_error_reasons_are_counted_by_kind():
@@ -398,11 +436,17 @@ def test_delimited_csv_with_header_and_timestamp_column_splits_by_time(tmp_path,
     lines = ["label,t,x,a,b"] + [f"{i % 2},{t},{i},a{i % 7},b{i % 3}" for i, t in enumerate(stamps)]
     path = tmp_path / "events.csv"
     path.write_text("\n".join(lines) + "\n")
-    cfg = load_config("criteo").with_overrides({
-        "layout.delimiter": ",", "layout.has_header": True, "layout.columns": ["label", "t", "x", "a", "b"],
-        "layout.dense_columns": ["x"], "layout.timestamp_column": "t", "layout.dense_transform": "none",
-        "slots": [{"name": "a", "source": "a"}, {"name": "ab", "cross": ["a", "b"]}],
-    })
+    cfg = load_config("criteo").with_overrides(
+        {
+            "layout.delimiter": ",",
+            "layout.has_header": True,
+            "layout.columns": ["label", "t", "x", "a", "b"],
+            "layout.dense_columns": ["x"],
+            "layout.timestamp_column": "t",
+            "layout.dense_transform": "none",
+            "slots": [{"name": "a", "source": "a"}, {"name": "ab", "cross": ["a", "b"]}],
+        }
+    )
     out = str(tmp_path / "out")
     result = helpers.run(cfg, str(path), out)
     assert result["split"] == {"by": "time", "cutoff": 1080, "eval_fraction": 0.2}
@@ -445,8 +489,9 @@ def test_distinct_ids_estimate_is_within_three_percent():
     assert out["small"] == 100
 
 
-def test_an_empty_input_is_refused_naming_the_file_and_a_movielens_file_for_its_folder(movielens_dir, tmp_path,
-                                                                                        helpers):
+def test_an_empty_input_is_refused_naming_the_file_and_a_movielens_file_for_its_folder(
+    movielens_dir, tmp_path, helpers
+):
     empty = tmp_path / "day_9.tsv"
     empty.write_text("")
     with pytest.raises(ValueError, match=f"no data rows were read from {empty}"):
@@ -456,12 +501,15 @@ def test_an_empty_input_is_refused_naming_the_file_and_a_movielens_file_for_its_
         pipeline.resolve_inputs(load_config("movielens"), ratings)
 
 
-@pytest.mark.parametrize("flags, says", [
-    (["--sett", "split.eval_fraction=0.5"], r"--sett: did you mean --set\?"),
-    (["--max-rows", "100"], r"--max-rows: use --set split.max_rows=N"),
-    (["--confg=criteo"], r"--confg: did you mean --config\?"),
-    (["--direct_num_workers=1", "--no-such-beam-option", "x"], r"unknown flag\(s\).*: --no-such-beam-option$"),
-])
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--sett", "split.eval_fraction=0.5"], r"--sett: did you mean --set\?"),
+        (["--max-rows", "100"], r"--max-rows: use --set split.max_rows=N"),
+        (["--confg=criteo"], r"--confg: did you mean --config\?"),
+        (["--direct_num_workers=1", "--no-such-beam-option", "x"], r"unknown flag\(s\).*: --no-such-beam-option$"),
+    ],
+)
 def test_main_refuses_flags_that_are_neither_ours_nor_beam_options(tiny_movielens, tmp_path, capsys, flags, says):
     # before: Beam logged "Discarding unparseable args" and the run went on with the defaults (exit 0)
     with pytest.raises(SystemExit) as e:
@@ -470,5 +518,18 @@ def test_main_refuses_flags_that_are_neither_ours_nor_beam_options(tiny_movielen
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(says, err), err
     assert not (tmp_path / "out").exists()
-    assert pipeline.unknown_beam_flags(["--runner", "DirectRunner", "--direct_num_workers=2", "--project=p",
-                                        "--region", "us-central1", "--temp_location", "gs://b/t"]) == []
+    assert (
+        pipeline.unknown_beam_flags(
+            [
+                "--runner",
+                "DirectRunner",
+                "--direct_num_workers=2",
+                "--project=p",
+                "--region",
+                "us-central1",
+                "--temp_location",
+                "gs://b/t",
+            ]
+        )
+        == []
+    )

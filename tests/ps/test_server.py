@@ -21,8 +21,7 @@ def test_lookup_and_push_through_grpc_equal_the_in_process_reference(cluster):
     g = np.random.default_rng(0).normal(size=(len(ids), 4)).astype(np.float32)
     client.push("default", ids, g).result(timeout=10)
     local.push("default", ids, g)
-    np.testing.assert_allclose(client.lookup_readonly("default", ids), local.lookup_readonly("default", ids),
-                               atol=1e-7)
+    np.testing.assert_allclose(client.lookup_readonly("default", ids), local.lookup_readonly("default", ids), atol=1e-7)
     client.close()
 
 
@@ -71,8 +70,9 @@ def test_sync_pushes_of_all_workers_are_combined_and_applied_once(cluster):
     ref = LocalEmbedding(cfg.embedding, 1)
     ref.lookup("default", ids)
     ref.push("default", ids, g[0] + g[1])  # one row-wise Adagrad update with the combined gradient
-    np.testing.assert_allclose(clients[0].lookup_readonly("default", ids), ref.lookup_readonly("default", ids),
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        clients[0].lookup_readonly("default", ids), ref.lookup_readonly("default", ids), atol=1e-7
+    )
     for c in clients:
         c.close()
 
@@ -122,7 +122,7 @@ def test_compiled_routing_agrees_with_shard_of():
         owner = shard_of(ids, n)
         assert sorted(order.tolist()) == list(range(len(ids)))
         for s in range(n):
-            part = order[bounds[s]:bounds[s + 1]]
+            part = order[bounds[s] : bounds[s + 1]]
             assert (owner[part] == s).all() and (np.diff(part) > 0).all()
 
 

@@ -37,22 +37,37 @@ def test_a_push_with_a_step_fraction_outside_0_1_is_refused_and_changes_nothing(
     client.close()
 
 
-@pytest.mark.parametrize("meta, arrays, match", [
-    ({"client": 7, "seq": 1}, None, "client must be a non-empty string"),
-    ({"client": "c", "seq": 1.9}, None, "seq must be an integer"),
-    ({"client": "c", "seq": True}, None, "seq must be an integer"),
-    ({"client": "c", "seq": -1}, None, "seq must be an integer"),
-    ({"client": "c", "seq": 1}, {"ids": np.array([3], np.int32), "grads": np.ones((1, 4), np.float32)},
-     "ids must be uint64"),
-    ({"client": "c", "seq": 1}, {"ids": IDS[:1], "grads": np.ones((1, 3), np.float32)}, r"grads must be float32\[1, 4\]"),
-    ({"client": "c", "seq": 1}, {"ids": IDS[:2], "grads": np.ones((1, 4), np.float32)}, r"grads must be float32\[2, 4\]"),
-])
+@pytest.mark.parametrize(
+    "meta, arrays, match",
+    [
+        ({"client": 7, "seq": 1}, None, "client must be a non-empty string"),
+        ({"client": "c", "seq": 1.9}, None, "seq must be an integer"),
+        ({"client": "c", "seq": True}, None, "seq must be an integer"),
+        ({"client": "c", "seq": -1}, None, "seq must be an integer"),
+        (
+            {"client": "c", "seq": 1},
+            {"ids": np.array([3], np.int32), "grads": np.ones((1, 4), np.float32)},
+            "ids must be uint64",
+        ),
+        (
+            {"client": "c", "seq": 1},
+            {"ids": IDS[:1], "grads": np.ones((1, 3), np.float32)},
+            r"grads must be float32\[1, 4\]",
+        ),
+        (
+            {"client": "c", "seq": 1},
+            {"ids": IDS[:2], "grads": np.ones((1, 4), np.float32)},
+            r"grads must be float32\[2, 4\]",
+        ),
+    ],
+)
 def test_a_malformed_push_is_refused_naming_the_field(cluster, meta, arrays, match):
     client, owner, ids = _owner_and_client(cluster)
     before = client.lookup_readonly("default", ids)
     with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*" + match):
-        client.call("Push", owner, {"table": "default", **meta},
-                    arrays or {"ids": ids, "grads": np.ones((1, 4), np.float32)})
+        client.call(
+            "Push", owner, {"table": "default", **meta}, arrays or {"ids": ids, "grads": np.ones((1, 4), np.float32)}
+        )
     np.testing.assert_array_equal(client.lookup_readonly("default", ids), before)
     client.close()
 
@@ -67,8 +82,10 @@ def test_lookups_of_ids_that_are_not_uint64_are_refused_not_converted(cluster):
 
 def test_in_sync_mode_a_bad_push_is_refused_at_once_and_the_step_still_completes(cluster):
     cfg, _, addrs = cluster
-    a, b = (EmbeddingClient(addrs, cfg.embedding, token="s3cret", client_id=w, retries=0, timeout_s=10.0)
-            for w in ("wa", "wb"))
+    a, b = (
+        EmbeddingClient(addrs, cfg.embedding, token="s3cret", client_id=w, retries=0, timeout_s=10.0)
+        for w in ("wa", "wb")
+    )
     a.lookup("default", IDS)
     before = a.lookup_readonly("default", IDS)
     bad = np.full((3, 4), np.nan, np.float32)
@@ -77,8 +94,10 @@ def test_in_sync_mode_a_bad_push_is_refused_at_once_and_the_step_still_completes
         b.push("default", IDS, bad, step=5, sync_workers=2).result(timeout=30)
     assert time.monotonic() - t0 < 5  # refused on arrival, not after waiting out the step
     good = [np.full((3, 4), 0.25, np.float32), np.full((3, 4), 0.5, np.float32)]
-    futs = [a.push("default", IDS, good[0], step=5, sync_workers=2),
-            b.push("default", IDS, good[1], step=5, sync_workers=2)]  # b's corrected push, a new sequence number
+    futs = [
+        a.push("default", IDS, good[0], step=5, sync_workers=2),
+        b.push("default", IDS, good[1], step=5, sync_workers=2),
+    ]  # b's corrected push, a new sequence number
     for f in futs:
         f.result(timeout=30)
     after = a.lookup_readonly("default", IDS)
@@ -99,8 +118,10 @@ def test_a_second_push_of_one_client_to_the_same_sync_step_is_refused(cluster):
     arrays = {"ids": ids, "grads": np.ones((1, 4), np.float32)}
     import threading
 
-    first = threading.Thread(target=lambda: pytest.raises(ParameterServerError, client.call, "Push", owner,
-                                                          {**meta, "seq": 1}, arrays), daemon=True)
+    first = threading.Thread(
+        target=lambda: pytest.raises(ParameterServerError, client.call, "Push", owner, {**meta, "seq": 1}, arrays),
+        daemon=True,
+    )
     first.start()  # waits for the second worker of step 9 (and times out: there is none)
     time.sleep(0.5)
     with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*already pushed step 9"):
@@ -162,13 +183,16 @@ def test_a_segment_truncated_after_it_was_mapped_is_refused_not_a_crash():
         seg.close()
 
 
-@pytest.mark.parametrize("header", [
-    b'[1, 2]',
-    b'{"meta": [], "arrays": []}',
-    b'{"meta": {}, "arrays": [["ids", "uint64", [-1], 0, -8]]}',
-    b'{"meta": {}, "arrays": [["ids", "uint64", ["2"], 0, 16]]}',
-    b'{"meta": {}, "arrays": [["ids", "uint64", [2], 0]]}',
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[1, 2]",
+        b'{"meta": [], "arrays": []}',
+        b'{"meta": {}, "arrays": [["ids", "uint64", [-1], 0, -8]]}',
+        b'{"meta": {}, "arrays": [["ids", "uint64", ["2"], 0, 16]]}',
+        b'{"meta": {}, "arrays": [["ids", "uint64", [2], 0]]}',
+    ],
+)
 def test_wire_decode_refuses_malformed_headers_with_value_error(header):
     import struct
 
@@ -181,9 +205,14 @@ def test_wire_round_trip_keeps_values_of_strided_big_endian_empty_and_scalar_arr
     # encode writes byte views, not copies: every layout must still arrive as its values in little-endian order
     rng = np.random.default_rng(0)
     rows = rng.normal(size=(300, 16)).astype(np.float32)
-    arrays = {"rows": rows, "strided": rows[::3, 1:9].T, "big": rows.astype(">f4"),
-              "ids": np.array([0, 2**63, 2**64 - 1], dtype=">u8"), "empty": np.zeros((0, 4), np.int32),
-              "scalar": np.array(7, dtype=np.int64)}
+    arrays = {
+        "rows": rows,
+        "strided": rows[::3, 1:9].T,
+        "big": rows.astype(">f4"),
+        "ids": np.array([0, 2**63, 2**64 - 1], dtype=">u8"),
+        "empty": np.zeros((0, 4), np.int32),
+        "scalar": np.array(7, dtype=np.int64),
+    }
     meta, got = wire.decode(wire.encode({"k": 1}, arrays))
     assert meta == {"k": 1} and set(got) == set(arrays)
     for name, a in arrays.items():
@@ -196,9 +225,26 @@ def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_pat
     cfg.write_text(tiny_config().to_yaml())
     env = {k: v for k, v in os.environ.items() if k != "PERSIA_PS_TOKEN"}
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    r = subprocess.run([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
-                        "--num-shards", "1", "--host", "0.0.0.0"], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "persia_core.ps.server",
+            "--config",
+            str(cfg),
+            "--shard",
+            "0",
+            "--num-shards",
+            "1",
+            "--host",
+            "0.0.0.0",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     assert "without a token" in r.stderr + r.stdout
 
@@ -207,9 +253,25 @@ def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    r = subprocess.run([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
-                        "--num-shards", "1", "--init", "/dev/zero"], cwd=root, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "persia_core.ps.server",
+            "--config",
+            str(cfg),
+            "--shard",
+            "0",
+            "--num-shards",
+            "1",
+            "--init",
+            "/dev/zero",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     from persia_core.ps.server import EXIT_BAD_INIT
 
     assert r.returncode == EXIT_BAD_INIT
@@ -229,9 +291,18 @@ def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
     assert check_storage_path("/gcs/bucket/run/ckpt/s.npz", roots) == "/gcs/bucket/run/ckpt/s.npz"  # FUSE form
     assert check_storage_path("gs://b2/r/s.npz", resolve_storage_roots(["/gcs/b2/r"])) == "gs://b2/r/s.npz"
     assert check_storage_path("/anything/at/all", []) == "/anything/at/all"  # no roots: any path
-    for bad in [str(root / ".." / "elsewhere" / "s.npz"), str(root / "link" / "s.npz"), str(tmp_path / "run2"),
-                str(root), str(root) + "/", "/etc/cron.d/x", "gs://bucket/run2/s.npz", "gs://bucket/run/",
-                "gs://bucket/run/../other/s.npz", "gs://other/run/s"]:
+    for bad in [
+        str(root / ".." / "elsewhere" / "s.npz"),
+        str(root / "link" / "s.npz"),
+        str(tmp_path / "run2"),
+        str(root),
+        str(root) + "/",
+        "/etc/cron.d/x",
+        "gs://bucket/run2/s.npz",
+        "gs://bucket/run/",
+        "gs://bucket/run/../other/s.npz",
+        "gs://other/run/s",
+    ]:
         with pytest.raises(PermissionError, match="storage path"):
             check_storage_path(bad, roots)
     with pytest.raises(PermissionError, match="resolves to"):
@@ -241,9 +312,18 @@ def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
             check_storage_path(bad, roots)
 
 
-@pytest.mark.parametrize("roots, error", [
-    ("/some/run", TypeError), ([""], ValueError), (["  "], ValueError), (["s3://b/run"], ValueError),
-    (["file:///data/run"], ValueError), (["GS://b/run"], ValueError), (["gs://"], ValueError)])
+@pytest.mark.parametrize(
+    "roots, error",
+    [
+        ("/some/run", TypeError),
+        ([""], ValueError),
+        (["  "], ValueError),
+        (["s3://b/run"], ValueError),
+        (["file:///data/run"], ValueError),
+        (["GS://b/run"], ValueError),
+        (["gs://"], ValueError),
+    ],
+)
 def test_storage_roots_that_would_open_everything_or_write_elsewhere_are_refused(roots, error):
     from persia_core.ps.server import resolve_storage_roots
 
@@ -265,10 +345,13 @@ def test_a_server_or_serve_shards_given_an_empty_storage_root_refuses_to_start(t
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    for cmd in (["-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0", "--num-shards", "1"],
-                ["-m", "persia_core", "serve-shards", "--config", str(cfg)]):
-        r = subprocess.run([sys.executable, *cmd, "--storage-root", ""], cwd=root, capture_output=True, text=True,
-                           timeout=120)
+    for cmd in (
+        ["-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0", "--num-shards", "1"],
+        ["-m", "persia_core", "serve-shards", "--config", str(cfg)],
+    ):
+        r = subprocess.run(
+            [sys.executable, *cmd, "--storage-root", ""], cwd=root, capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 2, r.stderr
         assert "--storage-root" in r.stderr and "empty" in r.stderr
 
@@ -311,9 +394,26 @@ def test_storage_roots_from_the_environment_are_stripped_and_a_blank_one_is_refu
     cfg.write_text(tiny_config().to_yaml())
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = {**os.environ, "PERSIA_PS_STORAGE_ROOTS": value}
-    proc = subprocess.Popen([sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0",
-                             "--num-shards", "1", "--port-file", str(tmp_path / "port")], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "persia_core.ps.server",
+            "--config",
+            str(cfg),
+            "--shard",
+            "0",
+            "--num-shards",
+            "1",
+            "--port-file",
+            str(tmp_path / "port"),
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         if not ok:
             assert proc.wait(timeout=120) == 2

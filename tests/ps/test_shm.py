@@ -80,11 +80,13 @@ def test_server_refuses_segment_names_outside_its_own_form(cluster, name):
 def test_array_headers_outside_the_segment_are_refused():
     buf = np.zeros(4096, np.uint8)
     assert shm_mod.views(buf, [["ids", "uint64", [8], 64, 64]])["ids"].shape == (8,)
-    for bad in (["ids", "uint64", [8], 4096, 64],  # past the end
-                ["ids", "uint64", [8], -64, 64],  # negative offset
-                ["ids", "uint64", [9], 0, 64],  # size does not match the shape
-                ["ids", "uint64", [8], 3, 64],  # misaligned
-                ["ids", "object", [8], 0, 64]):  # dtype not allowed
+    for bad in (
+        ["ids", "uint64", [8], 4096, 64],  # past the end
+        ["ids", "uint64", [8], -64, 64],  # negative offset
+        ["ids", "uint64", [9], 0, 64],  # size does not match the shape
+        ["ids", "uint64", [8], 3, 64],  # misaligned
+        ["ids", "object", [8], 0, 64],
+    ):  # dtype not allowed
         with pytest.raises(ValueError):
             shm_mod.views(buf, [bad])
     with pytest.raises(ValueError):
@@ -96,8 +98,10 @@ def test_segments_of_a_killed_worker_are_removed_by_pid():
     import subprocess
     import sys
 
-    code = ("from persia_core.ps.shm import Segment; import sys, time; s = Segment(4096); "
-            "print(s.path, flush=True); time.sleep(60)")
+    code = (
+        "from persia_core.ps.shm import Segment; import sys, time; s = Segment(4096); "
+        "print(s.path, flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     path = child.stdout.readline().strip()
     child.kill()
@@ -131,8 +135,7 @@ def test_a_timed_out_call_never_reuses_its_segment(cluster, monkeypatch):
         return real(self, name, ids)
 
     monkeypatch.setattr(ParameterServerShard, "lookup", slow_first)
-    client = EmbeddingClient(addrs[:1], cfg.embedding, token="s3cret", shared_memory=True, timeout_s=0.3,
-                             retries=2)
+    client = EmbeddingClient(addrs[:1], cfg.embedding, token="s3cret", shared_memory=True, timeout_s=0.3, retries=2)
     ids = _ids(6000, seed=4)
     rows = client.call("Lookup", 0, {"table": "default"}, {"ids": ids}, None, len(ids) * 16)[1]["rows"]
     assert len(calls) >= 2 and rows.shape == (len(ids), 4)

@@ -10,6 +10,8 @@ import os
 
 if importlib.util.find_spec("tensorflow") is None:
     if os.environ.get("PERSIA_TFRECORD_REQUIRED") == "1":
-        raise RuntimeError("PERSIA_TFRECORD_REQUIRED=1 but tensorflow is not importable: run the TFRecord tests "
-                           "with .venv-tfrecord/bin/python (make test-tfrecord)")
+        raise RuntimeError(
+            "PERSIA_TFRECORD_REQUIRED=1 but tensorflow is not importable: run the TFRecord tests "
+            "with .venv-tfrecord/bin/python (make test-tfrecord)"
+        )
     collect_ignore_glob = ["test_*.py"]

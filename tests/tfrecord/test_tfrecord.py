@@ -21,11 +21,20 @@ COLUMNS = ["label", "I1", "I2", "F1", "C1", "C2", "C3"]
 
 def _config_dict():
     return {
-        "layout": {"kind": "delimited", "delimiter": "\t", "columns": COLUMNS, "label_column": "label",
-                   "dense_columns": ["I1", "I2", "F1"], "dense_transform": "log1p"},
+        "layout": {
+            "kind": "delimited",
+            "delimiter": "\t",
+            "columns": COLUMNS,
+            "label_column": "label",
+            "dense_columns": ["I1", "I2", "F1"],
+            "dense_transform": "log1p",
+        },
         "split": {"eval_fraction": 0.25, "num_train_shards": 2, "num_eval_shards": 1},
-        "slots": [{"name": "C1", "source": "C1"}, {"name": "C2", "source": "C2"},
-                  {"name": "C1xC3", "cross": ["C1", "C3"]}],
+        "slots": [
+            {"name": "C1", "source": "C1"},
+            {"name": "C2", "source": "C2"},
+            {"name": "C1xC3", "cross": ["C1", "C3"]},
+        ],
         "embedding": {"tables": [{"name": "default", "dim": 4}], "num_shards": 1},
         "trainer": {"num_workers": 1, "epochs": 1},
     }
@@ -133,8 +142,23 @@ def test_tfrecord_input_gives_the_same_parquet_rows_as_the_equivalent_csv(data):
     results = {}
     for name, src in (("csv", data["csv"]), ("tfrecord", converted)):
         out = str(data["tmp"] / f"pre-{name}")
-        subprocess.run([MAIN_PYTHON, "-m", "persia_core.preprocess.pipeline", "--data", src, "--output", out,
-                        "--config", data["config"]], check=True, cwd=ROOT, capture_output=True, timeout=500)
+        subprocess.run(
+            [
+                MAIN_PYTHON,
+                "-m",
+                "persia_core.preprocess.pipeline",
+                "--data",
+                src,
+                "--output",
+                out,
+                "--config",
+                data["config"],
+            ],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+            timeout=500,
+        )
         results[name] = _parquet_rows(out)
     (schema_csv, rows_csv), (schema_tf, rows_tf) = results["csv"], results["tfrecord"]
     assert rows_csv == rows_tf

@@ -12,8 +12,14 @@ from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file, make_tables
 from persia_core.sparse import IdBatch
-from persia_core.train.hybrid import (HybridTrainPipeline, make_schedule, model_slot_order, pool, prepare_ids,
-                                      table_layouts)
+from persia_core.train.hybrid import (
+    HybridTrainPipeline,
+    make_schedule,
+    model_slot_order,
+    pool,
+    prepare_ids,
+    table_layouts,
+)
 from persia_core.train.launcher import LocalCluster, train
 from persia_core.train.worker import build_dense, run_worker
 from support import tiny_config, write_dataset
@@ -102,8 +108,10 @@ def _rank_main(rank, world, port, addrs, token, cfg_dict, data, out_dir):
     digests = []
 
     def on_step(r, loss, model):
-        digests.append([float(p.detach().double().sum()) for p in model.parameters()]
-                       + [float(p.detach().double().abs().sum()) for p in model.parameters()])
+        digests.append(
+            [float(p.detach().double().sum()) for p in model.parameters()]
+            + [float(p.detach().double().abs().sum()) for p in model.parameters()]
+        )
 
     hist = run_worker(cfg, data, out_dir, client, rank, world, on_step=on_step)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -122,8 +130,13 @@ def _run_two_ranks(tmp_path, cfg: RunConfig, data: str, name: str):
         f.write(cfg.to_yaml())
     with LocalCluster(cfg_path, cfg.embedding.num_shards, 2, str(tmp_path / f"{name}-work")) as cluster:
         addrs = cluster.start_servers()
-        mp.start_processes(_rank_main, args=(2, free_port(), addrs, cluster.token, cfg.to_dict(), data, out),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            _rank_main,
+            args=(2, free_port(), addrs, cluster.token, cfg.to_dict(), data, out),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
         from persia_core.ps.client import EmbeddingClient
 
         client = EmbeddingClient(addrs, cfg.embedding, token=cluster.token)
@@ -156,8 +169,10 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
     ex = [ParquetExamples([files[0]], model_slot_order(cfg)), ParquetExamples([files[1]], model_slot_order(cfg))]
     both = ParquetExamples(files, model_slot_order(cfg))
     sched = make_schedule([len(ex[0]), len(ex[1])], cfg.trainer.batch_size, cfg.trainer.epochs, 0, True)
-    batches = ((t, both.batch(np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]])),
-                sched.global_batch[t]) for t in range(len(sched.global_batch)))
+    batches = (
+        (t, both.batch(np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]])), sched.global_batch[t])
+        for t in range(len(sched.global_batch))
+    )
     from persia_core.data.reader import read_schema
 
     model = build_dense(cfg, read_schema(data))
@@ -183,9 +198,16 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
         load_shard_file(p, tables)
         sd = tables["default"].state_dict()
         np.testing.assert_allclose(sd["weights"], ref.lookup_readonly("default", sd["keys"]), atol=1e-5)
-        np.testing.assert_allclose(sd["acc"], np.concatenate(
-            [ref.shards[0]["default"].state_dict()["acc"][ref.shards[0]["default"].state_dict()["keys"] == k]
-             for k in sd["keys"]]), atol=1e-5)
+        np.testing.assert_allclose(
+            sd["acc"],
+            np.concatenate(
+                [
+                    ref.shards[0]["default"].state_dict()["acc"][ref.shards[0]["default"].state_dict()["keys"] == k]
+                    for k in sd["keys"]
+                ]
+            ),
+            atol=1e-5,
+        )
 
 
 def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
@@ -204,7 +226,8 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
 
 
 def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interval_and_always_the_last(
-        tmp_path, caplog, monkeypatch):
+    tmp_path, caplog, monkeypatch
+):
     import logging
 
     from persia_core.train import launcher
@@ -232,9 +255,11 @@ def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interv
         f.write(line.format(9, 9))
     relay.poll()  # the last step: always
     got = [r.getMessage() for r in caplog.records if r.name == "persia.launcher"]
-    assert got == ["nn_worker-0: step 2/9 loss 0.62 samples/s 100 staleness 1",
-                   "nn_worker-0: step 5/9 loss 0.65 samples/s 100 staleness 1",
-                   "nn_worker-0: step 9/9 loss 0.69 samples/s 100 staleness 1"]
+    assert got == [
+        "nn_worker-0: step 2/9 loss 0.62 samples/s 100 staleness 1",
+        "nn_worker-0: step 5/9 loss 0.65 samples/s 100 staleness 1",
+        "nn_worker-0: step 9/9 loss 0.69 samples/s 100 staleness 1",
+    ]
 
 
 def test_a_rank_without_any_train_file_runs_empty_steps_and_the_run_finishes(tmp_path):
@@ -275,7 +300,7 @@ def test_parquet_batches_hold_each_rows_ids_slot_major_on_both_paths(tmp_path, s
     rows = np.array([5, 0, 119, 5, 64, 63])
     b = ex.batch(rows)
     assert b.ids.keys == slots and b.ids.batch_size == len(rows)
-    bags = [b.ids.values[b.ids.offsets[i]:b.ids.offsets[i + 1]].tolist() for i in range(len(slots) * len(rows))]
+    bags = [b.ids.values[b.ids.offsets[i] : b.ids.offsets[i + 1]].tolist() for i in range(len(slots) * len(rows))]
     assert bags == [table[r][S.slot_column(s)] for s in slots for r in rows]
     np.testing.assert_array_equal(b.labels, [table[r][S.LABEL] for r in rows])
     np.testing.assert_array_equal(b.dense[:, 0], np.float32([table[r][S.DENSE][0] for r in rows]))
@@ -350,8 +375,7 @@ def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wai
         backend.lookup = lookup
         out = str(tmp_path / name)
         os.makedirs(out)
-        return run_worker(cfg, write_dataset(str(tmp_path / f"data-{name}"), rows=rows), out, backend, rank=0,
-                          world=1)
+        return run_worker(cfg, write_dataset(str(tmp_path / f"data-{name}"), rows=rows), out, backend, rank=0, world=1)
 
     # (how much of the 0.5 s the first step still waits depends on what start-up does after the prefetch thread
     # starts: a garbage collection of this test process's heap took 0.4 s in the full suite)

@@ -46,8 +46,9 @@ def test_init_shards_planned_for_another_shard_count_are_refused_naming_both_cou
 def test_init_shards_of_another_embedding_dim_are_refused(tmp_path, data, scratch):
     init = str(tmp_path / "init")
     init_shards(tiny_config(), data, init)
-    cfg = tiny_config().with_overrides({"embedding.tables": [
-        {"name": "default", "dim": 8, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}]})
+    cfg = tiny_config().with_overrides(
+        {"embedding.tables": [{"name": "default", "dim": 8, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}]}
+    )
     msg = _refused(cfg, data, tmp_path, scratch, ValueError, init_dir=init)
     assert "table 'default' was planned with dim 4" in msg and "8" in msg
 
@@ -82,8 +83,7 @@ def test_data_whose_train_split_holds_no_row_is_refused(tmp_path, data, scratch)
 
 
 def test_resuming_from_a_checkpoint_folder_that_does_not_exist_is_refused(tmp_path, data, scratch):
-    msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError,
-                   resume_from=str(tmp_path / "ckpt-none"))
+    msg = _refused(tiny_config(), data, tmp_path, scratch, FileNotFoundError, resume_from=str(tmp_path / "ckpt-none"))
     assert "ckpt-none" in msg and "no such checkpoint folder" in msg
 
 

@@ -15,16 +15,16 @@ from persia_core import cluster
 VERTEX_CLUSTER_SPEC = {
     "cluster": {
         "workerpool0": ["cmle-training-workerpool0-8c1e3f0a7b-0:2222"],
-        "workerpool1": ["cmle-training-workerpool1-8c1e3f0a7b-0:2222",
-                        "cmle-training-workerpool1-8c1e3f0a7b-1:2222",
-                        "cmle-training-workerpool1-8c1e3f0a7b-2:2222"],
-        "workerpool2": ["cmle-training-workerpool2-8c1e3f0a7b-0:2222",
-                        "cmle-training-workerpool2-8c1e3f0a7b-1:2222"],
+        "workerpool1": [
+            "cmle-training-workerpool1-8c1e3f0a7b-0:2222",
+            "cmle-training-workerpool1-8c1e3f0a7b-1:2222",
+            "cmle-training-workerpool1-8c1e3f0a7b-2:2222",
+        ],
+        "workerpool2": ["cmle-training-workerpool2-8c1e3f0a7b-0:2222", "cmle-training-workerpool2-8c1e3f0a7b-1:2222"],
     },
     "environment": "cloud",
     "task": {"type": "workerpool1", "index": 2, "trial": ""},
-    "job": json.dumps({"worker_pool_specs": [{"machine_spec": {"machine_type": "a2-highgpu-1g"},
-                                              "replica_count": 1}]}),
+    "job": json.dumps({"worker_pool_specs": [{"machine_spec": {"machine_type": "a2-highgpu-1g"}, "replica_count": 1}]}),
 }
 
 
@@ -49,10 +49,15 @@ def test_vertex_cluster_spec_ranks_world_size_and_rendezvous_of_nn_workers():
     ranks = [cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", i))).rank for i in range(3)]
     assert ranks == [1, 2, 3]
     env = cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", 2))).env()
-    assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
-                   "MASTER_ADDR": "cmle-training-workerpool0-8c1e3f0a7b-0", "MASTER_PORT": "2222",
-                   "PERSIA_PS_ADDRESSES": "cmle-training-workerpool2-8c1e3f0a7b-0:2222,"
-                                          "cmle-training-workerpool2-8c1e3f0a7b-1:2222"}
+    assert env == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "cmle-training-workerpool0-8c1e3f0a7b-0",
+        "MASTER_PORT": "2222",
+        "PERSIA_PS_ADDRESSES": "cmle-training-workerpool2-8c1e3f0a7b-0:2222,"
+        "cmle-training-workerpool2-8c1e3f0a7b-1:2222",
+    }
 
 
 def test_vertex_cluster_spec_parameter_server_shards_and_addresses_with_several_shards_per_replica():
@@ -61,8 +66,9 @@ def test_vertex_cluster_spec_parameter_server_shards_and_addresses_with_several_
     assert one.role == cluster.PARAMETER_SERVER and one.shards == [1] and one.ports == [2222]
     three = cluster.placement(spec, shards_per_server=3)
     assert three.shards == [3, 4, 5] and three.ports == [2222, 2223, 2224]
-    assert three.ps_addresses == [f"cmle-training-workerpool2-8c1e3f0a7b-{r}:{2222 + j}"
-                                  for r in range(2) for j in range(3)]
+    assert three.ps_addresses == [
+        f"cmle-training-workerpool2-8c1e3f0a7b-{r}:{2222 + j}" for r in range(2) for j in range(3)
+    ]
 
 
 def test_vertex_cluster_spec_without_pool_1_is_a_single_nn_worker():
@@ -72,16 +78,21 @@ def test_vertex_cluster_spec_without_pool_1_is_a_single_nn_worker():
     assert place.world_size == 1 and place.rank == 0
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(task={"type": "workerpool3", "index": 0}) or d["cluster"].update(workerpool3=["h:1"]),
-     "pool 3"),
-    (lambda d: d["cluster"].update(workerpool0=["a:1", "b:1"]), "exactly 1 replica"),
-    (lambda d: d.update(task={"type": "workerpool1", "index": 7}), "not in the cluster"),
-    (lambda d: d["cluster"].update(workerpool2=["no-port"]), "host:port"),
-    (lambda d: d["cluster"].update(chief=["h:1"]), "unknown pool"),
-    (lambda d: d.pop("task"), "task"),
-    (lambda d: d.update(task={"type": "workerpool1", "index": "0"}), "task.index"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda d: d.update(task={"type": "workerpool3", "index": 0}) or d["cluster"].update(workerpool3=["h:1"]),
+            "pool 3",
+        ),
+        (lambda d: d["cluster"].update(workerpool0=["a:1", "b:1"]), "exactly 1 replica"),
+        (lambda d: d.update(task={"type": "workerpool1", "index": 7}), "not in the cluster"),
+        (lambda d: d["cluster"].update(workerpool2=["no-port"]), "host:port"),
+        (lambda d: d["cluster"].update(chief=["h:1"]), "unknown pool"),
+        (lambda d: d.pop("task"), "task"),
+        (lambda d: d.update(task={"type": "workerpool1", "index": "0"}), "task.index"),
+    ],
+)
 def test_vertex_cluster_spec_errors_name_the_field(mutate, message):
     d = json.loads(json.dumps(VERTEX_CLUSTER_SPEC))
     mutate(d)
@@ -161,8 +172,9 @@ def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> 
         for pool, index in replicas:
             spec = dict(base, task={"type": pool, "index": index, "trial": ""})
             log = open(tmp_path / f"{pool}-{index}{tag}.log", "w")
-            procs[(pool, index)] = subprocess.Popen(cmd, env=dict(env, CLUSTER_SPEC=json.dumps(spec)),
-                                                    stdout=log, stderr=subprocess.STDOUT)
+            procs[(pool, index)] = subprocess.Popen(
+                cmd, env=dict(env, CLUSTER_SPEC=json.dumps(spec)), stdout=log, stderr=subprocess.STDOUT
+            )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -178,10 +190,13 @@ def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nn_replicas, ps_replicas", [
-    (2, 2),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
-    (1, 1),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
-])
+@pytest.mark.parametrize(
+    "nn_replicas, ps_replicas",
+    [
+        (2, 2),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
+        (1, 1),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
+    ],
+)
 def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas):
     """Replicas started as Vertex AI starts them, with CLUSTER_SPEC pointing at 127.0.0.1: the primary writes
     a whole Model and the parameter servers exit on its done marker."""
@@ -196,18 +211,41 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     ports = _free_ports(nn_replicas)
     k = 2 // ps_replicas
     ps_ports = [_free_port_run(k) for _ in range(ps_replicas)]  # a server replica uses ports p .. p+k-1
-    cluster_map = {"workerpool0": [f"127.0.0.1:{ports[0]}"],
-                   "workerpool2": [f"127.0.0.1:{p}" for p in ps_ports]}
+    cluster_map = {"workerpool0": [f"127.0.0.1:{ports[0]}"], "workerpool2": [f"127.0.0.1:{p}" for p in ps_ports]}
     if nn_replicas > 1:
         cluster_map["workerpool1"] = [f"127.0.0.1:{p}" for p in ports[1:nn_replicas]]
     base = {"cluster": cluster_map, "environment": "cloud"}
     env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "persia_core.cluster", "--config", os.path.join(init, "run_config.yaml"),
-           "--data", tiny_data, "--init", init, "--out", out, "--control", control, "--host", "127.0.0.1",
-           "--poll-s", "0.2", "--ps-wait-s", "120", "--shards-per-server", str(2 // ps_replicas),
-           "--ranks-per-replica", str(2 // nn_replicas)]
-    replicas = [("workerpool2", i) for i in range(ps_replicas)] + [("workerpool1", i) for i in
-                                                                   range(nn_replicas - 1)] + [("workerpool0", 0)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "persia_core.cluster",
+        "--config",
+        os.path.join(init, "run_config.yaml"),
+        "--data",
+        tiny_data,
+        "--init",
+        init,
+        "--out",
+        out,
+        "--control",
+        control,
+        "--host",
+        "127.0.0.1",
+        "--poll-s",
+        "0.2",
+        "--ps-wait-s",
+        "120",
+        "--shards-per-server",
+        str(2 // ps_replicas),
+        "--ranks-per-replica",
+        str(2 // nn_replicas),
+    ]
+    replicas = (
+        [("workerpool2", i) for i in range(ps_replicas)]
+        + [("workerpool1", i) for i in range(nn_replicas - 1)]
+        + [("workerpool0", 0)]
+    )
     _run_replicas(tmp_path, cmd, replicas, base, env)
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
@@ -243,14 +281,44 @@ def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint
     out, control, ckpts = str(tmp_path / "model"), str(tmp_path / "control"), str(tmp_path / "ckpt")
     (port,) = _free_ports(1)
     ps_port = _free_port_run(2)
-    base = {"cluster": {"workerpool0": [f"127.0.0.1:{port}"], "workerpool2": [f"127.0.0.1:{ps_port}"]},
-            "environment": "cloud"}
+    base = {
+        "cluster": {"workerpool0": [f"127.0.0.1:{port}"], "workerpool2": [f"127.0.0.1:{ps_port}"]},
+        "environment": "cloud",
+    }
     env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "persia_core.cluster", "--config", os.path.join(init, "run_config.yaml"),
-           "--data", tiny_data, "--init", init, "--out", out, "--control", control, "--host", "127.0.0.1",
-           "--poll-s", "0.2", "--ps-wait-s", "120", "--shards-per-server", "2", "--ranks-per-replica", "2",
-           "--", "--checkpoint-dir", ckpts, "--checkpoint-every-steps", "3", "--checkpoint-keep", "5",
-           "--no-checkpoint-at-end"]  # so the newest checkpoint is mid-run, as after a failure
+    cmd = [
+        sys.executable,
+        "-m",
+        "persia_core.cluster",
+        "--config",
+        os.path.join(init, "run_config.yaml"),
+        "--data",
+        tiny_data,
+        "--init",
+        init,
+        "--out",
+        out,
+        "--control",
+        control,
+        "--host",
+        "127.0.0.1",
+        "--poll-s",
+        "0.2",
+        "--ps-wait-s",
+        "120",
+        "--shards-per-server",
+        "2",
+        "--ranks-per-replica",
+        "2",
+        "--",
+        "--checkpoint-dir",
+        ckpts,
+        "--checkpoint-every-steps",
+        "3",
+        "--checkpoint-keep",
+        "5",
+        "--no-checkpoint-at-end",
+    ]  # so the newest checkpoint is mid-run, as after a failure
     replicas = [("workerpool2", 0), ("workerpool0", 0)]
     _run_replicas(tmp_path, cmd, replicas, base, env, tag="-first")
     first = json.load(open(os.path.join(out, "train_metrics.json")))

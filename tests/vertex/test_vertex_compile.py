@@ -18,9 +18,18 @@ ENTRY = ["python", "-m", "persia_core.cluster"]
 
 
 def _settings(**kw):
-    d = dict(image=IMAGE, cuda_image=CUDA_IMAGE, region="europe-west4", nn_machine_type="a2-highgpu-1g",
-             accelerator_type="NVIDIA_TESLA_A100", accelerator_count=1, ps_machine_type="m1-ultramem-40",
-             nn_replicas=3, ps_replicas=4, service_account="trainer@test-project.iam.gserviceaccount.com")
+    d = dict(
+        image=IMAGE,
+        cuda_image=CUDA_IMAGE,
+        region="europe-west4",
+        nn_machine_type="a2-highgpu-1g",
+        accelerator_type="NVIDIA_TESLA_A100",
+        accelerator_count=1,
+        ps_machine_type="m1-ultramem-40",
+        nn_replicas=3,
+        ps_replicas=4,
+        service_account="trainer@test-project.iam.gserviceaccount.com",
+    )
     d.update(kw)
     return vertex.VertexSettings(**d)
 
@@ -39,8 +48,11 @@ def test_vertex_yaml_train_task_is_a_custom_job_with_one_pool_per_role(vertex_ya
     assert len(pools) == 3
     primary, workers, servers = pools
     assert primary["replicaCount"] == 1
-    assert primary["machineSpec"] == {"machineType": "a2-highgpu-1g", "acceleratorType": "NVIDIA_TESLA_A100",
-                                      "acceleratorCount": 1}
+    assert primary["machineSpec"] == {
+        "machineType": "a2-highgpu-1g",
+        "acceleratorType": "NVIDIA_TESLA_A100",
+        "acceleratorCount": 1,
+    }
     assert workers["replicaCount"] == 2 and workers["machineSpec"] == primary["machineSpec"]
     assert servers["replicaCount"] == 4 and servers["machineSpec"] == {"machineType": "m1-ultramem-40"}
     assert primary["containerSpec"]["imageUri"] == workers["containerSpec"]["imageUri"] == CUDA_IMAGE
@@ -67,7 +79,8 @@ def test_vertex_yaml_every_step_runs_in_the_configured_image_and_train_runs_the_
 def test_vertex_yaml_data_comes_from_the_schedule_time(vertex_yaml):
     tasks = vertex_yaml["root"]["dag"]["tasks"]
     assert tasks["preprocess"]["inputs"]["parameters"]["data"] == {
-        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "resolve-data"}}
+        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "resolve-data"}
+    }
     resolve = tasks["resolve-data"]["inputs"]["parameters"]
     assert resolve["schedule_time"]["runtimeValue"]["constant"] == "{{$.pipeline_job_schedule_time_utc}}"
     assert resolve["template"] == {"componentInputParameter": "data"}
@@ -75,14 +88,14 @@ def test_vertex_yaml_data_comes_from_the_schedule_time(vertex_yaml):
     assert params["data"]["defaultValue"] == "data/movielens"
 
 
-def test_vertex_and_local_targets_share_the_pipeline_parameters_and_the_local_one_is_unchanged(vertex_yaml,
-                                                                                                tmp_path):
+def test_vertex_and_local_targets_share_the_pipeline_parameters_and_the_local_one_is_unchanged(vertex_yaml, tmp_path):
     local = yaml.safe_load(open(compile_pipeline(str(tmp_path / "local.yaml"))))
     assert local["root"]["inputDefinitions"] == vertex_yaml["root"]["inputDefinitions"]
     assert local["root"]["outputDefinitions"] == vertex_yaml["root"]["outputDefinitions"]
     assert "resolve-data" not in local["root"]["dag"]["tasks"]
     assert "worker_pool_specs" not in local["components"]["comp-train"].get("inputDefinitions", {}).get(
-        "parameters", {})
+        "parameters", {}
+    )
     assert local["pipelineInfo"]["name"] == vertex_yaml["pipelineInfo"]["name"] == "persia-hybrid-training"
 
 
@@ -101,10 +114,28 @@ def test_vertex_compile_cli_reads_persia_variables_and_flags(monkeypatch, tmp_pa
     monkeypatch.setenv("PERSIA_PS_MACHINE_TYPE", "n2-highmem-80")
     monkeypatch.setenv("PERSIA_SHARDS_PER_SERVER", "2")
     out = tmp_path / "v.yaml"
-    assert compile_main(["--target", "vertex", "--output", str(out), "--accelerator-type", "",
-                         "--accelerator-count", "0", "--nn-machine-type", "n1-standard-16"]) == 0
-    pools = json.loads(yaml.safe_load(open(out))["root"]["dag"]["tasks"]["train"]["inputs"]["parameters"]
-                       ["worker_pool_specs"]["runtimeValue"]["constant"])
+    assert (
+        compile_main(
+            [
+                "--target",
+                "vertex",
+                "--output",
+                str(out),
+                "--accelerator-type",
+                "",
+                "--accelerator-count",
+                "0",
+                "--nn-machine-type",
+                "n1-standard-16",
+            ]
+        )
+        == 0
+    )
+    pools = json.loads(
+        yaml.safe_load(open(out))["root"]["dag"]["tasks"]["train"]["inputs"]["parameters"]["worker_pool_specs"][
+            "runtimeValue"
+        ]["constant"]
+    )
     assert pools[0]["machineSpec"] == {"machineType": "n1-standard-16"}
     assert pools[2]["machineSpec"] == {"machineType": "n2-highmem-80"}
     args = pools[2]["containerSpec"]["args"]
@@ -122,8 +153,9 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     shards.mkdir()
     (shards / "run_config.yaml").write_text(cfg.to_yaml())
     template = json.dumps(_settings(shards_per_server=2).worker_pool_specs())
-    specs, base = vertex.custom_job_request(template, "gs://b/root/pre/dataset", str(shards),
-                                            "gs://b/root/train/model", ps_token_secret="")
+    specs, base = vertex.custom_job_request(
+        template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model", ps_token_secret=""
+    )
     assert [s["replicaCount"] for s in specs] == [1, 2, 2]
     args = specs[0]["containerSpec"]["args"]
     assert args[args.index("--data") + 1] == "/gcs/b/root/pre/dataset"
@@ -132,14 +164,21 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     assert base == "gs://b/root/train/model_job"
     tokens = {e["value"] for s in specs for e in s["containerSpec"]["env"] if e["name"] == "PERSIA_PS_TOKEN"}
     assert len(tokens) == 1 and len(tokens.pop()) == 32  # one fresh token shared by every pool
-    one = vertex.fill_worker_pool_specs(json.loads(template), {p: "/x" for p in vertex.PLACEHOLDERS}, 1, 1,
-                                        {"PERSIA_PS_TOKEN_SECRET": "projects/p/secrets/t/versions/1"})
+    one = vertex.fill_worker_pool_specs(
+        json.loads(template),
+        {p: "/x" for p in vertex.PLACEHOLDERS},
+        1,
+        1,
+        {"PERSIA_PS_TOKEN_SECRET": "projects/p/secrets/t/versions/1"},
+    )
     assert one[1] == {} and one[2]["containerSpec"]["env"] == [
-        {"name": "PERSIA_PS_TOKEN_SECRET", "value": "projects/p/secrets/t/versions/1"}]
-    ckpt, _ = vertex.custom_job_request(template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model",
-                                        checkpoint_every_s=600.0)
+        {"name": "PERSIA_PS_TOKEN_SECRET", "value": "projects/p/secrets/t/versions/1"}
+    ]
+    ckpt, _ = vertex.custom_job_request(
+        template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model", checkpoint_every_s=600.0
+    )
     for spec in (s for s in ckpt if s):  # every pool: workers write checkpoints, every replica resumes from them
-        tail = spec["containerSpec"]["args"][spec["containerSpec"]["args"].index("--"):]
+        tail = spec["containerSpec"]["args"][spec["containerSpec"]["args"].index("--") :]
         assert tail[:3] == ["--", "--checkpoint-dir", "/gcs/b/root/train/model/checkpoints"]
         assert tail[tail.index("--checkpoint-every-s") + 1] == "600.0"
     assert "--" not in specs[0]["containerSpec"]["args"]  # checkpoints off: no flags
@@ -190,9 +229,14 @@ def test_vertex_launcher_sends_the_custom_job_request_and_logs_the_models_metric
     metrics = dsl.Metrics(uri=str(tmp_path / "metrics"))
     out_model = dsl.Model(uri=str(model))
     vertex.train.python_func(
-        dataset=dsl.Dataset(uri=str(dataset)), shards=dsl.Artifact(uri=str(shards)), model=out_model,
-        metrics=metrics, worker_pool_specs=json.dumps(_settings().worker_pool_specs()), location="europe-west4",
-        service_account="trainer@test-project.iam.gserviceaccount.com")
+        dataset=dsl.Dataset(uri=str(dataset)),
+        shards=dsl.Artifact(uri=str(shards)),
+        model=out_model,
+        metrics=metrics,
+        worker_pool_specs=json.dumps(_settings().worker_pool_specs()),
+        location="europe-west4",
+        service_account="trainer@test-project.iam.gserviceaccount.com",
+    )
     assert len(offline_vertex) == 1
     req = offline_vertex[0]
     assert req["parent"] == "projects/test-project/locations/europe-west4"
@@ -208,13 +252,16 @@ def test_vertex_launcher_sends_the_custom_job_request_and_logs_the_models_metric
     assert metrics.metadata["samples_per_s"] == 10.0 and out_model.metadata["num_shards"] == 2
 
 
-@pytest.mark.parametrize("template, schedule, want", [
-    ("gs://b/criteo/dt={date-1d}/", "2025-03-02T03:00:00Z", "gs://b/criteo/dt=2025-03-01/"),
-    ("gs://b/t/{date:%Y/%m/%d}/{date-2h:%H}", "2025-03-02T01:30:00.123456789Z", "gs://b/t/2025/03/02/23"),
-    ("gs://b/t/{date+1d:%Y%m%d}", "2025-12-31T23:00:00+00:00", "gs://b/t/20260101"),
-    ("gs://b/t/{date}", "2025-03-02T01:00:00+02:00", "gs://b/t/2025-03-01"),
-    ("data/movielens", "2025-03-02T03:00:00Z", "data/movielens"),
-])
+@pytest.mark.parametrize(
+    "template, schedule, want",
+    [
+        ("gs://b/criteo/dt={date-1d}/", "2025-03-02T03:00:00Z", "gs://b/criteo/dt=2025-03-01/"),
+        ("gs://b/t/{date:%Y/%m/%d}/{date-2h:%H}", "2025-03-02T01:30:00.123456789Z", "gs://b/t/2025/03/02/23"),
+        ("gs://b/t/{date+1d:%Y%m%d}", "2025-12-31T23:00:00+00:00", "gs://b/t/20260101"),
+        ("gs://b/t/{date}", "2025-03-02T01:00:00+02:00", "gs://b/t/2025-03-01"),
+        ("data/movielens", "2025-03-02T03:00:00Z", "data/movielens"),
+    ],
+)
 def test_vertex_schedule_time_fills_the_date_partition_of_the_data_path(template, schedule, want):
     assert vertex.resolve_data_path(template, schedule) == want
 
@@ -227,15 +274,22 @@ def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
         vertex.resolve_data_path("x/{date-1w}", "2025-03-02T03:00:00Z")
     with pytest.raises(ValueError, match="RFC 3339"):
         vertex.resolve_data_path("x/{date}", "yesterday")
-    assert vertex.resolve_data.python_func(template="gs://b/{date}", schedule_time="2025-03-02T03:00:00Z",
-                                           blessed_dir="gs://b/blessed", warm_start_from="gs://b/blessed") == \
-        "gs://b/2025-03-02"
+    assert (
+        vertex.resolve_data.python_func(
+            template="gs://b/{date}",
+            schedule_time="2025-03-02T03:00:00Z",
+            blessed_dir="gs://b/blessed",
+            warm_start_from="gs://b/blessed",
+        )
+        == "gs://b/2025-03-02"
+    )
     # a run started from the UI with the compiled default blessed_dir fails here, before any training
     with pytest.raises(ValueError, match="inside the run's container"):
         vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="local_outputs/blessed")
     with pytest.raises(ValueError, match="warm_start_from"):
-        vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="/gcs/b/blessed",
-                                        warm_start_from="local_outputs/blessed")
+        vertex.resolve_data.python_func(
+            template="gs://b/x", schedule_time="", blessed_dir="/gcs/b/blessed", warm_start_from="local_outputs/blessed"
+        )
 
 
 def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn_pools():
@@ -243,8 +297,9 @@ def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn
         vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
     with pytest.raises(ValueError, match="one rank per GPU"):
         vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_RANKS_PER_REPLICA": "8"})
-    cpu = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
-                                          "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"})
+    cpu = vertex.VertexSettings.from_env(
+        {"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"}
+    )
     assert (cpu.accelerator_type, cpu.accelerator_count) == ("", 0)
     assert "acceleratorType" not in cpu.worker_pool_specs()[0]["machineSpec"]
     # CPU-only with the default machine: a CPU machine, not the GPU default; a GPU-only family named: refused
@@ -252,24 +307,36 @@ def test_vertex_settings_refuse_a_gpu_on_the_wrong_machine_and_allow_cpu_only_nn
     assert cpu.worker_pool_specs()[0]["machineSpec"] == {"machineType": vertex.CPU_NN_MACHINE_TYPE}
     assert vertex.VertexSettings(image=IMAGE).nn_machine_type == "a2-highgpu-1g"
     with pytest.raises(ValueError, match="carries GPUs, but the NN pools are CPU-only"):
-        vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
-                                        "PERSIA_NN_MACHINE_TYPE": "a2-highgpu-1g"})
-    eight = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
-                                            "PERSIA_ACCELERATOR_TYPE": "NVIDIA_H100_80GB",
-                                            "PERSIA_ACCELERATOR_COUNT": "8", "PERSIA_RANKS_PER_REPLICA": "8"})
+        vertex.VertexSettings.from_env(
+            {"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none", "PERSIA_NN_MACHINE_TYPE": "a2-highgpu-1g"}
+        )
+    eight = vertex.VertexSettings.from_env(
+        {
+            "PERSIA_BASE_IMAGE": IMAGE,
+            "PERSIA_NN_MACHINE_TYPE": "a3-highgpu-8g",
+            "PERSIA_ACCELERATOR_TYPE": "NVIDIA_H100_80GB",
+            "PERSIA_ACCELERATOR_COUNT": "8",
+            "PERSIA_RANKS_PER_REPLICA": "8",
+        }
+    )
     assert eight.worker_pool_specs()[0]["machineSpec"]["acceleratorCount"] == 8
 
 
-@pytest.mark.parametrize("env, says", [
-    ({"PERSIA_BASE_IMAGE": "persia-kfp:local"}, "not a registry image"),
-    ({"PERSIA_CUDA_IMAGE": "persia-kfp-cuda"}, "not a registry image"),
-    ({"PERSIA_VERTEX_REGION": "us-central"}, "not a Google Cloud region"),
-    ({"PERSIA_PS_MACHINE_TYPE": "highmem"}, "not a Compute Engine machine type"),
-    ({"PERSIA_ACCELERATOR_COUNT": "3"}, "a2-highgpu-1g carries 1 GPU(s), not accelerator_count=3"),
-    ({"PERSIA_ACCELERATOR_TYPE": "nvidia-tesla-a100", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"},
-     "NVIDIA_TESLA_A100 GPUs come only on a2-* machines"),
-    ({"PERSIA_ACCELERATOR_TYPE": "NVIDIA_GTX_1080"}, "not a GPU this project knows"),
-])
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"PERSIA_BASE_IMAGE": "persia-kfp:local"}, "not a registry image"),
+        ({"PERSIA_CUDA_IMAGE": "persia-kfp-cuda"}, "not a registry image"),
+        ({"PERSIA_VERTEX_REGION": "us-central"}, "not a Google Cloud region"),
+        ({"PERSIA_PS_MACHINE_TYPE": "highmem"}, "not a Compute Engine machine type"),
+        ({"PERSIA_ACCELERATOR_COUNT": "3"}, "a2-highgpu-1g carries 1 GPU(s), not accelerator_count=3"),
+        (
+            {"PERSIA_ACCELERATOR_TYPE": "nvidia-tesla-a100", "PERSIA_NN_MACHINE_TYPE": "n2-standard-8"},
+            "NVIDIA_TESLA_A100 GPUs come only on a2-* machines",
+        ),
+        ({"PERSIA_ACCELERATOR_TYPE": "NVIDIA_GTX_1080"}, "not a GPU this project knows"),
+    ],
+)
 def test_vertex_settings_refuse_values_vertex_would_refuse_at_job_start(env, says):
     # before: compiled without a word, and the job failed on Vertex AI
     with pytest.raises(ValueError, match=re.escape(says)):
@@ -277,12 +344,17 @@ def test_vertex_settings_refuse_values_vertex_would_refuse_at_job_start(env, say
 
 
 def test_vertex_settings_take_a_lower_case_gpu_name_and_warn_of_gpus_without_a_cuda_image():
-    s = vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_CUDA_IMAGE": CUDA_IMAGE,
-                                        "PERSIA_ACCELERATOR_TYPE": "nvidia_tesla_a100"})
+    s = vertex.VertexSettings.from_env(
+        {"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_CUDA_IMAGE": CUDA_IMAGE, "PERSIA_ACCELERATOR_TYPE": "nvidia_tesla_a100"}
+    )
     assert s.worker_pool_specs()[0]["machineSpec"]["acceleratorType"] == "NVIDIA_TESLA_A100"
     for machine in ("e2-medium", "c3-standard-4-lssd", "n2-custom-8-65536"):  # other valid machine names
-        assert vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none",
-                                               "PERSIA_PS_MACHINE_TYPE": machine}).ps_machine_type == machine
+        assert (
+            vertex.VertexSettings.from_env(
+                {"PERSIA_BASE_IMAGE": IMAGE, "PERSIA_ACCELERATOR_TYPE": "none", "PERSIA_PS_MACHINE_TYPE": machine}
+            ).ps_machine_type
+            == machine
+        )
     with pytest.warns(UserWarning, match="no CUDA image is set") as warned:
         vertex.VertexSettings.from_env({"PERSIA_BASE_IMAGE": IMAGE})
     assert warned[0].filename.endswith(".py")  # a file the user can open (before: "<string>", a generated __init__)

@@ -57,9 +57,12 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     def get_schedule(self, request=None, *, name=None, **kw):
         name = name or request.name
         return schedules.get(name) or schedule_types.Schedule(
-            name=name, display_name="nightly", cron="TZ=UTC 0 3 * * *",
+            name=name,
+            display_name="nightly",
+            cron="TZ=UTC 0 3 * * *",
             state=schedule_types.Schedule.State.ACTIVE,
-            create_pipeline_job_request={"parent": parent, "pipeline_job": {"display_name": "x"}})
+            create_pipeline_job_request={"parent": parent, "pipeline_job": {"display_name": "x"}},
+        )
 
     def list_schedules(self, request=None, **kw):
         record("list_schedules", request=request)
@@ -90,18 +93,25 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     def get_model(self, request=None, *, name=None, **kw):
         return model_types.Model(name=f"{parent}/models/7", version_id="3", display_name="persia-ctr")
 
-    for cls, methods in ((pipeline_client.PipelineServiceClient, [create_pipeline_job]),
-                         (schedule_client.ScheduleServiceClient, [create_schedule, get_schedule, list_schedules,
-                                                                  pause_schedule, resume_schedule,
-                                                                  delete_schedule]),
-                         (model_client.ModelServiceClient, [upload_model, get_model])):
+    for cls, methods in (
+        (pipeline_client.PipelineServiceClient, [create_pipeline_job]),
+        (
+            schedule_client.ScheduleServiceClient,
+            [create_schedule, get_schedule, list_schedules, pause_schedule, resume_schedule, delete_schedule],
+        ),
+        (model_client.ModelServiceClient, [upload_model, get_model]),
+    ):
         for m in methods:
             monkeypatch.setattr(cls, m.__name__, m)
     return sent
 
 
-BLESSED = ["--param", "blessed_dir=gs://persia-test/blessed/criteo",
-           "--param", "warm_start_from=gs://persia-test/blessed/criteo"]
+BLESSED = [
+    "--param",
+    "blessed_dir=gs://persia-test/blessed/criteo",
+    "--param",
+    "warm_start_from=gs://persia-test/blessed/criteo",
+]
 
 
 def _runtime(job):
@@ -109,12 +119,34 @@ def _runtime(job):
 
 
 def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(template, gapic, capsys):
-    rc = submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--service-account", SA,
-                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/", "--param", "config=criteo",
-                      "--param", "num_parameter_servers=4", "--param", "epochs=1", *BLESSED, "--no-cache",
-                      "--label", "team=ranking", "--display-name", "persia-manual"])
+    rc = submit.main(
+        [
+            "run",
+            *TARGET,
+            "--pipeline-root",
+            ROOT,
+            "--template",
+            template,
+            "--service-account",
+            SA,
+            "--param",
+            "data=gs://persia-test/criteo/dt={date-1d}/",
+            "--param",
+            "config=criteo",
+            "--param",
+            "num_parameter_servers=4",
+            "--param",
+            "epochs=1",
+            *BLESSED,
+            "--no-cache",
+            "--label",
+            "team=ranking",
+            "--display-name",
+            "persia-manual",
+        ]
+    )
     assert rc == 0
-    (method, req), = gapic
+    ((method, req),) = gapic
     assert method == "create_pipeline_job" and req["parent"] == f"projects/{PROJECT}/locations/{REGION}"
     job = req["pipeline_job"]
     assert job.display_name == "persia-manual" and job.service_account == SA
@@ -132,12 +164,15 @@ def test_submit_run_sends_one_create_pipeline_job_request_with_typed_parameters(
     assert io.exists("gs://persia-test")  # submit made the pipeline root's bucket (in the emulator)
 
 
-@pytest.mark.parametrize("param, message", [
-    ("nope=1", "unknown pipeline parameter"),
-    ("num_parameter_servers=two", "'num_parameter_servers': expected an integer"),
-    ("epochs=1.5", "'epochs': expected an integer"),
-    ("data", "NAME=VALUE"),
-])
+@pytest.mark.parametrize(
+    "param, message",
+    [
+        ("nope=1", "unknown pipeline parameter"),
+        ("num_parameter_servers=two", "'num_parameter_servers': expected an integer"),
+        ("epochs=1.5", "'epochs': expected an integer"),
+        ("data", "NAME=VALUE"),
+    ],
+)
 def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template, gapic, param, message, capsys):
     with pytest.raises(SystemExit) as e:
         submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--param", param])
@@ -145,19 +180,22 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
     assert gapic == []
 
 
-@pytest.mark.parametrize("params, message", [
-    ([], "blessed_dir 'local_outputs/blessed' is a folder inside the run's container"),
-    (["--param", "blessed_dir=/tmp/blessed"], "blessed_dir '/tmp/blessed'"),
-    ([*BLESSED[:2], "--param", "warm_start_from=local_outputs/blessed"], "warm_start_from 'local_outputs/blessed'"),
-    ([*BLESSED, "--param", "data=gs://b/dt={date-1x}/"], "unrecognized date token"),
-    ([*BLESSED, "--param", "data=gs://b/dt={data}/"], "{data} is not a token"),
-    ([*BLESSED, "--param", "data=gs://b/dt={date-100000000d}/"], "a date offset beyond the calendar"),
-    ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
-    ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
-    ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
-    ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
-    ([*BLESSED, "--param", "config=critea"], "config 'critea' is not a shipped run config ['criteo', 'movielens']"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ([], "blessed_dir 'local_outputs/blessed' is a folder inside the run's container"),
+        (["--param", "blessed_dir=/tmp/blessed"], "blessed_dir '/tmp/blessed'"),
+        ([*BLESSED[:2], "--param", "warm_start_from=local_outputs/blessed"], "warm_start_from 'local_outputs/blessed'"),
+        ([*BLESSED, "--param", "data=gs://b/dt={date-1x}/"], "unrecognized date token"),
+        ([*BLESSED, "--param", "data=gs://b/dt={data}/"], "{data} is not a token"),
+        ([*BLESSED, "--param", "data=gs://b/dt={date-100000000d}/"], "a date offset beyond the calendar"),
+        ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
+        ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
+        ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
+        ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
+        ([*BLESSED, "--param", "config=critea"], "config 'critea' is not a shipped run config ['criteo', 'movielens']"),
+    ],
+)
 def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
     with pytest.raises(SystemExit) as e:
         submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, *params])
@@ -189,12 +227,34 @@ def test_submit_refuses_a_template_compiled_for_the_local_target(tmp_path, gapic
 
 
 def test_schedule_create_sends_cron_time_zone_concurrency_and_the_run_request(template, gapic, capsys):
-    rc = submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
-                      "--name", "persia-nightly", "--cron", "0 3 * * *", "--time-zone", "Europe/Berlin",
-                      "--max-concurrent-runs", "1", "--max-runs", "30", "--service-account", SA,
-                      "--param", "data=gs://persia-test/criteo/dt={date-1d}/", *BLESSED])
+    rc = submit.main(
+        [
+            "schedule",
+            "create",
+            *TARGET,
+            "--pipeline-root",
+            ROOT,
+            "--template",
+            template,
+            "--name",
+            "persia-nightly",
+            "--cron",
+            "0 3 * * *",
+            "--time-zone",
+            "Europe/Berlin",
+            "--max-concurrent-runs",
+            "1",
+            "--max-runs",
+            "30",
+            "--service-account",
+            SA,
+            "--param",
+            "data=gs://persia-test/criteo/dt={date-1d}/",
+            *BLESSED,
+        ]
+    )
     assert rc == 0
-    (method, req), = gapic
+    ((method, req),) = gapic
     assert method == "create_schedule" and req["parent"] == f"projects/{PROJECT}/locations/{REGION}"
     s = req["schedule"]
     assert s.display_name == "persia-nightly" and s.cron == "TZ=Europe/Berlin 0 3 * * *"
@@ -207,24 +267,28 @@ def test_schedule_create_sends_cron_time_zone_concurrency_and_the_run_request(te
     assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/schedules/42"
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--cron", "0 3 * *"], "5 fields"),
-    (["--cron", "0 3 * * *", "--time-zone", "Mars/Olympus"], "IANA time zone"),
-    (["--cron", "TZ=UTC 0 3 * * *"], "--time-zone"),
-    (["--cron", "0 3 * * *", "--max-concurrent-runs", "0"], "max-concurrent-runs"),
-    (["--cron", "0 3 * * *", "--start-time", "tomorrow"], "RFC 3339"),
-    (["--cron", "0 25 * * *"], "hour '25' must lie in 0-23"),
-    (["--cron", "60 3 * * *"], "minute '60' must lie in 0-59"),
-    (["--cron", "0 3 0 * *"], "day-of-month '0' must lie in 1-31"),
-    (["--cron", "0 3 * 13 *"], "month '13' must lie in 1-12"),
-    (["--cron", "0 3 * * 8"], "day-of-week '8' must lie in 0-7"),
-    (["--cron", "*/0 3 * * *"], "bad step '0'"),
-    (["--cron", "0 5-2 * * *"], "runs backwards"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--cron", "0 3 * *"], "5 fields"),
+        (["--cron", "0 3 * * *", "--time-zone", "Mars/Olympus"], "IANA time zone"),
+        (["--cron", "TZ=UTC 0 3 * * *"], "--time-zone"),
+        (["--cron", "0 3 * * *", "--max-concurrent-runs", "0"], "max-concurrent-runs"),
+        (["--cron", "0 3 * * *", "--start-time", "tomorrow"], "RFC 3339"),
+        (["--cron", "0 25 * * *"], "hour '25' must lie in 0-23"),
+        (["--cron", "60 3 * * *"], "minute '60' must lie in 0-59"),
+        (["--cron", "0 3 0 * *"], "day-of-month '0' must lie in 1-31"),
+        (["--cron", "0 3 * 13 *"], "month '13' must lie in 1-12"),
+        (["--cron", "0 3 * * 8"], "day-of-week '8' must lie in 0-7"),
+        (["--cron", "*/0 3 * * *"], "bad step '0'"),
+        (["--cron", "0 5-2 * * *"], "runs backwards"),
+    ],
+)
 def test_schedule_create_rejects_bad_settings_before_sending(template, gapic, extra, message, capsys):
     with pytest.raises(SystemExit):
-        submit.main(["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template,
-                     "--name", "n", *extra])
+        submit.main(
+            ["schedule", "create", *TARGET, "--pipeline-root", ROOT, "--template", template, "--name", "n", *extra]
+        )
     assert message in capsys.readouterr().err and gapic == []
 
 
@@ -240,17 +304,36 @@ def test_schedule_list_pause_resume_delete_address_the_schedule(gapic, capsys):
     assert name in capsys.readouterr().out
     for action in ("pause", "resume", "delete"):
         assert submit.main(["schedule", action, *TARGET, "42"]) == 0
-    assert [(m, kw.get("name")) for m, kw in gapic[1:]] == [("pause_schedule", name), ("resume_schedule", name),
-                                                           ("delete_schedule", name)]
+    assert [(m, kw.get("name")) for m, kw in gapic[1:]] == [
+        ("pause_schedule", name),
+        ("resume_schedule", name),
+        ("delete_schedule", name),
+    ]
 
 
 def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(gapic, capsys):
-    rc = submit.main(["register-model", *TARGET, "--artifact-uri", "/gcs/persia-test/blessed/current",
-                      "--display-name", "persia-ctr", "--serving-image", IMAGE,
-                      "--parent-model", f"projects/{PROJECT}/locations/{REGION}/models/7", "--alias", "blessed",
-                      "--label", "run=nightly", "--description", "nightly blessed model"])
+    rc = submit.main(
+        [
+            "register-model",
+            *TARGET,
+            "--artifact-uri",
+            "/gcs/persia-test/blessed/current",
+            "--display-name",
+            "persia-ctr",
+            "--serving-image",
+            IMAGE,
+            "--parent-model",
+            f"projects/{PROJECT}/locations/{REGION}/models/7",
+            "--alias",
+            "blessed",
+            "--label",
+            "run=nightly",
+            "--description",
+            "nightly blessed model",
+        ]
+    )
     assert rc == 0
-    (method, req), = gapic
+    ((method, req),) = gapic
     r = req["request"]
     assert method == "upload_model" and r.parent == f"projects/{PROJECT}/locations/{REGION}"
     assert r.parent_model == f"projects/{PROJECT}/locations/{REGION}/models/7"
@@ -265,10 +348,25 @@ def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(ga
 
 
 def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
-    submit.main(["run", *TARGET, "--pipeline-root", ROOT, "--template", template, "--dataflow",
-                 "--dataflow-image", IMAGE, "--dataflow-max-workers", "25", "--dataflow-machine-type",
-                 "n2-highmem-8", *BLESSED])
-    (method, req), = gapic
+    submit.main(
+        [
+            "run",
+            *TARGET,
+            "--pipeline-root",
+            ROOT,
+            "--template",
+            template,
+            "--dataflow",
+            "--dataflow-image",
+            IMAGE,
+            "--dataflow-max-workers",
+            "25",
+            "--dataflow-machine-type",
+            "n2-highmem-8",
+            *BLESSED,
+        ]
+    )
+    ((method, req),) = gapic
     args = json.loads(_runtime(req["pipeline_job"])["beam_args"])
     opts = PipelineOptions(args)
     gcp = opts.view_as(GoogleCloudOptions)
@@ -279,14 +377,25 @@ def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
 
 
 def test_dataflow_beam_args_build_the_runner_options_and_check_them():
-    args = submit.dataflow_beam_args(PROJECT, "europe-west1", "gs://b/tmp", "n2-standard-8", 40, IMAGE,
-                                     service_account="df@test-project.iam.gserviceaccount.com",
-                                     subnetwork="regions/europe-west1/subnetworks/default")
+    args = submit.dataflow_beam_args(
+        PROJECT,
+        "europe-west1",
+        "gs://b/tmp",
+        "n2-standard-8",
+        40,
+        IMAGE,
+        service_account="df@test-project.iam.gserviceaccount.com",
+        subnetwork="regions/europe-west1/subnetworks/default",
+    )
     opts = PipelineOptions(args)
     gcp, w = opts.view_as(GoogleCloudOptions), opts.view_as(WorkerOptions)
     assert opts.view_as(StandardOptions).runner == "DataflowRunner"
     assert (gcp.project, gcp.region, gcp.temp_location, gcp.staging_location) == (
-        PROJECT, "europe-west1", "gs://b/tmp", "gs://b/tmp")
+        PROJECT,
+        "europe-west1",
+        "gs://b/tmp",
+        "gs://b/tmp",
+    )
     assert gcp.service_account_email == "df@test-project.iam.gserviceaccount.com"
     assert (w.machine_type, w.max_num_workers, w.sdk_container_image) == ("n2-standard-8", 40, IMAGE)
     assert w.subnetwork == "regions/europe-west1/subnetworks/default"
