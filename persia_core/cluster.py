@@ -512,7 +512,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
     storage_roots = list(dict.fromkeys([args.out, checkpoint_folder(args, config)]))
     started = time.time()
     procs = []
-    for shard, port in zip(place.shards, place.ports):
+    for shard, port in zip(place.shards, place.ports, strict=True):
         cmd = [
             sys.executable,
             "-m",
@@ -550,7 +550,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
     done = io.join(args.control, DONE_MARKER) if args.control else ""
     try:
         while True:
-            for shard, p in zip(place.shards, procs):
+            for shard, p in zip(place.shards, procs, strict=True):
                 if p.poll() is not None:
                     log.error("parameter server of shard %d exited with code %s", shard, p.returncode)
                     return p.returncode or 1

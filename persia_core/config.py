@@ -444,11 +444,11 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
         """Build and validate from a plain dict. Raises ``ValueError`` naming an unknown key or a wrong type."""
         return _build(cls, data, "")
 
-    def with_overrides(self, overrides: dict[str, Any]) -> "RunConfig":
+    def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
         """A copy with dotted-key overrides applied; validated again. An item of a list of named sections
         (``embedding.tables``, ``slots``) is reached by its name or its index: ``{"trainer.epochs": 1,
         "embedding.tables.default.dim": 32, "embedding.tables[0].optimizer.lr": 0.05, "slots.user.id_dropout":

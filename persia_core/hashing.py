@@ -16,7 +16,7 @@ the SplitMix64 finalizer), so that the shard does not share bits with the tables
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import xxhash

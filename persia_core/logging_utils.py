@@ -16,7 +16,8 @@ import os
 import sys
 import tempfile
 import time
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -159,7 +160,7 @@ def write_tensorboard(history: dict, log_dir: str) -> str | None:
     try:
         last_step = 0
         for tag, (steps, values) in _scalar_series(history).items():
-            for step, value in zip(steps, values):
+            for step, value in zip(steps, values, strict=True):
                 writer.add_scalar(tag, value, global_step=step)
             if steps:
                 last_step = max(last_step, steps[-1])

@@ -57,7 +57,7 @@ class IdBatch:
         off = self.offsets[s * b : (s + 1) * b + 1]
         return self.values[off[0] : off[-1]], off - off[0]
 
-    def select_slots(self, keys: list[str]) -> "IdBatch":
+    def select_slots(self, keys: list[str]) -> IdBatch:
         """The sub-batch of the named slots, in that order."""
         vals, offs = [], [np.zeros(1, dtype=np.int64)]
         total = 0

@@ -83,7 +83,7 @@ def captured_output(log_path: str, verbose: bool = False):
             )
 
     def follow() -> None:
-        with open(log_path, "r", errors="replace") as f:
+        with open(log_path, errors="replace") as f:
             f.seek(start)
             pending = ""
             while True:
@@ -102,7 +102,7 @@ def captured_output(log_path: str, verbose: bool = False):
     tail.start()
 
     def last_lines(n: int = 60) -> str:
-        with open(log_path, "r", errors="replace") as f:
+        with open(log_path, errors="replace") as f:
             f.seek(start)
             lines = [_ANSI.sub("", line) for line in f.readlines()]
         return "".join([line for line in lines if not _NOISE.search(line)][-n:])

@@ -248,7 +248,7 @@ def cron_with_time_zone(cron: str, time_zone: str) -> str:
         raise ValueError("give the time zone with --time-zone, not inside --cron")
     if len(fields) != 5:
         raise ValueError(f"--cron {cron!r}: expected 5 fields (minute hour day-of-month month day-of-week)")
-    for field, (name, lo, hi, names) in zip(fields, _CRON_FIELDS):
+    for field, (name, lo, hi, names) in zip(fields, _CRON_FIELDS, strict=True):
         _check_cron_field(cron, field, name, lo, hi, names)
     try:
         zoneinfo.ZoneInfo(time_zone)
@@ -328,7 +328,7 @@ def build_pipeline_job(
     values = check_parameters(parameter_values or {}, parameter_specs(spec), from_text)
     check_cloud_values(values, parameter_specs(spec))
     name = spec["pipelineInfo"]["name"]
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
     return aiplatform.PipelineJob(
         display_name=display_name or f"{name}-{stamp}",
         template_path=template,

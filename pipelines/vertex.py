@@ -272,14 +272,14 @@ def parse_schedule_time(value: str, now: _dt.datetime | None = None) -> _dt.date
     ``now`` (default: the current UTC time). Raises ``ValueError`` for an unparsable time."""
     value = (value or "").strip()
     if not value or value.startswith("{{"):
-        return (now or _dt.datetime.now(_dt.timezone.utc)).astimezone(_dt.timezone.utc)
+        return (now or _dt.datetime.now(_dt.UTC)).astimezone(_dt.UTC)
     m = re.fullmatch(r"(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:\d{2})?", value)
     if not m:
         raise ValueError(f"schedule time {value!r} is not an RFC 3339 time")
     frac = (m.group(2) or "")[:7]  # Python keeps microseconds
     tz = m.group(3) or "Z"
     t = _dt.datetime.fromisoformat(m.group(1) + frac + ("+00:00" if tz == "Z" else tz))
-    return t.astimezone(_dt.timezone.utc)
+    return t.astimezone(_dt.UTC)
 
 
 def resolve_data_path(template: str, schedule_time: str, now: _dt.datetime | None = None) -> str:

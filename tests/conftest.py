@@ -1,7 +1,6 @@
 """Shared fixtures (helpers live in ``tests/support.py``, importable as ``support``)."""
 
 import pytest
-
 from support import write_dataset
 
 

@@ -48,7 +48,7 @@ class IndexedSplit:
             v = self.fixed[rows].T.reshape(-1)
             return v, np.ones(len(v), dtype=np.int64)
         vals, lens = [], []
-        for v, o in zip(self.values, self.offsets):
+        for v, o in zip(self.values, self.offsets, strict=True):
             bv, bo = jagged_take(v, o, rows)
             vals.append(bv)
             lens.append(np.diff(bo))
@@ -71,7 +71,7 @@ class IndexedData:
 
 def _index_split(ex: ParquetExamples, slots: list[str], vocabs: list[np.ndarray]) -> IndexedSplit:
     values, offsets = [], []
-    for s, vocab in zip(slots, vocabs):
+    for s, vocab in zip(slots, vocabs, strict=True):
         v, o = ex.ids[s]
         pos = np.minimum(np.searchsorted(vocab, v), max(len(vocab) - 1, 0))
         found = vocab[pos] == v if len(vocab) else np.zeros(len(v), bool)
@@ -84,7 +84,7 @@ def _index_split(ex: ParquetExamples, slots: list[str], vocabs: list[np.ndarray]
         offsets.append(o.astype(np.int64))
     fixed = None
     r = len(ex)
-    if all(len(v) == r and np.array_equal(o, np.arange(r + 1)) for v, o in zip(values, offsets)):
+    if all(len(v) == r and np.array_equal(o, np.arange(r + 1)) for v, o in zip(values, offsets, strict=True)):
         fixed = np.stack(values, axis=1) if values else np.zeros((r, 0), np.int64)
         values, offsets = [], []  # the matrix holds them; halves the memory of a large split
     return IndexedSplit(ex.labels, ex.dense, values, offsets, fixed)
@@ -230,12 +230,11 @@ def run_plain_torch(
     Returns ``{"sps", "auc", "logloss", "ne", "samples", "train_seconds", "eval_seconds", "final_loss"}``.
     ``batch_size``: default ``trainer.batch_size``; ``threads``: torch intra-op threads (0 = all cores)."""
     import os
+    import warnings
 
     import torch.nn.functional as F
 
     from persia_core.models import build_model
-
-    import warnings
 
     warnings.filterwarnings("ignore", message="Sparse invariant checks")  # from Adagrad's sparse path
     torch.set_flush_denormal(True)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     # torch's note on its own sparse gradients (the static table's), printed once amid the figures
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-    from persia_core.config import EmbeddingConfig, OptimizerConfig, TableConfig
+    from persia_core.config import OptimizerConfig
     from persia_core.embedding.kernels import dedup
     from persia_core.embedding.table import EmbeddingTable, bytes_per_row, row_bytes_without_index
 

@@ -119,7 +119,7 @@ def _build(config, data, seed: int):
             weight_init_min=-table.init_scale,
             weight_init_max=table.init_scale,
         )
-        for s, v in zip(data.slots, data.vocab)
+        for s, v in zip(data.slots, data.vocab, strict=True)
     ]
     ebc = FusedEmbeddingBagCollection(
         tables,

@@ -34,7 +34,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 log = logging.getLogger("persia.tfrecord")
 
@@ -92,7 +92,7 @@ def examples_to_lines(records: Iterable[bytes], layout, where: str = "") -> Iter
         example = tf.train.Example.FromString(raw)
         at = f"{where}record {i}"
         fields = example_to_fields(example, layout.columns, at)
-        for name, text in zip(layout.columns, fields):
+        for name, text in zip(layout.columns, fields, strict=True):
             if layout.delimiter in text or "\n" in text or "\r" in text:
                 raise ValueError(f"{at}: feature {name!r} holds the delimiter or a line break: {text!r}")
         yield layout.delimiter.join(fields)

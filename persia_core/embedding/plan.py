@@ -247,7 +247,9 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         shards = [
             {"path": rel, "bytes": None, "crc32c": c}
             for rel, c in zip(
-                manifest["shard_files"], manifest.get("shard_crc32c") or [None] * len(manifest["shard_files"])
+                manifest["shard_files"],
+                manifest.get("shard_crc32c") or [None] * len(manifest["shard_files"]),
+                strict=True,
             )
         ]
         dense_rel = manifest["dense_file"]

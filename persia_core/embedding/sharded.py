@@ -226,7 +226,7 @@ def _has_internals(t) -> bool:
         "capacity",
         "dim",
     )
-    return all(hasattr(t, a) for a in need) and isinstance(getattr(t, "state"), dict)
+    return all(hasattr(t, a) for a in need) and isinstance(t.state, dict)
 
 
 def table_arrays(t: EmbeddingTable) -> TableArrays:
@@ -720,7 +720,7 @@ class LocalEmbedding:
         """Load one shard file per shard (``paths[i]`` into shard i)."""
         if len(paths) != self.num_shards:
             raise ValueError(f"{len(paths)} shard files for {self.num_shards} shards")
-        for p, tables in zip(paths, self.shards):
+        for p, tables in zip(paths, self.shards, strict=True):
             load_shard_file(p, tables)
 
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
@@ -774,7 +774,7 @@ class LocalEmbedding:
 
     def dump(self, paths: list[str]) -> list[int]:
         """Write shard i to ``paths[i]``; returns bytes written per shard."""
-        return [write_shard_file(p, tables)[0] for p, tables in zip(paths, self.shards)]
+        return [write_shard_file(p, tables)[0] for p, tables in zip(paths, self.shards, strict=True)]
 
     def close(self) -> None:
         pass

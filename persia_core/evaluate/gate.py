@@ -322,7 +322,7 @@ def _files_under(root: str) -> list[str]:
 
 
 def _new_version() -> str:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return f"{now:%Y%m%dT%H%M%S}Z-{secrets.token_hex(3)}"
 
 
@@ -357,7 +357,7 @@ def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None
         "metrics": {k: v for k, v in metrics.items() if v is None or isinstance(v, (bool, int, float, str))},
         "source": str(model_dir),
         "files": len(files),
-        "blessed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "blessed_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     if decision is not None:
         marker["decision"] = {"decision": decision.get("decision"), "reasons": list(decision.get("reasons", []))}

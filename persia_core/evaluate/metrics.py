@@ -184,8 +184,8 @@ def reliability(labels: np.ndarray, preds: np.ndarray, bins: int = 10) -> dict:
     return {
         "bin_edges": np.linspace(0.0, 1.0, bins + 1).tolist(),
         "count": count.tolist(),
-        "mean_prediction": [float(v) if ok else None for v, ok in zip(mean_p, nonempty)],
-        "observed_rate": [float(v) if ok else None for v, ok in zip(rate, nonempty)],
+        "mean_prediction": [float(v) if ok else None for v, ok in zip(mean_p, nonempty, strict=True)],
+        "observed_rate": [float(v) if ok else None for v, ok in zip(rate, nonempty, strict=True)],
         "ece": ece,
     }
 

@@ -26,8 +26,8 @@ the raw row), ``probability`` (float32) and, when the input has labels, ``label`
 from __future__ import annotations
 
 import csv
-import json
 import io as _io
+import json
 import logging
 import os
 import tempfile
@@ -186,9 +186,11 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
         lists = layouts.tags_before_each(
             events.get(movie, []), [ratings[i][0]["timestamp"] for i in idx], layout.max_tags
         )
-        for i, t in zip(idx, lists):
+        for i, t in zip(idx, lists, strict=True):
             tags[i] = t
-    out = [(layouts.movielens_record(r, movies[r["movieId"]], t), src) for (r, src), t in zip(ratings, tags)]
+    out = [
+        (layouts.movielens_record(r, movies[r["movieId"]], t), src) for (r, src), t in zip(ratings, tags, strict=True)
+    ]
     return out, all_labelled
 
 
@@ -222,7 +224,7 @@ def _write(output_path: str, table: pa.Table) -> None:
     w = csv.writer(text, lineterminator="\n")
     w.writerow(table.column_names)
     cols = [table.column(c).to_pylist() for c in table.column_names]
-    for row in zip(*cols):
+    for row in zip(*cols, strict=True):
         w.writerow([f"{v:.9g}" if isinstance(v, float) else v for v in row])
     io.write_text(output_path, text.getvalue())
 

@@ -202,7 +202,7 @@ def _roc_figure(y: np.ndarray, p: np.ndarray) -> str:
 
 def _reliability_figure(y: np.ndarray, p: np.ndarray) -> str:
     rel = reliability(y, p, bins=RELIABILITY_BINS)
-    pairs = [(m, r) for m, r in zip(rel["mean_prediction"], rel["observed_rate"]) if m is not None]
+    pairs = [(m, r) for m, r in zip(rel["mean_prediction"], rel["observed_rate"], strict=True) if m is not None]
     fig = Figure(figsize=(5.5, 6.5))
     ax, ax_n = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 1]})
     ax.plot([0, 1], [0, 1], color="grey", ls="--", lw=1, label="Perfectly calibrated")

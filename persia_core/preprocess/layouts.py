@@ -25,8 +25,9 @@ import math
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from itertools import islice
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from persia_core.config import LayoutConfig
 
@@ -340,7 +341,7 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
             "wrong field count",
         )
     _expect_fields(values, len(layout.columns))
-    row = dict(zip(layout.columns, values))
+    row = dict(zip(layout.columns, values, strict=True))
     label = _parse_label(row[layout.label_column].strip(), layout.label_column)
     log1p = layout.dense_transform == "log1p"
     dense = []

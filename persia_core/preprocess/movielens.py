@@ -13,7 +13,7 @@ The per-record logic (parsing, tags before a rating, the user history) is in ``l
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import apache_beam as beam
 from apache_beam.pvalue import TaggedOutput
@@ -80,7 +80,7 @@ class JoinMovieFn(beam.DoFn):
         movie = movies[0][3]
         events = [(t[3]["timestamp"], t[3]["tag"]) for t in groups["tags"]]
         tag_lists = layouts.tags_before_each(events, [r[3]["timestamp"] for r in ratings], self.max_tags)
-        for (line_no, source, _, rating), tags in zip(ratings, tag_lists):
+        for (line_no, source, _, rating), tags in zip(ratings, tag_lists, strict=True):
             record = layouts.movielens_record(rating, movie, tags)
             self.rows.inc()
             if self.by_user:
@@ -106,7 +106,9 @@ class UserHistoryFn(beam.DoFn):
         _, joined = element
         joined = sorted(joined, key=lambda j: (j[0], j[1]))
         events = [(r["ts"], r["fields"]["movieId"][0], r["label"] == 1.0) for _, _, r in joined]
-        for (_, source, record), history in zip(joined, layouts.user_history_each(events, self.history_length)):
+        for (_, source, record), history in zip(
+            joined, layouts.user_history_each(events, self.history_length), strict=True
+        ):
             yield encode_row(layouts.with_user_history(record, history), self.specs, source, record["ts"])
 
 

@@ -41,11 +41,11 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
-import yaml
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 from apache_beam.pvalue import AsDict, AsSingleton, TaggedOutput
@@ -56,30 +56,25 @@ from persia_core.data import schema
 from persia_core.preprocess import layouts
 
 # Re-exported: callers and tests import these names from here.
-from persia_core.preprocess.movielens import JoinMovieFn, JoinMovieLens, KeyByMovieFn, UserHistoryFn
+from persia_core.preprocess.movielens import JoinMovieLens
 from persia_core.preprocess.rows import (
     DEAD,
     DENSE,
     KEY,
     LABEL,
-    NAMESPACE,
     SLOTS,
     SOURCE,
     TS,
     counter,
     dead_letter,
-    decode_row,
     encode_row,
     slot_specs,
-    source_key,
 )
 from persia_core.preprocess.stats import (
     DenseStatsFn,
     DistinctIdsFn,
     MalformedSummaryFn,
     SplitPlanFn,
-    shard_bounds,
-    split_cutoff,
 )
 
 log = logging.getLogger(__name__)

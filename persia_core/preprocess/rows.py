@@ -69,7 +69,7 @@ def decode_row(row: tuple, slot_names: list[str]) -> dict[str, Any]:
     ``dense`` is a list of float32 values as Python floats, each slot a list of Python ints in [0, 2^64).
     """
     out: dict[str, Any] = {schema.LABEL: row[LABEL], schema.DENSE: array("f", row[DENSE]).tolist()}
-    for name, blob in zip(slot_names, row[SLOTS]):
+    for name, blob in zip(slot_names, row[SLOTS], strict=True):
         out[schema.slot_column(name)] = array("Q", blob).tolist()
     out[schema.TS] = row[TS]
     out[schema.SOURCE] = row[SOURCE]

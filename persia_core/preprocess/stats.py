@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -44,7 +45,7 @@ class _Int64Pairs:
             self.chunks.append((np.array(self.a, np.int64), np.array(self.b, np.int64)))
             self.a, self.b = [], []
 
-    def merge(self, other: "_Int64Pairs") -> None:
+    def merge(self, other: _Int64Pairs) -> None:
         other.compact()
         self.compact()
         self.chunks.extend(other.chunks)
@@ -265,7 +266,7 @@ class DistinctIdsFn(beam.CombineFn):
         acc[2] = 0
 
     def add_input(self, acc: list, row: tuple) -> list:
-        for pending, blob in zip(acc[1], row[SLOTS]):
+        for pending, blob in zip(acc[1], row[SLOTS], strict=True):
             if blob:
                 pending.append(blob)
         acc[2] += 1
@@ -289,7 +290,7 @@ class DistinctIdsFn(beam.CombineFn):
         m = 1 << self.p
         alpha = 0.7213 / (1.0 + 1.079 / m)
         out = {}
-        for name, reg in zip(self.slot_names, acc[0]):
+        for name, reg in zip(self.slot_names, acc[0], strict=True):
             estimate = alpha * m * m / float(np.sum(np.ldexp(1.0, -reg.astype(np.int64))))
             zeros = int(np.count_nonzero(reg == 0))
             if estimate <= 2.5 * m and zeros:

@@ -110,7 +110,7 @@ class CheckpointSettings:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "CheckpointSettings":
+    def from_json(cls, text: str) -> CheckpointSettings:
         return cls(**json.loads(text)) if text else cls()
 
 
@@ -526,7 +526,7 @@ def dump_shards(backend, paths: list[str], timeout_s: float = 1800.0) -> list[tu
         return out
     from persia_core.embedding.sharded import write_shard_file
 
-    return [write_shard_file(p, tables) for p, tables in zip(paths, backend.shards)]
+    return [write_shard_file(p, tables) for p, tables in zip(paths, backend.shards, strict=True)]
 
 
 class Checkpointer:

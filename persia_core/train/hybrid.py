@@ -284,7 +284,7 @@ class HybridTrainPipeline:
                 self.cond.notify_all()
             self._put(None)
 
-    def _prepare(self, step: int, batch: Batch, gbs: int) -> "_Item":
+    def _prepare(self, step: int, batch: Batch, gbs: int) -> _Item:
         """ID dropout and dedup, then (once the staleness bound allows) lookups and staging for one batch."""
         ids = batch.ids
         if self.dropout:
@@ -301,7 +301,7 @@ class HybridTrainPipeline:
         rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
         return self._stage(_Item(step, batch, gbs, prepared, rows, staleness))
 
-    def _stage(self, item: "_Item") -> "_Item":
+    def _stage(self, item: _Item) -> _Item:
         """Turn the item's arrays into tensors on the training device (rows as fp16 when asked)."""
 
         def host(a: np.ndarray, half: bool = False) -> torch.Tensor:

@@ -198,7 +198,7 @@ class _Proc:
         return f"exited with code {rc}"
 
 
-def _failed(p: _Proc, what: str) -> "TrainingFailed":
+def _failed(p: _Proc, what: str) -> TrainingFailed:
     """``TrainingFailed`` naming ``p``, what happened to it, and its last log lines."""
     return TrainingFailed(
         f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
@@ -322,7 +322,7 @@ class LocalCluster:
                 args += ["--storage-root", root]
             self.servers.append(self._spawn(f"ps-{s}", args, self._env()))
         deadline = time.monotonic() + timeout_s
-        for proc, pf in zip(self.servers, port_files):
+        for proc, pf in zip(self.servers, port_files, strict=True):
             while not os.path.exists(pf):
                 for p in self.servers:
                     if p.popen.poll() == EXIT_BAD_INIT:
@@ -448,7 +448,7 @@ class LocalCluster:
 
         remove_segments_of([p.popen.pid for p in self.workers])  # left by a worker killed before its close
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

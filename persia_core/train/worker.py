@@ -27,7 +27,6 @@ import sys
 import time
 import uuid
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,7 +76,7 @@ def run_worker(
     world: int,
     progress_every: int = 20,
     on_step=None,
-    checkpointer: "ckpt.Checkpointer | None" = None,
+    checkpointer: ckpt.Checkpointer | None = None,
     resume: tuple[str, dict] | None = None,
     init_dense: str = "",
 ) -> dict:
@@ -200,7 +199,7 @@ def run_worker(
             local = local.cpu()
             loss_sync_s += time.perf_counter() - ta
         values = local.tolist()
-        for (res, _), total in zip(pending, values[:-1]):
+        for (res, _), total in zip(pending, values[:-1], strict=True):
             history["loss"].append(total / max(schedule.global_batch[res.step], 1))
             if on_step is not None:
                 on_step(res, history["loss"][-1], model)
@@ -292,7 +291,7 @@ def run_worker(
     return history
 
 
-def settings_from(config: RunConfig, args, out_dir: str) -> "ckpt.CheckpointSettings | None":
+def settings_from(config: RunConfig, args, out_dir: str) -> ckpt.CheckpointSettings | None:
     """Checkpoint settings from the command line (``--checkpoint-dir`` and friends), else from the
     ``trainer.checkpoint_*`` config fields where the config has them. None when checkpoints are off."""
     if args.checkpoint_dir:

@@ -5,13 +5,13 @@ import os
 
 import numpy as np
 import pytest
+from support import write_dataset
 
 from persia_core.bench import hybrid
 from persia_core.bench.baselines import load_indexed
 from persia_core.bench.criteo_synth import NUM_DENSE, SLOTS, write_criteo_synth
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.hashing import feature_id
-from support import write_dataset
 
 
 def test_criteo_synth_writes_one_hashed_id_per_slot_and_a_learnable_label(tmp_path):

@@ -5,13 +5,12 @@ import os
 import numpy as np
 import pytest
 import torch
+from support import tiny_config, write_dataset
 
 from persia_core import io
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
 from persia_core.train import checkpoint as ckpt
 from persia_core.train.worker import run_worker
-
-from support import tiny_config, write_dataset
 
 
 def _run(cfg, data, out, ckpt_dir, every, resume=None, backend=None):
@@ -56,7 +55,7 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
     b = torch.load(tmp_path / "b" / "dense.pt", weights_only=True)
     for k in a:
         np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-6, rtol=0)
-    for sa, sb in zip(full.state_dicts(), resumed.state_dicts()):
+    for sa, sb in zip(full.state_dicts(), resumed.state_dicts(), strict=True):
         for k in ("keys", "weights", "m", "v", "steps"):
             np.testing.assert_allclose(sa["default"][k], sb["default"][k], atol=1e-6, rtol=0, err_msg=k)
     # the final checkpoints hold the same dense optimizer (Adam) state
@@ -232,7 +231,7 @@ def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_pa
     rows = {
         int(k): (w, a)
         for sd in before
-        for k, w, a in zip(sd["default"]["keys"], sd["default"]["weights"], sd["default"]["acc"])
+        for k, w, a in zip(sd["default"]["keys"], sd["default"]["weights"], sd["default"]["acc"], strict=True)
     }
     after = LocalEmbedding(cfg.embedding, seed=0)
     seen = 0
@@ -240,7 +239,7 @@ def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_pa
         load_shard_file(init["path"], after.shards[s], init["bytes"], init["crc32c"])
         sd = after.shards[s]["default"].state_dict()
         assert (shard_of(sd["keys"], 3) == s).all()
-        for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"]):
+        for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"], strict=True):
             np.testing.assert_array_equal(w, rows[int(k)][0])
             assert a == rows[int(k)][1]
         seen += len(sd["keys"])

@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import pytest
+from support import tiny_config
 
 from persia_core.config import OptimizerConfig
 from persia_core.embedding import sharded as S
@@ -12,8 +13,6 @@ from persia_core.embedding.plan import reshard
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.hashing import shard_of
 from persia_core.ps.server import ParameterServerShard
-
-from support import tiny_config
 
 OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 
@@ -106,16 +105,16 @@ def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state
             old[s]["default"].lookup(part)
             old[s]["default"].apply_gradients(part, rng.normal(size=(len(part), 4)).astype(np.float32))
     paths = [str(tmp_path / f"old{s}.npz") for s in range(2)]
-    for p, tables in zip(paths, old):
+    for p, tables in zip(paths, old, strict=True):
         S.write_shard_file(p, tables)
     new, report = reshard([S.read_shard_file(p).tables for p in paths], 3)
     new_paths = [str(tmp_path / f"new{s}.npz") for s in range(3)]
-    for p, tables in zip(new_paths, new):
+    for p, tables in zip(new_paths, new, strict=True):
         S.write_shard_arrays(p, tables)
     before = {}
     for tables in old:
         sd = tables["default"].state_dict()
-        before.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+        before.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"], strict=True)})
     assert report["rows"]["default"] == len(before) and report["dropped"]["default"] == 0
     after = {}
     for s, p in enumerate(new_paths):
@@ -123,7 +122,7 @@ def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state
         S.load_shard_file(p, tables)
         sd = tables["default"].state_dict()
         assert (shard_of(sd["keys"], 3) == s).all()  # routed by the new plan
-        after.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+        after.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"], strict=True)})
     assert after.keys() == before.keys()
     for k, (w, a) in before.items():
         np.testing.assert_array_equal(after[k][0], w)

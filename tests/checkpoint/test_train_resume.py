@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support import tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import WarmStartError, init_shards
@@ -20,8 +21,6 @@ from persia_core.evaluate.run import LoadedModel
 from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
 from persia_core.train.hybrid import make_schedule, pool, prepare_ids
 from persia_core.train.launcher import TrainingFailed, train
-
-from support import tiny_config, write_dataset
 
 EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
 SETTINGS = CheckpointSettings(every_steps=20, keep=3)
@@ -106,7 +105,7 @@ def _rows(model_dir: str, cfg) -> dict:
         tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes)
         load_shard_file(os.path.join(model_dir, rel), tables)
         sd = tables["default"].state_dict()
-        out.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"])})
+        out.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"], strict=True)})
     return out
 
 

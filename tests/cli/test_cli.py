@@ -12,10 +12,10 @@ import types
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
+from support import tiny_config, write_dataset
 
 from persia_core.__main__ import main
 from persia_core.config import load_config
-from support import tiny_config, write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMANDS = ("preprocess", "init-shards", "train", "evaluate", "predict", "plan", "serve-shards")

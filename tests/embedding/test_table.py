@@ -208,7 +208,7 @@ def test_expiry_removes_rows_untouched_for_t_steps_and_keeps_the_rest_intact():
     t.apply_gradients(hot[:0], np.zeros((0, D), np.float32))
     t.lookup(hot)
     t.apply_gradients(hot, np.ones((50, D), np.float32))
-    before = {k: v.copy() for k, v in zip(["w"], [t.lookup_readonly(hot)])}
+    before = {k: v.copy() for k, v in zip(["w"], [t.lookup_readonly(hot)], strict=True)}
     m_before = t.state["m"][np.flatnonzero(np.isin(t.keys[: t.size], hot))]
     for _ in range(4):
         t.lookup(hot)  # old rows untouched for 4 lookup batches

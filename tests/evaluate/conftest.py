@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
@@ -19,7 +20,6 @@ from persia_core.hashing import feature_ids
 from persia_core.models import build_model
 from persia_core.train.hybrid import model_slot_order, table_layouts
 from persia_core.train.launcher import FORMAT, shard_file_name
-from support import tiny_config, write_dataset
 
 
 def make_model(model_dir: str, config: RunConfig, seen: dict[str, list[str]], num_dense: int = 1) -> str:

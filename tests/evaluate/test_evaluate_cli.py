@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from support import tiny_config
 
 from persia_core.__main__ import main
 from persia_core.evaluate.run import evaluate
-from support import tiny_config
 
 SLOTS = ["a", "b", "tags"]
 ROWS = [

@@ -99,7 +99,7 @@ def test_streaming_over_uneven_batches_equals_all_at_once_exactly():
     preds = preds.astype(np.float32)
     sm = StreamingMetrics()
     cuts = [0, 1, 1, 100, 357, 358, 900, 1003]  # includes an empty batch and a batch of one
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
         sm.update(labels[a:b], preds[a:b])
     assert sm.count == 1003
     assert sm.compute() == binary_metrics(labels, preds)

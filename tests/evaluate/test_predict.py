@@ -180,7 +180,7 @@ def test_predict_raw_movielens_ratings_join_movies_and_tags_like_preprocess(tmp_
     for split in ("train", "eval"):
         r = predict(model, str(out / split), str(tmp_path / f"{split}.csv"))
         with open(tmp_path / f"{split}.csv") as f:
-            for row, p in zip(csv.DictReader(f), r["probability"]):
+            for row, p in zip(csv.DictReader(f), r["probability"], strict=True):
                 expected[int(row["source"].rsplit(":", 1)[1])] = p
     raw = predict(model, str(folder / "ratings.csv"), str(tmp_path / "raw.csv"))
     assert raw["rows"] == 6 and sorted(expected) == [2, 3, 4, 5, 6, 7]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
+from support import tiny_config
 
 from persia_core.evaluate.metrics import binary_metrics, id_coverage, subset_metrics, undefined_metrics
 from persia_core.evaluate.run import LoadedModel, evaluate, flat_metrics
-from support import tiny_config
 
 SLOTS = ["a", "b", "tags"]
 # Trained rows: a in {1, 2}, b in {x}, tags in {t1}. Slot "a" plays the user.

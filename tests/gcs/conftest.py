@@ -3,7 +3,6 @@
 import uuid
 
 import pytest
-
 from gcs.emulator import running_emulator
 
 

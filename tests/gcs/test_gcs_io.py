@@ -144,8 +144,9 @@ def test_gcs_parquet_shards_read_with_parquet_examples_match_the_local_read(gcs_
 
 
 def test_gcs_init_shards_writes_the_shard_plan_to_a_bucket(gcs_bucket, tiny_data):
-    from persia_core.embedding.plan import init_shards
     from support import tiny_config
+
+    from persia_core.embedding.plan import init_shards
 
     out = f"gs://{gcs_bucket}/shards"
     data = f"gs://{gcs_bucket}/dataset"

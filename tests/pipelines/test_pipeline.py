@@ -171,7 +171,7 @@ def test_run_local_fills_date_tokens_of_the_data_path_from_the_current_utc_time(
     import datetime
 
     monkeypatch.chdir(ROOT)
-    day = (datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
+    day = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)).strftime("%Y-%m-%d")
     part = tmp_path / f"dt={day}"  # not written: the check before any task names the resolved path
     rc = run_local(
         ["--data", str(tmp_path / "dt={date-1d}"), "--config", "criteo", "--pipeline-root", str(tmp_path / "out")]

@@ -174,7 +174,7 @@ def test_history_fields_exist_only_when_history_length_is_positive():
 )
 def test_user_history_each_matches_a_scan_of_all_earlier_ratings(ratings, max_len):
     got = layouts.user_history_each(ratings, max_len)
-    for (ts, _, _), (movies, liked, n, k) in zip(ratings, got):
+    for (ts, _, _), (movies, liked, n, k) in zip(ratings, got, strict=True):
         before = sorted((t, i) for i, (t, _, _) in enumerate(ratings) if t < ts)  # ties: input order
         assert movies == [ratings[i][1] for _, i in before][::-1][:max_len]
         assert liked == [ratings[i][1] for _, i in before if ratings[i][2]][::-1][:max_len]

@@ -121,7 +121,7 @@ def test_tags_before_each_matches_a_brute_force_scan_per_rating():
     events = [(rng.randrange(1000), rng.choice("abcdefgh")) for _ in range(200)]
     stamps = [rng.randrange(-10, 1010) for _ in range(300)]
     got = layouts.tags_before_each(events, stamps, 4)
-    for ts, tags in zip(stamps, got):
+    for ts, tags in zip(stamps, got, strict=True):
         latest: dict[str, tuple[int, str]] = {}
         for t, tag in events:
             if t < ts:

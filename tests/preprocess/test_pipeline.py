@@ -201,7 +201,7 @@ def test_criteo_malformed_rows_go_to_dead_letter_with_line_numbers_and_counts_ad
     assert sorted(int(d["source"].rsplit(":", 1)[1]) for d in dead) == info["malformed_lines"]
     assert all(d["source"].rsplit(":", 1)[0] == path for d in dead)
     reasons = {int(d["source"].rsplit(":", 1)[1]): d["reason"] for d in dead}
-    for line, kind in zip(info["malformed_lines"], info["malformed_kinds"]):
+    for line, kind in zip(info["malformed_lines"], info["malformed_kinds"], strict=True):
         expected = "wrong field count: 39 != 40" if kind == "wrong field count" else "unparsable number in I3: 'abc'"
         assert reasons[line] == expected
     with open(path) as f:
@@ -316,7 +316,7 @@ def test_rerun_with_fewer_shards_removes_stale_shard_files_and_output_is_determi
     assert sorted(os.listdir(os.path.join(out, "train"))) == [os.path.basename(f) for f in second["train_files"]]
     third = helpers.run(helpers.config_with("criteo", split__num_train_shards=3), path, out)
     assert third == first
-    assert all(pq.read_table(os.path.join(out, f)).equals(t) for f, t in zip(third["train_files"], tables))
+    assert all(pq.read_table(os.path.join(out, f)).equals(t) for f, t in zip(third["train_files"], tables, strict=True))
 
 
 def test_main_splits_our_flags_from_beam_options_and_applies_set_overrides(tiny_movielens, tmp_path):

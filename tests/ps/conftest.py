@@ -1,10 +1,9 @@
 """Fixtures of the parameter-server tests: two real gRPC shards on 127.0.0.1."""
 
 import pytest
+from support import tiny_config
 
 from persia_core.ps.server import ParameterServerShard, serve
-
-from support import tiny_config
 
 
 @pytest.fixture

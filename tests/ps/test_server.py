@@ -1,15 +1,12 @@
 """The gRPC parameter server and its client, on 127.0.0.1, against the in-process table."""
 
-import threading
-
 import numpy as np
 import pytest
+from support import tiny_config
 
 from persia_core.embedding.sharded import LocalEmbedding
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
 from persia_core.ps.server import ParameterServerShard
-
-from support import tiny_config
 
 
 def test_lookup_and_push_through_grpc_equal_the_in_process_reference(cluster):

@@ -7,12 +7,11 @@ import time
 
 import numpy as np
 import pytest
+from support import tiny_config
 
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
-
-from support import tiny_config
 
 IDS = np.array([3, 11, 2**64 - 1], dtype=np.uint64)
 

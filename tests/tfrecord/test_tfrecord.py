@@ -4,7 +4,6 @@ the same Parquet rows, as the equivalent CSV. Runs in .venv-tfrecord; preprocess
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -112,7 +111,7 @@ def test_tfrecord_examples_become_the_lines_of_the_equivalent_csv(data):
         got = open(os.path.join(out, name), encoding="utf-8").read()
         want = open(os.path.join(data["csv"], name), encoding="utf-8").read()
         assert got == want
-        for a, b in zip(got.splitlines(), want.splitlines()):
+        for a, b in zip(got.splitlines(), want.splitlines(), strict=True):
             assert parse_delimited(a, layout) == parse_delimited(b, layout)
 
 
@@ -194,6 +193,7 @@ def test_tfrecord_cli_converts_a_folder(data, capsys):
 def test_tfrecord_on_gcs_converts_into_a_bucket(data):
     """gs:// in and out, against the Cloud Storage emulator."""
     from gcs.emulator import running_emulator
+
     from persia_core import io
 
     with running_emulator():

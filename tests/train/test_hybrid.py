@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
@@ -22,7 +23,6 @@ from persia_core.train.hybrid import (
 )
 from persia_core.train.launcher import LocalCluster, train
 from persia_core.train.worker import build_dense, run_worker
-from support import tiny_config, write_dataset
 
 
 def test_empty_multi_hot_bag_pools_to_exact_zeros_with_zero_gradient():
@@ -152,7 +152,7 @@ def test_two_workers_keep_identical_dense_weights_after_every_step_and_loss_fall
     cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=3, shuffle=True)
     _, ranks, _ = _run_two_ranks(tmp_path, cfg, data, "ddp")
     assert len(ranks[0]["digests"]) == len(ranks[1]["digests"]) == 48
-    for d0, d1 in zip(ranks[0]["digests"], ranks[1]["digests"]):
+    for d0, d1 in zip(ranks[0]["digests"], ranks[1]["digests"], strict=True):
         assert d0 == d1  # bitwise identical after every step
     loss = ranks[0]["loss"]
     assert np.mean(loss[-16:]) < np.mean(loss[:16]) - 0.02

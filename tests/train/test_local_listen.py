@@ -6,8 +6,9 @@ import os
 import threading
 import time
 
-from persia_core.train.launcher import train
 from support import tiny_config, write_dataset
+
+from persia_core.train.launcher import train
 
 
 def _listening(pid: int) -> list[ipaddress._BaseAddress]:

@@ -2,7 +2,6 @@
 checks (and creates) the pipeline root's bucket."""
 
 import pytest
-
 from gcs.emulator import PROJECT_NUMBER, running_emulator
 
 

@@ -200,9 +200,10 @@ def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> 
 def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas):
     """Replicas started as Vertex AI starts them, with CLUSTER_SPEC pointing at 127.0.0.1: the primary writes
     a whole Model and the parameter servers exit on its done marker."""
+    from support import tiny_config
+
     from persia_core.embedding.plan import init_shards
     from persia_core.evaluate.run import evaluate
-    from support import tiny_config
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2)
     init = str(tmp_path / "shards")
@@ -271,9 +272,10 @@ def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint
     """A restarted job (same command in every replica, as Vertex AI restarts it) continues from the newest
     complete checkpoint: servers load its shards, the workers its step; a done marker left by the earlier
     attempt does not stop the new servers."""
+    from support import tiny_config
+
     from persia_core.embedding.plan import init_shards
     from persia_core.train import checkpoint as ckpt
-    from support import tiny_config
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=2)
     init = str(tmp_path / "shards")

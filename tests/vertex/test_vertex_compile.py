@@ -3,14 +3,14 @@
 
 import datetime as dt
 import json
-import os
 import re
 
 import pytest
 import yaml
 
 from pipelines import vertex
-from pipelines.persia_pipeline import compile_pipeline, main as compile_main
+from pipelines.persia_pipeline import compile_pipeline
+from pipelines.persia_pipeline import main as compile_main
 
 IMAGE = "us-central1-docker.pkg.dev/test-project/persia/persia-kfp:abc123"
 CUDA_IMAGE = "us-central1-docker.pkg.dev/test-project/persia/persia-kfp-cuda:abc123"
@@ -191,9 +191,9 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
 @pytest.fixture
 def offline_vertex(monkeypatch, offline_aiplatform):
     """Anonymous credentials and the gapic JobServiceClient replaced at its boundary; yields the requests."""
-    from google.auth.credentials import AnonymousCredentials
     from google.cloud.aiplatform_v1.services.job_service import client as job_client
-    from google.cloud.aiplatform_v1.types import custom_job as custom_job_types, job_state
+    from google.cloud.aiplatform_v1.types import custom_job as custom_job_types
+    from google.cloud.aiplatform_v1.types import job_state
 
     sent = []
 
@@ -217,7 +217,6 @@ def offline_vertex(monkeypatch, offline_aiplatform):
 
 def test_vertex_launcher_sends_the_custom_job_request_and_logs_the_models_metrics(offline_vertex, tmp_path):
     from kfp import dsl
-
     from support import tiny_config
 
     shards, model, dataset = tmp_path / "shards", tmp_path / "model", tmp_path / "dataset"
@@ -267,7 +266,7 @@ def test_vertex_schedule_time_fills_the_date_partition_of_the_data_path(template
 
 
 def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
-    now = dt.datetime(2025, 6, 1, 12, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2025, 6, 1, 12, tzinfo=dt.UTC)
     assert vertex.resolve_data_path("x/{date-1d}", "", now=now) == "x/2025-05-31"
     assert vertex.resolve_data_path("x/{date}", "{{$.pipeline_job_schedule_time_utc}}", now=now) == "x/2025-06-01"
     with pytest.raises(ValueError, match="date token"):

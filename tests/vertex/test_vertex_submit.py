@@ -30,8 +30,10 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     from google.cloud.aiplatform_v1.services.model_service import client as model_client
     from google.cloud.aiplatform_v1.services.pipeline_service import client as pipeline_client
     from google.cloud.aiplatform_v1.services.schedule_service import client as schedule_client
-    from google.cloud.aiplatform_v1.types import model as model_types, model_service
-    from google.cloud.aiplatform_v1.types import pipeline_job as pj_types, schedule as schedule_types
+    from google.cloud.aiplatform_v1.types import model as model_types
+    from google.cloud.aiplatform_v1.types import model_service
+    from google.cloud.aiplatform_v1.types import pipeline_job as pj_types
+    from google.cloud.aiplatform_v1.types import schedule as schedule_types
 
     sent = []
     parent = f"projects/{PROJECT}/locations/{REGION}"
