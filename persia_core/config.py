@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from persia_core.memory import min_budget_bytes
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -284,13 +286,8 @@ class EmbeddingConfig:
 
     def _check_budget(self) -> None:
         """A shard's budget (split evenly over the tables) must hold at least 1024 rows of every table, as the
-        table's own accounting (``persia_core.embedding.table.capacity_for_budget``) counts them; else
-        ``ValueError`` naming ``embedding.shard_memory_bytes``, its value and the least budget that works.
-        Skipped where the embedding package cannot be imported (a client that only compiles pipelines)."""
-        try:
-            from persia_core.embedding.table import min_budget_bytes
-        except ImportError:
-            return
+        table's own accounting (``persia_core.memory.capacity_for_budget``) counts them; else
+        ``ValueError`` naming ``embedding.shard_memory_bytes``, its value and the least budget that works."""
         per_table = self.shard_memory_bytes // len(self.tables)
         least = {t.name: min_budget_bytes(t.optimizer.name, t.dim, self.storage) for t in self.tables}
         worst = max(self.tables, key=lambda t: least[t.name])

@@ -4,10 +4,10 @@ per step and the Vertex AI worker pools to submit.
     python -m persia_core.planner --params 1e14 --dim 32 --weights fp16 --optimizer rowwise_adagrad \\
         --vm-ram-tb 12 --usable 0.9          (also: python -m persia_core plan ...)
 
-Memory (parameter servers). Bytes per row come from the table's own accounting
-(``persia_core.embedding.table``): key, LRU links, last-used step and optimizer state from
+Memory (parameter servers). Bytes per row come from the table's own accounting (``persia_core.memory``, what
+``persia_core.embedding.table`` allocates): key, LRU links, last-used step and optimizer state from
 ``row_bytes_without_index``, the weights at the storage precision (``--weights``; the table stores fp32 today,
-fp16 is what the plan assumes), and the hash index of int32 slots at load <= ``table.MAX_LOAD``, sized as
+fp16 is what the plan assumes), and the hash index of int32 slots at load <= ``memory.MAX_LOAD``, sized as
 ``capacity_for_budget`` sizes it. One shard process holds at most 2^31 - 1 rows (its row numbers are int32), so
 a large server runs several shard processes, each with an equal share of the server's usable RAM less a fixed
 per-process overhead. Hash routing spreads rows evenly; each shard keeps 4 standard deviations of headroom.
@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from persia_core import memory as M
 from persia_core.argchecks import check_output_file, float_in
 from persia_core.config import OPTIMIZERS
-from persia_core.embedding import table as T
 
-WEIGHT_BYTES = {k: v for k, v in T.STORAGE_BYTES.items()}
+WEIGHT_BYTES = {k: v for k, v in M.STORAGE_BYTES.items()}
 MAX_ROWS_PER_SHARD = int(np.iinfo(np.int32).max)
 """Rows one shard process can hold: the table's row numbers (index slots, recency queue) are int32."""
 INDEX_SLOT_BYTES = 4
@@ -70,16 +70,16 @@ class RowBytes:
 
 def row_bytes_without_index(optimizer: str, dim: int, weights: str = "fp32") -> int:
     """Bytes per row excluding the hash index, at weight precision ``weights`` (``fp32`` | ``fp16`` | ``bf16``):
-    the table's own accounting (``table.row_bytes_without_index``)."""
+    the table's own accounting (``memory.row_bytes_without_index``)."""
     if weights not in WEIGHT_BYTES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_BYTES)}, got {weights!r}")
-    return T.row_bytes_without_index(optimizer, dim, weights)
+    return M.row_bytes_without_index(optimizer, dim, weights)
 
 
 def _state_bytes(optimizer: str, dim: int) -> int:
     return sum(
         int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        for shape, dt in T.state_shapes(optimizer, dim).values()
+        for shape, dt in M.state_shapes(optimizer, dim).values()
     )
 
 
@@ -88,15 +88,15 @@ def capacity_for_budget(
 ) -> tuple[int, int]:
     """Rows one shard process holds in ``budget_bytes``, and its hash-index slots.
 
-    The search of ``table.capacity_for_budget`` (power-of-two slot counts, load <= ``table.MAX_LOAD``) with the
+    The search of ``memory.capacity_for_budget`` (power-of-two slot counts, load <= ``memory.MAX_LOAD``) with the
     per-row bytes of ``weights`` and at most ``max_rows`` rows; equal to it for fp32. Returns ``(0, 0)`` when
     fewer than 1024 rows fit."""
     per_row = row_bytes_without_index(optimizer, dim, weights)
-    budget_bytes -= T.QUEUE_FIXED_BYTES
+    budget_bytes -= M.QUEUE_FIXED_BYTES
     best, best_slots = 0, 0
     slots = 1024
     while slots * INDEX_SLOT_BYTES < budget_bytes:
-        cap = min(int(slots * T.MAX_LOAD), (budget_bytes - INDEX_SLOT_BYTES * slots) // per_row, max_rows)
+        cap = min(int(slots * M.MAX_LOAD), (budget_bytes - INDEX_SLOT_BYTES * slots) // per_row, max_rows)
         if cap > best:
             best, best_slots = int(cap), slots
         slots *= 2
@@ -108,14 +108,14 @@ def row_bytes(optimizer: str, dim: int, weights: str, capacity: int, slots: int)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     state = _state_bytes(optimizer, dim)
-    fixed = T.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
+    fixed = M.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
     return RowBytes(
         key=8,
         lru=fixed - 12,
         last_used=4,
         weights=WEIGHT_BYTES[weights] * dim,
         optimizer_state=state,
-        index=(INDEX_SLOT_BYTES * slots + T.QUEUE_FIXED_BYTES) / max(capacity, 1),
+        index=(INDEX_SLOT_BYTES * slots + M.QUEUE_FIXED_BYTES) / max(capacity, 1),
     )
 
 

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     from persia_core.config import OptimizerConfig
     from persia_core.embedding.kernels import dedup
-    from persia_core.embedding.table import EmbeddingTable, bytes_per_row, row_bytes_without_index
+    from persia_core.embedding.table import EmbeddingTable
+    from persia_core.memory import bytes_per_row, row_bytes_without_index
 
     dim = 16
     opt = OptimizerConfig(name="rowwise_adagrad", lr=0.01)

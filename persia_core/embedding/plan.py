@@ -40,8 +40,8 @@ from persia_core.embedding.sharded import (
     shard_file_bytes,
     write_shard_arrays,
 )
-from persia_core.embedding.table import bytes_per_row, capacity_for_budget
 from persia_core.hashing import shard_of
+from persia_core.memory import bytes_per_row, capacity_for_budget
 
 log = logging.getLogger("persia.plan")
 

@@ -52,7 +52,8 @@ from numpy.lib import format as npy
 from persia_core.config import EmbeddingConfig, TableConfig
 from persia_core.embedding import kernels as K
 from persia_core.embedding import table as table_mod
-from persia_core.embedding.table import EmbeddingTable, capacity_for_budget
+from persia_core.embedding.table import EmbeddingTable
+from persia_core.memory import capacity_for_budget, index_slots, state_shapes
 
 SHARD_FORMAT = "persia-shard/3"
 READ_FORMATS = ("persia-shard/2", SHARD_FORMAT)
@@ -378,18 +379,8 @@ def _read_exact(f, mv: memoryview, where: str) -> None:
         got += n
 
 
-def _index_slots(rows: int) -> int:
-    fn = getattr(table_mod, "_index_slots", None)
-    if fn is not None:
-        return int(fn(rows))
-    n = 1024
-    while n * 0.75 < rows:
-        n *= 2
-    return n
-
-
 def _build_index(keys: np.ndarray) -> np.ndarray:
-    index = table_mod.aligned_array(_index_slots(len(keys)), np.int32, -1)
+    index = table_mod.aligned_array(index_slots(len(keys)), np.int32, -1)
     K.rebuild_index(index, keys, K.shift_of(index), len(keys))
     return index
 
@@ -563,7 +554,7 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     a, label = ta.arrays, f"{where}: table {name!r}"
     n = len(a["keys"])
     _check_table_arrays(t, ta, label)
-    expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
+    expected = set(state_shapes(t.optimizer.name, t.dim))
     fast = (
         ta.meta.get("layout") == "storage"
         and _has_internals(t)
@@ -648,7 +639,7 @@ def _check_table_arrays(t: EmbeddingTable, ta: TableArrays, label: str, duplicat
     n = len(a["keys"])
     if a["weights"].shape != (n, t.dim):
         raise ShardFileError(f"{label}: rows have dim {a['weights'].shape[1:]} but the run config says {t.dim}")
-    expected = set(table_mod.state_shapes(t.optimizer.name, t.dim))
+    expected = set(state_shapes(t.optimizer.name, t.dim))
     present = _state_names(a)
     if present != expected:
         raise ShardFileError(

@@ -4,12 +4,7 @@ This is the reference the distributed parameter servers are tested against (the 
 embedding table name; the table never imports gRPC). All per-ID work runs in compiled code
 (``persia_core.embedding.kernels``); the Python here only sizes and grows arrays.
 
-Memory per row (``bytes_per_row``), everything included::
-
-    key uint64 (8) + last-used step int32 (4) + recency queue (row, step) int32 pairs (8 x 1.25 entries per row)
-    + hash index int32 slots (4 / load)
-    + weights (4 * D; 2 * D with fp16 or bf16 storage) + optimizer state (fp32: rowwise_adagrad 4,
-    adagrad 4 * D, adam 8 * D + 4, sgd 0)
+Memory per row: ``persia_core.memory`` counts what this table allocates (``bytes_per_row``).
 
 Storage precision: ``fp32`` (default), or ``fp16`` / ``bf16`` (IEEE half, bfloat16), held as 16-bit patterns;
 every optimizer step computes in fp32 and rounds the result to nearest-even for storage; optimizer state
@@ -27,28 +22,12 @@ import numpy as np
 
 from persia_core.config import OptimizerConfig
 from persia_core.embedding import kernels as K
+from persia_core.memory import STORAGE_BYTES, bytes_per_row, index_slots, state_shapes
 
-MAX_LOAD = 0.75
-QUEUE_FIXED_BYTES = 8 * (K.queue_size(0))
-"""The recency queue's bytes beyond its 1.25 entries per row (``kernels.queue_size``)."""
 _NO_WEIGHTS = np.zeros((1, 1), dtype=np.float32)  # the lookup kernel's weights argument when it does not fill
 _INITIAL_ROWS = 1024
 
 
-def state_shapes(optimizer: str, dim: int) -> dict[str, tuple[tuple[int, ...], type]]:
-    """Optimizer state arrays per row: name -> (per-row shape, dtype)."""
-    if optimizer == "sgd":
-        return {}
-    if optimizer == "rowwise_adagrad":
-        return {"acc": ((), np.float32)}
-    if optimizer == "adagrad":
-        return {"acc": ((dim,), np.float32)}
-    if optimizer == "adam":
-        return {"m": ((dim,), np.float32), "v": ((dim,), np.float32), "steps": ((), np.int32)}
-    raise ValueError(f"unknown optimizer {optimizer!r}")
-
-
-STORAGE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 CACHE_LINE = 64
 
 
@@ -163,56 +142,6 @@ def decode(stored: np.ndarray, storage: str) -> np.ndarray:
     return (stored.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def row_bytes_without_index(optimizer: str, dim: int, storage: str = "fp32") -> int:
-    """Bytes per row excluding the hash index: key, last-used step, recency-queue entries (1.25 per row, 8 bytes
-    each), weights at ``storage`` precision, optimizer state (fp32)."""
-    if storage not in STORAGE_BYTES:
-        raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
-    state = sum(
-        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        for shape, dt in state_shapes(optimizer, dim).values()
-    )
-    return 8 + 4 + 10 + STORAGE_BYTES[storage] * dim + state
-
-
-def _index_slots(rows: int) -> int:
-    n = 1024
-    while n * MAX_LOAD < rows:
-        n *= 2
-    return n
-
-
-def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: str = "fp32") -> int:
-    """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes).
-
-    Raises ``ValueError`` if not even 1024 rows fit.
-    """
-    per_row = row_bytes_without_index(optimizer, dim, storage)
-    budget_bytes -= QUEUE_FIXED_BYTES
-    best = 0
-    slots = 1024
-    while slots * 4 < budget_bytes:
-        cap = min(int(slots * MAX_LOAD), (budget_bytes - 4 * slots) // per_row)
-        best = max(best, cap)
-        slots *= 2
-    if best < 1024:
-        raise ValueError(f"a memory budget of {budget_bytes} bytes holds fewer than 1024 rows of dim {dim}")
-    return int(best)
-
-
-def min_budget_bytes(optimizer: str, dim: int, storage: str = "fp32") -> int:
-    """The smallest ``budget_bytes`` for which ``capacity_for_budget`` holds 1024 rows (bytes): 1024 rows, the
-    index of 2048 slots their load of at most 0.75 needs, and the queue's fixed part."""
-    return 1024 * row_bytes_without_index(optimizer, dim, storage) + 4 * _index_slots(1024) + QUEUE_FIXED_BYTES
-
-
-def bytes_per_row(optimizer: str, dim: int, capacity: int = 1 << 24, storage: str = "fp32") -> float:
-    """Bytes per row at full ``capacity``, everything included (hash index slots amortized)."""
-    return (
-        row_bytes_without_index(optimizer, dim, storage) + (4 * _index_slots(capacity) + QUEUE_FIXED_BYTES) / capacity
-    )
-
-
 def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
     """Whether rows of ``weights: float32[R, D]`` can be copied into ``out: float32[N, D]`` with 64-byte
     non-temporal row stores (``kernels.gather_rows``): both C-contiguous, ``out`` 64-byte aligned, D a multiple
@@ -300,7 +229,7 @@ class EmbeddingTable:
             name: aligned_array((rows, *shape), dt, 0)
             for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()
         }
-        self.index = aligned_array(_index_slots(rows), np.int32, -1)
+        self.index = aligned_array(index_slots(rows), np.int32, -1)
 
     def _grow(self, needed_rows: int) -> None:
         rows = len(self.keys)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.logging_utils import PROGRESS_PATTERN
+from persia_core.memory import capacity_for_budget
 
 FORMAT = "persia-model/1"
 _PR_SET_PDEATHSIG = 1
@@ -467,8 +468,6 @@ def _signal_group(popen: subprocess.Popen, sig: int) -> None:
 
 
 def _capacities(config: RunConfig, plan_path: str) -> dict[str, int]:
-    from persia_core.embedding.table import capacity_for_budget
-
     if plan_path and io.exists(plan_path):
         plan = json.loads(io.read_text(plan_path))
         return {n: int(t["capacity_rows_per_shard"]) for n, t in plan["tables"].items()}

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from persia_core.config import OptimizerConfig
-from persia_core.embedding.table import EmbeddingTable, bytes_per_row, capacity_for_budget
+from persia_core.embedding.table import EmbeddingTable
+from persia_core.memory import bytes_per_row, capacity_for_budget
 
 D = 8
 
@@ -226,7 +227,8 @@ def test_expiry_removes_rows_untouched_for_t_steps_and_keeps_the_rest_intact():
 
 @pytest.mark.parametrize("storage", ["fp16", "bf16"])
 def test_16_bit_storage_rounds_each_fp32_update_and_halves_the_weight_bytes(storage):
-    from persia_core.embedding.table import decode, encode, row_bytes_without_index
+    from persia_core.embedding.table import decode, encode
+    from persia_core.memory import row_bytes_without_index
 
     cfg = OptimizerConfig(name="rowwise_adagrad", lr=0.1)
     t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5, storage=storage)

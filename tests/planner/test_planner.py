@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from persia_core import planner
-from persia_core.embedding import table
+from persia_core import memory, planner
 
 SEED_ARGS = [
     "--params",
@@ -27,9 +26,9 @@ SEED_ARGS = [
 @pytest.mark.parametrize("budget", [1 << 20, 10**9, 3 * 10**10 + 7])
 def test_planner_fp32_capacity_equals_the_tables_own_capacity_for_budget(optimizer, budget):
     cap, slots = planner.capacity_for_budget(budget, optimizer, 32)
-    assert cap == table.capacity_for_budget(budget, optimizer, 32)
+    assert cap == memory.capacity_for_budget(budget, optimizer, 32)
     assert cap * planner.row_bytes_without_index(optimizer, 32) + 4 * slots <= budget
-    assert planner.row_bytes_without_index(optimizer, 32) == table.row_bytes_without_index(optimizer, 32)
+    assert planner.row_bytes_without_index(optimizer, 32) == memory.row_bytes_without_index(optimizer, 32)
 
 
 def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
@@ -45,8 +44,10 @@ def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
 
 def test_planner_follows_the_table_accounting_not_a_constant(monkeypatch):
     base = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
-    real = table.row_bytes_without_index
-    monkeypatch.setattr(table, "row_bytes_without_index", lambda opt, dim, storage="fp32": real(opt, dim, storage) + 64)
+    real = memory.row_bytes_without_index
+    monkeypatch.setattr(
+        memory, "row_bytes_without_index", lambda opt, dim, storage="fp32": real(opt, dim, storage) + 64
+    )
     bigger = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
     assert bigger.row_bytes.without_index == base.row_bytes.without_index + 64
     assert bigger.parameter_servers > base.parameter_servers
