@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 
+from persia_core.ps.storage_roots import resolve_storage_roots
+
 
 def int_at_least(lo: int):
     """An argparse ``type`` accepting integers >= ``lo``; anything else is argparse's usage error (exit 2)."""
@@ -27,8 +29,6 @@ def storage_root(text: str) -> str:
     """An argparse ``type`` for a parameter server's storage root: a local folder or a ``gs://bucket[/prefix]``;
     an empty value (an unset shell variable) or another URL scheme is argparse's usage error (exit 2), never
     "no root"."""
-    from persia_core.ps.server import resolve_storage_roots
-
     try:
         resolve_storage_roots([text])
     except ValueError as e:

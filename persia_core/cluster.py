@@ -51,11 +51,11 @@ import time
 from dataclasses import dataclass, field
 
 from persia_core import io
+from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 
 PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
 POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER}
 """Worker-pool index -> role."""
-TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN_SECRET"
 DONE_MARKER = "TRAINING_DONE"
 log = logging.getLogger("persia.cluster")
 
@@ -274,8 +274,6 @@ def resolve_token(environ: dict | None = None) -> str:
     """The parameter servers' shared token: ``$PERSIA_PS_TOKEN``, else the Secret Manager version named by
     ``$PERSIA_PS_TOKEN_SECRET``. Raises ``ValueError`` when neither is set (servers bound beyond loopback must
     not run without one)."""
-    from persia_core.ps.server import TOKEN_ENV
-
     environ = os.environ if environ is None else environ
     token = environ.get(TOKEN_ENV, "")
     if token:
@@ -428,7 +426,6 @@ def resume_point(args, config) -> tuple[str, dict] | None:
 
 
 def _run_nn_worker(args, place: Placement, config, token: str) -> int:
-    from persia_core.ps.server import TOKEN_ENV
     from persia_core.train import worker
 
     t0 = time.time()
@@ -464,7 +461,6 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
 
 def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> int:
     """Run this replica's ranks as child processes; the first failure stops the others. Returns an exit code."""
-    from persia_core.ps.server import TOKEN_ENV
     from persia_core.train.launcher import _die_with_parent
 
     procs = []
@@ -494,7 +490,6 @@ def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> in
 
 
 def _run_parameter_server(args, place: Placement, config, token: str) -> int:
-    from persia_core.ps.server import TOKEN_ENV
     from persia_core.train.launcher import _die_with_parent, shard_file_name
 
     n = len(place.ps_addresses)

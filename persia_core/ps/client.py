@@ -20,7 +20,7 @@ from persia_core.config import EmbeddingConfig
 from persia_core.embedding.sharded import positions_by_shard
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
-from persia_core.ps.server import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
+from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
 log = logging.getLogger("persia.ps.client")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -64,18 +64,9 @@ from persia_core.embedding.sharded import (
 )
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
+from persia_core.ps.protocol import EXIT_BAD_INIT, GRPC_OPTIONS, SERVICE, STORAGE_ROOTS_ENV, TOKEN_ENV, TOKEN_HEADER
+from persia_core.ps.storage_roots import check_storage_path, resolve_storage_roots
 
-SERVICE = "persia.ParameterServer"
-TOKEN_ENV = "PERSIA_PS_TOKEN"
-STORAGE_ROOTS_ENV = "PERSIA_PS_STORAGE_ROOTS"
-TOKEN_HEADER = "x-persia-token"
-MAX_MESSAGE_BYTES = 1 << 30
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
-EXIT_BAD_INIT = 3
-"""Exit code of ``main`` when the state to start from is refused."""
 log = logging.getLogger("persia.ps")
 
 
@@ -317,62 +308,6 @@ class ParameterServerShard:
         with self.cond:
             restore_shard_contents(contents, self.tables, path)
             self.restore_server_state(contents.server)
-
-
-def resolve_storage_roots(roots: list[str] | None) -> list[str]:
-    """The storage roots a server checks against, resolved once at start: local folders with symbolic links
-    followed (``os.path.realpath``; a root created later as a link leads nowhere new), ``gs://`` prefixes as
-    given without a trailing slash; ``gs://b/p`` and ``/gcs/b/p`` (Cloud Storage FUSE) each bring the other form.
-    None or []: no roots (any path).
-
-    Raises ``TypeError`` for a single string instead of a list, ``ValueError`` for an empty root or a URL of any
-    other scheme (the storage layer writes only local paths and ``gs://``)."""
-    if roots is None:
-        return []
-    if isinstance(roots, (str, bytes)):
-        raise TypeError(f"storage roots must be a list of paths, not one string ({roots!r})")
-    out = []
-    for r in roots:
-        if not isinstance(r, str) or not r.strip():
-            raise ValueError(f"storage root {r!r}: give a folder or a gs:// prefix, not an empty value")
-        if "://" in r:
-            if not r.startswith("gs://") or len(r.rstrip("/")) <= len("gs://"):
-                raise ValueError(f"storage root {r!r}: only local folders and gs://bucket[/prefix] are supported")
-            r = r.rstrip("/")
-            out += [r, io.to_fuse(r)]  # the same objects through Cloud Storage FUSE
-        else:
-            real = os.path.realpath(r)
-            out.append(real)
-            if io.is_fuse(real) and len(real) > len(io.FUSE_ROOT):
-                out.append(io.to_uri(real))
-    return list(dict.fromkeys(out))
-
-
-def check_storage_path(path, roots: list[str]) -> str:
-    """The path a ``Dump`` or ``Load`` request may use, given ``roots`` from ``resolve_storage_roots``: ``path``
-    itself (a ``gs://`` URL) or, for a local path, its resolved form (symbolic links followed), provided it lies
-    strictly under one of the roots. No roots: any path.
-
-    Raises ``ValueError`` when ``path`` is not a non-empty string; ``PermissionError`` naming the path (and what
-    it resolves to) and the roots when it is outside them, is a root itself, or is a URL with ``.`` or ``..``
-    segments."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"path must be a non-empty string, got {path!r}")
-    if not roots:
-        return path
-    where = path
-    if "://" in path:
-        if any(seg in (".", "..") for seg in path.split("://", 1)[1].split("/")):
-            raise PermissionError(f"storage path {path!r} has '.' or '..' segments")
-        if any("://" in r and path.startswith(r + "/") and path.rstrip("/") != r for r in roots):
-            return path
-    else:
-        where = os.path.realpath(path)
-        for root in roots:
-            if "://" not in root and where != root and os.path.commonpath([where, root]) == root:
-                return where
-    shown = f"{path!r}" + (f" (resolves to {where!r})" if where != path else "")
-    raise PermissionError(f"storage path {shown} is not inside this server's storage roots ({', '.join(roots)})")
 
 
 class _Servicer:

@@ -52,10 +52,11 @@ from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.memory import capacity_for_budget
+from persia_core.ps.protocol import EXIT_BAD_INIT
+from persia_core.ps.storage_roots import resolve_storage_roots
 
 FORMAT = "persia-model/1"
 _PR_SET_PDEATHSIG = 1
-EXIT_BAD_INIT = 3  # persia_core.ps.server.EXIT_BAD_INIT (not imported: that pulls in gRPC)
 log = logging.getLogger("persia.launcher")
 
 
@@ -220,7 +221,7 @@ class LocalCluster:
         work_dir: logs and port files. plan_path / init_dir: shard plan and initial shard files (optional).
         delta_dir, delta_every_s: incremental export of every server (off when empty / 0).
         storage_roots: the folders (or URL prefixes) under which the servers' ``Dump`` and ``Load`` calls may
-            write and read (``persia_core.ps.server.check_storage_path``); None: any path.
+            write and read (``persia_core.ps.storage_roots.check_storage_path``); None: any path.
     """
 
     def __init__(
@@ -244,8 +245,6 @@ class LocalCluster:
         self.init_dir = init_dir
         self.delta_dir = delta_dir
         self.delta_every_s = delta_every_s
-        from persia_core.ps.server import resolve_storage_roots
-
         self.storage_roots = resolve_storage_roots(storage_roots)  # TypeError/ValueError for a bad root
         self.token = secrets.token_hex(16)
         self.servers: list[_Proc] = []

@@ -271,14 +271,14 @@ def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused
         text=True,
         timeout=120,
     )
-    from persia_core.ps.server import EXIT_BAD_INIT
+    from persia_core.ps.protocol import EXIT_BAD_INIT
 
     assert r.returncode == EXIT_BAD_INIT
     assert "not a regular file" in r.stderr + r.stdout
 
 
 def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
-    from persia_core.ps.server import check_storage_path, resolve_storage_roots
+    from persia_core.ps.storage_roots import check_storage_path, resolve_storage_roots
 
     root = tmp_path / "run"
     (root / "ckpt").mkdir(parents=True)
@@ -324,14 +324,14 @@ def test_storage_paths_must_lie_strictly_under_a_root(tmp_path):
     ],
 )
 def test_storage_roots_that_would_open_everything_or_write_elsewhere_are_refused(roots, error):
-    from persia_core.ps.server import resolve_storage_roots
+    from persia_core.ps.storage_roots import resolve_storage_roots
 
     with pytest.raises(error, match="storage root"):
         resolve_storage_roots(roots)
 
 
 def test_a_root_is_resolved_once_so_a_link_created_there_later_leads_nowhere_new(tmp_path):
-    from persia_core.ps.server import check_storage_path, resolve_storage_roots
+    from persia_core.ps.storage_roots import check_storage_path, resolve_storage_roots
 
     roots = resolve_storage_roots([str(tmp_path / "ckpt")])  # not created yet
     (tmp_path / "elsewhere").mkdir()
