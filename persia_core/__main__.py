@@ -127,9 +127,10 @@ def cmd_train(args, _extra) -> int:
 
 def cmd_evaluate(args, _extra) -> int:
     from persia_core import io
-    from persia_core.evaluate.gate import bless, evaluate_gate, read_marker
+    from persia_core.evaluate.gate import bless, evaluate_gate
     from persia_core.evaluate.report import write_report
     from persia_core.evaluate.run import evaluate
+    from persia_core.model_store import read_marker
 
     # flag combinations and outputs first: the evaluation may take long
     if args.bless and not args.blessed_dir:
@@ -227,9 +228,9 @@ def cmd_serve_shards(args, _extra) -> int:
     if args.init:
         import glob
 
-        from persia_core.evaluate.gate import MARKER, latest_blessed_model
+        from persia_core.model_store import is_blessed_location, latest_blessed_model
 
-        if os.path.exists(os.path.join(args.init, MARKER)):  # a blessed-model location: its latest blessed model
+        if is_blessed_location(args.init):  # a blessed-model location: its latest blessed model
             args.init = latest_blessed_model(args.init)
             log.info("serving the latest blessed model, %s", args.init)
         have = len(glob.glob(os.path.join(args.init, "shards", "shard-*.npz")))

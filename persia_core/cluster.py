@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 
 from persia_core import io
+from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 
 PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
@@ -324,55 +325,24 @@ def wait_for_servers(addresses: list[str], config, token: str, timeout_s: float)
 def finalize_model(
     config, data_dir: str, model_dir: str, addresses: list[str], token: str, wall_seconds: float
 ) -> dict:
-    """After the last step: every server dumps its shard into ``model_dir``; the manifest is written last (the
-    same Model layout as ``persia_core.train.launcher.train``). Returns the manifest."""
+    """After the last step: every server dumps its shard into ``model_dir``; the manifest is written last, by the
+    same writer as a local run's (``persia_core.train.model_output.finish_model``): shard CRC-32Cs and lineage
+    included. Returns the manifest."""
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
-    from persia_core.train.launcher import FORMAT, TrainingFailed, shard_file_name
+    from persia_core.train.checkpoint import lineage
+    from persia_core.train.model_output import finish_model
 
-    schema = read_schema(data_dir)
     n = len(addresses)
     client = EmbeddingClient(addresses, config.embedding, token=token)
     try:
-        shard_bytes = client.dump([io.join(model_dir, shard_file_name(s)) for s in range(n)])
+        dumped = client.dump([io.join(model_dir, shard_file_name(s)) for s in range(n)])
         stats = client.stats()
     finally:
         client.close()
-    history = json.loads(io.read_text(io.join(model_dir, "train_metrics.json")))
-    history["shards"] = [
-        {
-            "shard": s["shard"],
-            "rows": sum(t["rows"] for t in s["tables"].values()),
-            "bytes": shard_bytes[i],
-            "evictions": sum(t["evictions"] for t in s["tables"].values()),
-            "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values()),
-        }
-        for i, s in enumerate(stats)
-    ]
-    io.write_text(io.join(model_dir, "train_metrics.json"), json.dumps(history))
-    manifest = {
-        "format": FORMAT,
-        "config": config.to_dict(),
-        "num_shards": n,
-        "shard_files": [shard_file_name(s) for s in range(n)],
-        "dense_file": "dense.pt",
-        "slots": [s.name for s in config.slots],
-        "dense": schema["dense"],
-        "dense_mean": schema.get("dense_mean"),
-        "dense_std": schema.get("dense_std"),
-        "summary": {
-            "samples_per_s": history["samples_per_s"],
-            "max_staleness": history["max_staleness"],
-            "final_loss": history["loss"][-1] if history["loss"] else None,
-            "wall_seconds": wall_seconds,
-            "rows": [s["rows"] for s in history["shards"]],
-        },
-    }
-    for rel in ("dense.pt", *manifest["shard_files"]):
-        if not io.exists(io.join(model_dir, rel)):
-            raise TrainingFailed(f"training finished but {io.join(model_dir, rel)} is missing")
-    io.write_text(io.join(model_dir, "manifest.json"), json.dumps(manifest, indent=1))
-    return manifest
+    return finish_model(
+        model_dir, config, read_schema(data_dir), dumped, stats, wall_seconds, lineage(config, data_dir)
+    )
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -490,7 +460,7 @@ def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> in
 
 
 def _run_parameter_server(args, place: Placement, config, token: str) -> int:
-    from persia_core.train.launcher import _die_with_parent, shard_file_name
+    from persia_core.train.launcher import _die_with_parent
 
     n = len(place.ps_addresses)
     env = dict(os.environ, **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})

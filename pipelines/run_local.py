@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = {zero})")
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
-    from persia_core.evaluate.gate import check_thresholds
+    from persia_core.evaluate.decision import check_thresholds
 
     try:  # the gate's own checks, made before preprocess and train rather than after
         check_thresholds(min_auc=args.min_auc, max_ne=args.max_ne, as_flags=True)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kfp import local
 
-    from persia_core.evaluate.gate import latest_blessed_model
+    from persia_core.model_store import latest_blessed_model
     from persia_core.preprocess.pipeline import malformed_summary
     from pipelines.persia_pipeline import persia_pipeline
 

@@ -178,7 +178,7 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
             raise ValueError(
                 f"config {cfg!r} is not a shipped run config {shipped_configs()} (or give a gs:// YAML path)"
             )
-    from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+    from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
     check_thresholds(
         min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
@@ -460,9 +460,9 @@ def register_model(
     uri = io.to_uri(artifact_uri).rstrip("/")
     if not uri.startswith("gs://"):
         raise ValueError(f"--artifact-uri {artifact_uri!r} must be a gs:// (or /gcs/) folder")
-    from persia_core.evaluate.gate import MARKER, latest_blessed_model
+    from persia_core.model_store import MANIFEST, is_blessed_location, latest_blessed_model
 
-    if not io.exists(io.join(uri, "manifest.json")) and io.exists(io.join(uri, MARKER)):
+    if not io.exists(io.join(uri, MANIFEST)) and is_blessed_location(uri):
         uri = io.to_uri(latest_blessed_model(uri)).rstrip("/")  # a blessed-model location: its latest model
     if not display_name:
         raise ValueError("--display-name is required")

@@ -42,6 +42,15 @@ from persia_core.embedding.sharded import (
 )
 from persia_core.hashing import shard_of
 from persia_core.memory import bytes_per_row, capacity_for_budget
+from persia_core.model_store import (
+    BLESSED_MARKER,
+    MANIFEST,
+    MODEL_FORMAT,
+    ModelManifest,
+    is_blessed_location,
+    latest_blessed_model,
+    shard_file_name,
+)
 
 log = logging.getLogger("persia.plan")
 
@@ -162,18 +171,16 @@ def resolve_warm_start(path: str) -> str:
     if not io.exists(path) and not io.isdir(path):
         log.warning("warm start from %s: nothing there yet (no model blessed so far); starting cold", path)
         return ""
-    if io.exists(io.join(path, "manifest.json")):
+    if io.exists(io.join(path, MANIFEST)):
         return path
-    from persia_core.evaluate import gate
-
-    if io.exists(io.join(path, gate.MARKER)):
-        return gate.latest_blessed_model(path) or ""
+    if is_blessed_location(path):
+        return latest_blessed_model(path) or ""
     if io.isdir(path) and not io.listdir(path):
         log.warning("warm start from %s: empty (no model blessed so far); starting cold", path)
         return ""
     raise FileNotFoundError(
         f"warm start from {path!r}: not a Model artifact, checkpoint or blessed-model "
-        f"location (no manifest.json or {gate.MARKER})"
+        f"location (no {MANIFEST} or {BLESSED_MARKER})"
     )
 
 
@@ -240,19 +247,14 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
 
     import torch
 
-    manifest = json.loads(io.read_text(io.join(source, "manifest.json")))
+    manifest = json.loads(io.read_text(io.join(source, MANIFEST)))
     fmt = manifest.get("format", "")
-    if fmt == "persia-model/1":
-        old_config, old_dense = manifest["config"], manifest.get("dense", [])
-        shards = [
-            {"path": rel, "bytes": None, "crc32c": c}
-            for rel, c in zip(
-                manifest["shard_files"],
-                manifest.get("shard_crc32c") or [None] * len(manifest["shard_files"]),
-                strict=True,
-            )
-        ]
-        dense_rel = manifest["dense_file"]
+    if fmt == MODEL_FORMAT:
+        model = ModelManifest.from_dict(manifest, io.join(source, MANIFEST))
+        old_config, old_dense = model.config, model.dense
+        crcs: list[int | None] = list(model.shard_crc32c) if model.shard_crc32c else [None] * model.num_shards
+        shards = [{"path": rel, "bytes": None, "crc32c": c} for rel, c in zip(model.shard_files, crcs, strict=True)]
+        dense_rel = model.dense_file
     elif fmt.startswith("persia-checkpoint/"):
         from persia_core.train.checkpoint import CheckpointError, verify
 
@@ -277,8 +279,6 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         for e in shards
     ]
     new, report = reshard(sources, config.embedding.num_shards, capacities)
-    from persia_core.train.launcher import shard_file_name
-
     files = []
     for s, tables in enumerate(new):
         rel = shard_file_name(s)
@@ -287,7 +287,7 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
     dense_path = io.join(source, dense_rel)
     try:
         state = io.read_state_dict(dense_path)
-        if fmt != "persia-model/1":
+        if fmt != MODEL_FORMAT:
             state = state["model"]
     except (ValueError, KeyError) as e:
         raise WarmStartError(f"warm start from {source}: its dense weights {dense_path} cannot be read: {e}") from e
@@ -314,8 +314,6 @@ def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_fr
     schema = read_schema(data_dir)
     plan = make_plan(config, schema)
     caps = {name: t["capacity_rows_per_shard"] for name, t in plan["tables"].items()}
-    from persia_core.train.launcher import shard_file_name
-
     source = resolve_warm_start(warm_start_from)
     if source:
         plan["warm_start"] = warm_start(config, schema, source, output_dir, caps)

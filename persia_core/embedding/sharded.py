@@ -763,9 +763,9 @@ class LocalEmbedding:
         """Per shard, per table: ``EmbeddingTable.state_dict()``."""
         return [{name: t.state_dict() for name, t in tables.items()} for tables in self.shards]
 
-    def dump(self, paths: list[str]) -> list[int]:
-        """Write shard i to ``paths[i]``; returns bytes written per shard."""
-        return [write_shard_file(p, tables)[0] for p, tables in zip(paths, self.shards, strict=True)]
+    def dump(self, paths: list[str]) -> list[tuple[int, int]]:
+        """Write shard i to ``paths[i]``; returns ``(bytes, CRC-32C)`` of each shard file."""
+        return [write_shard_file(p, tables) for p, tables in zip(paths, self.shards, strict=True)]
 
     def close(self) -> None:
         pass

@@ -14,9 +14,7 @@ rows (:func:`rescore_baseline`), or, when it cannot score them, with its stored 
 Locally, versions older than the previous one are removed after the marker moves; on ``gs://`` they are left
 for a bucket lifecycle rule.
 
-Decision (:func:`decide`): bless when the new AUC is defined and ``>= min_auc`` and, with a baseline,
-``AUC >= baseline AUC - max_auc_drop`` and ``logloss <= baseline logloss + max_logloss_increase``; the reasons
-say which check passed or failed and by how much.
+The decision itself is ``persia_core.evaluate.decision.decide``.
 """
 
 from __future__ import annotations
@@ -29,157 +27,23 @@ import secrets
 import shutil
 
 from persia_core import io
-
-MARKER = "BLESSED.json"
-MODELS_DIR = "models"
-FORMAT = "persia-blessed/1"
-
-#: Defaults of the gate's thresholds (the components and the CLI use the same values).
-DEFAULT_MIN_AUC = 0.5
-DEFAULT_MAX_AUC_DROP = 0.0
-DEFAULT_MAX_LOGLOSS_INCREASE = 0.01
-DEFAULT_MAX_NE = 1.0
-"""A model whose normalized entropy reaches this is not blessed (1: no better than predicting the base rate)."""
+from persia_core.evaluate.decision import (
+    DEFAULT_MAX_AUC_DROP,
+    DEFAULT_MAX_LOGLOSS_INCREASE,
+    DEFAULT_MAX_NE,
+    DEFAULT_MIN_AUC,
+    decide,
+)
+from persia_core.evaluate.run import LoadedModel, evaluate
+from persia_core.model_store import (
+    BLESSED_FORMAT,
+    BLESSED_MARKER,
+    BLESSED_MODELS_DIR,
+    MANIFEST,
+    read_marker,
+)
 
 log = logging.getLogger("persia.gate")
-
-
-def _num(v) -> float | None:
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def check_thresholds(
-    min_auc: float = DEFAULT_MIN_AUC,
-    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
-    max_ne: float = DEFAULT_MAX_NE,
-    as_flags: bool = False,
-) -> None:
-    """The gate's own checks of its thresholds, also made by the entry points before a run starts (rather than at
-    its last step). Raises ``ValueError`` naming the threshold (``--min-auc`` with ``as_flags``) for a ``max_ne``
-    <= 0, a ``min_auc`` outside [0, 1] or a negative tolerance."""
-
-    def name(n: str) -> str:
-        return "--" + n.replace("_", "-") if as_flags else n
-
-    if not max_ne > 0:
-        raise ValueError(f"{name('max_ne')} must be > 0, got {max_ne}")
-    if not 0.0 <= min_auc <= 1.0:
-        raise ValueError(f"{name('min_auc')} must be in [0, 1], got {min_auc}")
-    if max_auc_drop < 0:
-        raise ValueError(f"{name('max_auc_drop')} must be >= 0, got {max_auc_drop}")
-    if max_logloss_increase < 0:
-        raise ValueError(f"{name('max_logloss_increase')} must be >= 0, got {max_logloss_increase}")
-
-
-def decide(
-    new_metrics: dict,
-    baseline: dict | None,
-    min_auc: float = DEFAULT_MIN_AUC,
-    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
-    max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
-    max_ne: float = DEFAULT_MAX_NE,
-) -> dict:
-    """Decide whether a newly evaluated model is blessed.
-
-    Args:
-        new_metrics: the new model's evaluation metrics (``auc``, ``logloss``; ``None`` = undefined).
-        baseline: the latest blessed model's metrics (:func:`read_baseline`), or ``None`` when there is none;
-            then only ``min_auc`` (and the normalized-entropy check) applies.
-        min_auc: the AUC a model needs at least (an absolute threshold).
-        max_auc_drop: how much lower than the baseline's AUC the new AUC may be (0: not lower).
-        max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
-        max_ne: the new model's normalized entropy must be below this (an absolute threshold, baseline or not).
-
-    Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
-    saying whether it passed. A model whose AUC is undefined is rejected, and so is one whose normalized entropy
-    (``ne``: logloss / the entropy of the base rate; He et al., ADKDD 2014) is >= ``max_ne`` (default 1: no
-    better than predicting the base rate), even when nothing is blessed yet. A baseline AUC or logloss that is
-    undefined skips that comparison (said in the reasons).
-
-    Raises ``ValueError`` for a negative tolerance, a ``min_auc`` outside [0, 1] or a ``max_ne`` <= 0.
-    """
-    check_thresholds(min_auc, max_auc_drop, max_logloss_increase, max_ne)
-    reasons: list[str] = []
-    ok = True
-    auc = _num(new_metrics.get("auc"))
-    logloss = _num(new_metrics.get("logloss"))
-    if auc is None:
-        ok = False
-        reasons.append("rejected: the new model's AUC is undefined (one class in the evaluation split)")
-    elif auc >= min_auc:
-        reasons.append(f"passed: AUC {auc:.6f} >= min_auc {min_auc:.6f}")
-    else:
-        ok = False
-        reasons.append(f"rejected: AUC {auc:.6f} < min_auc {min_auc:.6f}")
-    ne = _num(new_metrics.get("ne"))
-    if ne is None or ne != ne:
-        reasons.append("normalized entropy undefined (one class in the evaluation split): max_ne not checked")
-    elif ne < max_ne:
-        reasons.append(f"passed: normalized entropy {ne:.6f} < max_ne {max_ne:g}")
-    else:
-        ok = False
-        reasons.append(
-            f"rejected: normalized entropy {ne:.6f} >= max_ne {max_ne:g}"
-            + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else "")
-        )
-    if baseline is None:
-        reasons.append("no blessed baseline yet: only the min_auc and normalized-entropy checks apply")
-    else:
-        base_auc = _num(baseline.get("auc"))
-        base_ll = _num(baseline.get("logloss"))
-        if base_auc is None:
-            reasons.append("baseline AUC undefined: AUC not compared with the baseline")
-        elif auc is not None:
-            floor = base_auc - max_auc_drop
-            if auc >= floor:
-                reasons.append(
-                    f"passed: AUC {auc:.6f} >= baseline AUC {base_auc:.6f} - max_auc_drop {max_auc_drop:.6f}"
-                )
-            else:
-                ok = False
-                reasons.append(
-                    f"rejected: AUC {auc:.6f} < baseline AUC {base_auc:.6f} - max_auc_drop "
-                    f"{max_auc_drop:.6f} (drop {base_auc - auc:.6f})"
-                )
-        if base_ll is None or logloss is None:
-            reasons.append("logloss undefined: logloss not compared with the baseline")
-        elif logloss <= base_ll + max_logloss_increase:
-            reasons.append(
-                f"passed: logloss {logloss:.6f} <= baseline logloss {base_ll:.6f} + "
-                f"max_logloss_increase {max_logloss_increase:.6f}"
-            )
-        else:
-            ok = False
-            reasons.append(
-                f"rejected: logloss {logloss:.6f} > baseline logloss {base_ll:.6f} + "
-                f"max_logloss_increase {max_logloss_increase:.6f} (worse by {logloss - base_ll:.6f})"
-            )
-    return {"bless": ok, "decision": "bless" if ok else "reject", "reasons": reasons}
-
-
-def read_marker(blessed_dir: str) -> dict | None:
-    """The ``BLESSED.json`` marker of ``blessed_dir`` as a dict, or ``None`` when there is none (nothing has
-    been blessed there yet). Raises ``ValueError`` for a marker that is not valid JSON or of another format."""
-    if not blessed_dir:
-        return None
-    path = io.join(blessed_dir, MARKER)
-    if not io.exists(path):
-        return None
-    try:
-        marker = json.loads(io.read_text(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a blessed-model marker of format {FORMAT!r}")
-    if not isinstance(marker.get("model"), str) or not marker["model"] or not isinstance(marker.get("metrics"), dict):
-        raise ValueError(f"{path}: a blessed-model marker needs 'model' (the blessed model's folder) and 'metrics'")
-    return marker
 
 
 def read_baseline(blessed_dir: str) -> dict | None:
@@ -187,13 +51,6 @@ def read_baseline(blessed_dir: str) -> dict | None:
     (an empty ``blessed_dir`` string included)."""
     marker = read_marker(blessed_dir)
     return dict(marker["metrics"]) if marker is not None else None
-
-
-def latest_blessed_model(blessed_dir: str) -> str | None:
-    """Path of the latest blessed Model artifact (a folder with ``manifest.json``), or ``None``: the model a
-    next run warm-starts from."""
-    marker = read_marker(blessed_dir)
-    return io.join(blessed_dir, marker["model"]) if marker is not None else None
 
 
 RESCORED_KEY = "baseline_on_this_eval_data"
@@ -219,8 +76,6 @@ def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) ->
     marker = read_marker(blessed_dir) if blessed_dir else None
     if marker is None:
         return None
-    from persia_core.evaluate.run import LoadedModel, evaluate
-
     path = io.join(blessed_dir, marker["model"])
     try:
         model = LoadedModel(path)
@@ -340,19 +195,19 @@ def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None
     if not blessed_dir:
         raise ValueError("bless: blessed_dir must not be empty")
     metrics = {k: v for k, v in metrics.items() if k != RESCORED_KEY}
-    if not io.exists(io.join(model_dir, "manifest.json")):
-        raise FileNotFoundError(f"{io.join(model_dir, 'manifest.json')}: not a trained model (no manifest.json)")
+    if not io.exists(io.join(model_dir, MANIFEST)):
+        raise FileNotFoundError(f"{io.join(model_dir, MANIFEST)}: not a trained model (no {MANIFEST})")
     try:
         previous = read_marker(blessed_dir)
     except ValueError:
         previous = None  # an unreadable marker is replaced
     version = _new_version()
-    rel = f"{MODELS_DIR}/{version}"
+    rel = f"{BLESSED_MODELS_DIR}/{version}"
     files = _files_under(model_dir)
     for f in files:
         io.write_bytes(io.join(blessed_dir, rel, f), io.read_bytes(io.join(model_dir, f)))
     marker = {
-        "format": FORMAT,
+        "format": BLESSED_FORMAT,
         "model": rel,
         "metrics": {k: v for k, v in metrics.items() if v is None or isinstance(v, (bool, int, float, str))},
         "source": str(model_dir),
@@ -361,13 +216,13 @@ def bless(model_dir: str, metrics: dict, blessed_dir: str, decision: dict | None
     }
     if decision is not None:
         marker["decision"] = {"decision": decision.get("decision"), "reasons": list(decision.get("reasons", []))}
-    io.write_text(io.join(blessed_dir, MARKER), json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    io.write_text(io.join(blessed_dir, BLESSED_MARKER), json.dumps(marker, indent=1, sort_keys=True) + "\n")
     log.info("blessed %s -> %s (%d files)", model_dir, io.join(blessed_dir, rel), len(files))
     if not io.is_gcs(blessed_dir) and previous is not None:
         # remove only versions older than the one the marker named before: versions are named by time, so one
         # another run is blessing at the same moment is newer and kept, and the marker never names a deleted one
         before = previous["model"].rpartition("/")[2]
-        models = os.path.join(blessed_dir, MODELS_DIR)
+        models = os.path.join(blessed_dir, BLESSED_MODELS_DIR)
         for name in os.listdir(models):
             if name < before and name != version:
                 shutil.rmtree(os.path.join(models, name), ignore_errors=True)

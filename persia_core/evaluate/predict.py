@@ -277,7 +277,7 @@ def predict(
             os.close(fd)
             pq.write_table(table, tmp)
             files = [tmp]
-        examples = ParquetExamples(files, model.slots, num_dense=len(model.manifest["dense"]))
+        examples = ParquetExamples(files, model.slots, num_dense=len(model.manifest.dense))
     finally:
         if tmp is not None:
             os.unlink(tmp)

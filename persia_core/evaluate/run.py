@@ -26,29 +26,11 @@ from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.sharded import LocalEmbedding
 from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
 from persia_core.logging_utils import progress
+from persia_core.model_store import METRICS_FILE, read_manifest
 from persia_core.models import build_model
 from persia_core.train.hybrid import model_slot_order, pool, prepare_ids, table_layouts
 
 log = logging.getLogger("persia.evaluate")
-
-
-def read_manifest(model_dir: str) -> tuple[str, dict]:
-    """``(model folder, its manifest dict)`` of a Model artifact, without loading it; a blessed-model location
-    resolves to its latest blessed model. Raises ``FileNotFoundError`` when ``model_dir`` is neither, and
-    ``ValueError`` for an unknown model format."""
-    path = io.join(model_dir, "manifest.json")
-    if not io.exists(path):
-        from persia_core.evaluate.gate import MARKER, latest_blessed_model
-
-        if io.exists(io.join(model_dir, MARKER)):  # a blessed-model location: its latest blessed model
-            model_dir = latest_blessed_model(model_dir)
-            path = io.join(model_dir, "manifest.json")
-    if not io.exists(path):
-        raise FileNotFoundError(f"{path}: not a trained model (no manifest.json) nor a blessed-model location")
-    manifest = json.loads(io.read_text(path))
-    if manifest.get("format") != "persia-model/1":
-        raise ValueError(f"{path}: unknown model format {manifest.get('format')!r}")
-    return model_dir, manifest
 
 
 DEFAULT_USER_SLOT = "user"
@@ -79,20 +61,20 @@ class LoadedModel:
     def __init__(self, model_dir: str):
         self.model_dir, self.manifest = read_manifest(model_dir)
         model_dir = self.model_dir
-        self.config = RunConfig.from_dict(self.manifest["config"])
+        self.config = RunConfig.from_dict(self.manifest.config)
         self.layouts = table_layouts(self.config)
         self.slots = model_slot_order(self.config)
-        self.embedding = LocalEmbedding(self.config.embedding, self.manifest["num_shards"], self.config.trainer.seed)
-        self.embedding.load([io.join(model_dir, f) for f in self.manifest["shard_files"]])  # the resolved folder
+        self.embedding = LocalEmbedding(self.config.embedding, self.manifest.num_shards, self.config.trainer.seed)
+        self.embedding.load([io.join(model_dir, f) for f in self.manifest.shard_files])  # the resolved folder
         self.dense = build_model(
             self.config.model,
             len(self.slots),
             self.layouts[0].dim,
-            len(self.manifest["dense"]),
-            self.manifest["dense_mean"],
-            self.manifest["dense_std"],
+            len(self.manifest.dense),
+            self.manifest.dense_mean,
+            self.manifest.dense_std,
         )
-        self.dense.load_state_dict(io.read_state_dict(io.join(model_dir, self.manifest["dense_file"])))
+        self.dense.load_state_dict(io.read_state_dict(io.join(model_dir, self.manifest.dense_file)))
         self.dense.eval()
 
     @torch.no_grad()
@@ -193,10 +175,10 @@ def evaluate(
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
     for a missing model or dataset file, ``ValueError`` for invalid ones."""
     model_dir, manifest = read_manifest(model_dir)  # a blessed-model location resolves to its latest blessed model
-    use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest["config"])), model_dir)
+    use_user_slot = check_user_slot(user_slot, model_slot_order(RunConfig.from_dict(manifest.config)), model_dir)
     read_schema(data_dir)
     model = model if model is not None else LoadedModel(model_dir)
-    examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots, num_dense=len(model.manifest["dense"]))
+    examples = ParquetExamples(shard_files(data_dir, "eval"), model.slots, num_dense=len(model.manifest.dense))
     stream = StreamingMetrics()
     preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)
     metrics = stream.compute()
@@ -215,7 +197,7 @@ def evaluate(
         log.info("no slot named %r: GAUC and the seen/unseen-user split are skipped", user_slot)
     coverage = slot_coverage(model, examples)
     history = None
-    hp = io.join(model_dir, "train_metrics.json")
+    hp = io.join(model_dir, METRICS_FILE)
     if io.exists(hp):
         history = json.loads(io.read_text(hp))
     log.info("evaluate: %d rows, AUC=%s logloss=%.4f", metrics["count"], metrics["auc"], metrics["logloss"])
@@ -224,7 +206,7 @@ def evaluate(
         "roc": roc_points(labels, preds_all) if metrics["auc"] is not None else None,
         "labels": labels,
         "preds": preds_all,
-        "config": model.manifest["config"],
+        "config": model.manifest.config,
         "train_history": history,
         "coverage": coverage,
         "user_split": user_split,

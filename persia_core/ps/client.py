@@ -286,13 +286,11 @@ class EmbeddingClient:
                 out[pos] = self.call("Contains", s, {"table": table}, {"ids": ids[pos]})[1]["found"].astype(bool)
         return out
 
-    def dump(self, paths: list[str]) -> list[int]:
-        """Each shard writes its state to ``paths[shard]`` (concurrently). Returns bytes written per shard."""
-        futs = [
-            self.pool.submit(self.call, "Dump", s, {"path": p}, None, max(self.timeout_s, 600.0))
-            for s, p in enumerate(paths)
-        ]
-        return [int(f.result()[0]["bytes"]) for f in futs]
+    def dump(self, paths: list[str], timeout_s: float = 1800.0) -> list[tuple[int, int]]:
+        """Each shard writes its state to ``paths[shard]`` (concurrently). Returns ``(bytes, CRC-32C)`` of each
+        shard file as its server wrote it. ``timeout_s``: per shard (seconds)."""
+        futs = [self.pool.submit(self.call, "Dump", s, {"path": p}, None, timeout_s) for s, p in enumerate(paths)]
+        return [(int(f.result()[0]["bytes"]), int(f.result()[0]["crc32c"])) for f in futs]
 
     def stats(self) -> list[dict]:
         return [self.call("Stats", s)[0] for s in range(self.num_shards)]

@@ -44,6 +44,7 @@ import torch
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.embedding.sharded import crc32c, file_crc32c
+from persia_core.model_store import shard_file_name
 
 FORMAT = "persia-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -183,7 +184,7 @@ def _check_complete(path: str, manifest: dict) -> None:
         wanted = [
             DENSE_FILE,
             *(rank_file(r) for r in range(int(manifest["num_workers"]))),
-            *(shard_rel(s) for s in range(int(manifest["num_shards"]))),
+            *(shard_file_name(s) for s in range(int(manifest["num_shards"]))),
         ]
     except (TypeError, ValueError) as e:  # counts that are no integers (read_manifest checked the file list)
         raise CheckpointError(f"{io.join(path, MANIFEST)}: malformed manifest ({e})") from e
@@ -514,21 +515,6 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---- the consistent cut, from the NN workers ----------------------------------------------------------------
-def dump_shards(backend, paths: list[str], timeout_s: float = 1800.0) -> list[tuple[int, int]]:
-    """Have every shard write its state to ``paths[shard]``, concurrently. Returns ``(bytes, CRC-32C)`` per shard.
-    ``backend``: an ``EmbeddingClient`` (Dump RPCs) or an in-process ``LocalEmbedding``."""
-    if hasattr(backend, "call") and hasattr(backend, "pool"):
-        futs = [backend.pool.submit(backend.call, "Dump", s, {"path": p}, None, timeout_s) for s, p in enumerate(paths)]
-        out = []
-        for f in futs:
-            meta = f.result()[0]
-            out.append((int(meta["bytes"]), int(meta["crc32c"])))
-        return out
-    from persia_core.embedding.sharded import write_shard_file
-
-    return [write_shard_file(p, tables) for p, tables in zip(paths, backend.shards, strict=True)]
-
-
 class Checkpointer:
     """Writes checkpoints from inside the NN workers' loop (``persia_core.train.worker.run_worker``).
 
@@ -584,7 +570,7 @@ class Checkpointer:
             from concurrent.futures import ThreadPoolExecutor
 
             ex = ThreadPoolExecutor(max_workers=1)
-            futs = ex.submit(dump_shards, self.backend, [io.join(path, shard_rel(s)) for s in range(self.num_shards)])
+            futs = ex.submit(self.backend.dump, [io.join(path, shard_file_name(s)) for s in range(self.num_shards)])
             ex.shutdown(wait=False)
         files = []
         rel = rank_file(self.rank)
@@ -594,7 +580,7 @@ class Checkpointer:
             n, c = write_durable(io.join(path, DENSE_FILE), dense_bytes(model, optimizer))
             files.append({"path": DENSE_FILE, "bytes": n, "crc32c": c, "role": "dense"})
             for s, (n, c) in enumerate(futs.result()):
-                files.append({"path": shard_rel(s), "bytes": n, "crc32c": c, "role": "shard", "shard": s})
+                files.append({"path": shard_file_name(s), "bytes": n, "crc32c": c, "role": "shard", "shard": s})
         if self.world > 1:
             gathered: list = [None] * self.world
             dist.all_gather_object(gathered, files)
@@ -627,10 +613,6 @@ class Checkpointer:
             f"; removed {len(removed)} older" if removed else "",
         )
         return path
-
-
-def shard_rel(shard: int) -> str:
-    return f"shards/shard-{shard:05d}.npz"
 
 
 def load_rank_state(ckpt: str, manifest: dict, rank: int, world: int) -> dict:

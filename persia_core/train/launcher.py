@@ -52,10 +52,11 @@ from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.memory import capacity_for_budget
+from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import EXIT_BAD_INIT
 from persia_core.ps.storage_roots import resolve_storage_roots
+from persia_core.train.model_output import finish_model
 
-FORMAT = "persia-model/1"
 _PR_SET_PDEATHSIG = 1
 log = logging.getLogger("persia.launcher")
 
@@ -206,10 +207,6 @@ def _failed(p: _Proc, what: str) -> TrainingFailed:
         f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
         f"{os.path.dirname(p.log_path)}):\n{p.tail()}"
     )
-
-
-def shard_file_name(shard: int) -> str:
-    return f"shards/shard-{shard:05d}.npz"
 
 
 class LocalCluster:
@@ -744,7 +741,7 @@ def _train(
                 client = EmbeddingClient(addresses, config.embedding, token=cluster.token)
                 try:
                     dumped = cluster.run_watched(
-                        ckpt.dump_shards, client, [io.join(model_dir, shard_file_name(s)) for s in range(n)]
+                        client.dump, [io.join(model_dir, shard_file_name(s)) for s in range(n)]
                     )
                     stats = cluster.run_watched(client.stats)
                 finally:
@@ -756,51 +753,24 @@ def _train(
             log.warning("checkpoint %s refused by a parameter server, trying the previous one: %s", chosen[0], e)
             reasons.append(str(e))
             refused.add(chosen[0])
-    history = json.loads(io.read_text(io.join(model_dir, "train_metrics.json")))
-    history["shards"] = [
-        {
-            "shard": s["shard"],
-            "rows": sum(t["rows"] for t in s["tables"].values()),
-            "bytes": dumped[i][0],
-            "evictions": sum(t["evictions"] for t in s["tables"].values()),
-            "dropped_gradients": sum(t["dropped_gradients"] for t in s["tables"].values()),
-        }
-        for i, s in enumerate(stats)
-    ]
-    io.write_text(io.join(model_dir, "train_metrics.json"), json.dumps(history))
-    last = ckpt.list_checkpoints(settings.dir)
-    manifest = {
-        "format": FORMAT,
-        "config": config.to_dict(),
-        "num_shards": n,
-        "shard_files": [shard_file_name(s) for s in range(n)],
-        "shard_crc32c": [c for _, c in dumped],
-        "dense_file": "dense.pt",
-        "slots": [s.name for s in config.slots],
-        "dense": schema["dense"],
-        "dense_mean": schema.get("dense_mean"),
-        "dense_std": schema.get("dense_std"),
-        "summary": {
-            "samples_per_s": history["samples_per_s"],
-            "max_staleness": history["max_staleness"],
-            "final_loss": history["loss"][-1] if history["loss"] else None,
-            "wall_seconds": time.time() - t0,
-            "rows": [s["rows"] for s in history["shards"]],
-        },
-        "lineage": info,
-        "resumed_from": chosen[0] if chosen is not None else None,
-        "checkpoints_refused": reasons,
-        "last_checkpoint": last[0][1] if last else None,
-        "warm_start": plan.get("warm_start"),
-    }
-    for rel in ("dense.pt", *manifest["shard_files"]):
-        if not io.exists(io.join(model_dir, rel)):
-            raise TrainingFailed(f"training finished but {io.join(model_dir, rel)} is missing")
     logs = os.path.join(work_dir, "logs")
     for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
         with open(os.path.join(logs, name), "rb") as f:
             io.write_bytes(io.join(model_dir, "logs", name), f.read())
-    io.write_text(io.join(model_dir, "manifest.json"), json.dumps(manifest, indent=1))
+    last = ckpt.list_checkpoints(settings.dir)
+    manifest = finish_model(
+        model_dir,
+        config,
+        schema,
+        dumped,
+        stats,
+        wall_seconds=time.time() - t0,
+        lineage=info,
+        resumed_from=chosen[0] if chosen is not None else None,
+        checkpoints_refused=reasons,
+        last_checkpoint=last[0][1] if last else None,
+        warm_start=plan.get("warm_start"),
+    )
     if own_work_dir:  # kept when training fails, for its logs
         shutil.rmtree(work_dir, ignore_errors=True)
     return manifest

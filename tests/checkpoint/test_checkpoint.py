@@ -9,6 +9,7 @@ from support import tiny_config, write_dataset
 
 from persia_core import io
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
+from persia_core.model_store import shard_file_name
 from persia_core.train import checkpoint as ckpt
 from persia_core.train.worker import run_worker
 
@@ -112,8 +113,8 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
     manifest = json.load(open(mpath))
     # one shard's entry removed (and its file): before, the checkpoint was re-sharded from the shard left, and the
     # other shard's trained rows were lost silently
-    manifest["files"] = [e for e in manifest["files"] if e["path"] != ckpt.shard_rel(1)]
-    os.remove(os.path.join(newest, ckpt.shard_rel(1)))
+    manifest["files"] = [e for e in manifest["files"] if e["path"] != shard_file_name(1)]
+    os.remove(os.path.join(newest, shard_file_name(1)))
     manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)  # even with its checksum made to match
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(ckpt.CheckpointError, match=r"lists no shards/shard-00001\.npz .*incomplete"):

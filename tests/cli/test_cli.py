@@ -594,7 +594,7 @@ def test_set_reaches_a_table_or_slot_by_name_or_index(tmp_path, capsys):
 def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_without_shards(tmp_path, capsys):
     """A blessed-model location (as evaluate and predict take) serves its latest blessed model; a folder with no
     shard files is refused instead of starting empty servers that nothing reports."""
-    from persia_core.evaluate.gate import FORMAT, MARKER
+    from persia_core.model_store import BLESSED_FORMAT, BLESSED_MARKER
 
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
@@ -603,7 +603,9 @@ def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_witho
     shards.mkdir(parents=True)
     for s in range(2):
         (shards / f"shard-{s:05d}.npz").write_bytes(b"")
-    (blessed / MARKER).write_text(json.dumps({"format": FORMAT, "model": "models/m1", "metrics": {"auc": 0.7}}))
+    (blessed / BLESSED_MARKER).write_text(
+        json.dumps({"format": BLESSED_FORMAT, "model": "models/m1", "metrics": {"auc": 0.7}})
+    )
     rc = main(
         [
             "serve-shards",
@@ -620,9 +622,9 @@ def test_cli_serve_shards_resolves_a_blessed_location_and_refuses_a_folder_witho
     assert rc == 2
     err = capsys.readouterr().err
     assert "models/m1 holds 2 shard files but 3 shards were asked" in err  # the blessed model's own shards
-    (blessed / MARKER).write_text(json.dumps({"format": FORMAT, "metrics": {"auc": 0.7}}))  # no "model"
+    (blessed / BLESSED_MARKER).write_text(json.dumps({"format": BLESSED_FORMAT, "metrics": {"auc": 0.7}}))  # no "model"
     rc = main(["serve-shards", "--config", str(cfg), "--init", str(blessed), "--work-dir", str(tmp_path / "work")])
-    assert rc == 2 and f"{blessed / MARKER}: a blessed-model marker needs 'model'" in capsys.readouterr().err
+    assert rc == 2 and f"{blessed / BLESSED_MARKER}: a blessed-model marker needs 'model'" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     rc = main(
         ["serve-shards", "--config", str(cfg), "--init", str(tmp_path / "empty"), "--work-dir", str(tmp_path / "work")]

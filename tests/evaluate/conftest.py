@@ -17,9 +17,9 @@ from persia_core.config import RunConfig
 from persia_core.data import schema as S
 from persia_core.embedding.sharded import LocalEmbedding, shard_file_bytes
 from persia_core.hashing import feature_ids
+from persia_core.model_store import ModelManifest, shard_file_name, write_manifest
 from persia_core.models import build_model
 from persia_core.train.hybrid import model_slot_order, table_layouts
-from persia_core.train.launcher import FORMAT, shard_file_name
 
 
 def make_model(model_dir: str, config: RunConfig, seen: dict[str, list[str]], num_dense: int = 1) -> str:
@@ -45,20 +45,15 @@ def make_model(model_dir: str, config: RunConfig, seen: dict[str, list[str]], nu
     torch.save(dense.state_dict(), buf)
     with open(os.path.join(model_dir, "dense.pt"), "wb") as f:
         f.write(buf.getvalue())
-    manifest = {
-        "format": FORMAT,
-        "config": config.to_dict(),
-        "num_shards": config.embedding.num_shards,
-        "shard_files": files,
-        "dense_file": "dense.pt",
-        "slots": config.slot_names,
-        "dense": [f"d{i}" for i in range(num_dense)],
-        "dense_mean": [0.0] * num_dense,
-        "dense_std": [1.0] * num_dense,
-        "summary": {},
-    }
-    with open(os.path.join(model_dir, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+    manifest = ModelManifest(
+        config=config.to_dict(),
+        shard_files=files,
+        slots=config.slot_names,
+        dense=[f"d{i}" for i in range(num_dense)],
+        dense_mean=[0.0] * num_dense,
+        dense_std=[1.0] * num_dense,
+    )
+    write_manifest(model_dir, manifest)
     return model_dir
 
 

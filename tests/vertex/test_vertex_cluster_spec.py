@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from persia_core import cluster
@@ -203,7 +204,10 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     from support import tiny_config
 
     from persia_core.embedding.plan import init_shards
+    from persia_core.embedding.sharded import LocalEmbedding, ShardFileError, shard_file_bytes
     from persia_core.evaluate.run import evaluate
+    from persia_core.model_store import shard_file_name
+    from persia_core.train.checkpoint import config_sha256
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2)
     init = str(tmp_path / "shards")
@@ -254,6 +258,16 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     assert os.path.exists(os.path.join(control, cluster.DONE_MARKER))
     result = evaluate(out, tiny_data)
     assert 0.0 < result["metrics"]["auc"] < 1.0
+    # one manifest writer: a model finished the Vertex way carries the shard CRCs and the lineage a local run's
+    # has, so a warm start refuses a shard file swapped for a valid one of another model (the zip CRCs alone
+    # do not catch that; before, this manifest had neither and the warm start took the other model's rows)
+    assert len(manifest["shard_crc32c"]) == 2 and manifest["lineage"]["config_sha256"] == config_sha256(cfg)
+    other = LocalEmbedding(cfg.embedding, 2, seed=7)
+    other.lookup(cfg.embedding.tables[0].name, np.arange(1, 500, dtype=np.uint64))
+    with open(os.path.join(out, shard_file_name(1)), "wb") as f:
+        f.write(shard_file_bytes(other.shards[1]))
+    with pytest.raises(ShardFileError, match=r"shard-00001\.npz"):
+        init_shards(cfg, tiny_data, str(tmp_path / "warm"), warm_start_from=out)
 
 
 def test_vertex_replica_entry_point_passes_worker_flags_after_the_separator(monkeypatch):
