@@ -8,7 +8,8 @@ Each row is one example::
     ts         int64                Unix seconds of the example (row number for layouts without time)
     source     string               "<file>:<line>" of the raw row it came from
 
-Beside the shards, ``schema.json`` (see ``SCHEMA_FILE``) holds::
+A shard's path under the output folder is ``shard_file(split, shard, num_shards)``. Beside the shards,
+``schema.json`` (see ``SCHEMA_FILE``) holds::
 
     {"slots": [..], "dense": [..], "dense_mean": [..], "dense_std": [..],   # mean/std over the train split
      "rows": {"train": n, "eval": n, "malformed": n, "read": n},
@@ -29,6 +30,11 @@ DEAD_LETTER_DIR = "dead_letter"
 def slot_column(slot: str) -> str:
     """Parquet column of a slot's feature IDs."""
     return f"slot_{slot}"
+
+
+def shard_file(split: str, shard: int, num_shards: int) -> str:
+    """A shard's path relative to the output folder: ``train/train-00001-of-00004.parquet``."""
+    return f"{split}/{split}-{shard:05d}-of-{num_shards:05d}.parquet"
 
 
 def arrow_schema(slots: list[str]):

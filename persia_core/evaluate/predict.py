@@ -199,7 +199,7 @@ def raw_rows_table(path: str, config: RunConfig, bad: list | None = None) -> tup
     ``schema.arrow_schema(slots)``, whether every row had a label). A row that does not parse raises
     ``ValueError`` naming ``file:line``, or, with ``bad`` (a list), is appended to it as ``{source, reason,
     line}`` and skipped. Raises ``FileNotFoundError`` for missing files."""
-    from persia_core.preprocess.pipeline import encode_row, rows_to_table, slot_specs
+    from persia_core.preprocess.rows import encode_row, rows_to_table, slot_specs
 
     if config.layout.kind == "delimited":
         records, labelled = _delimited_records(path, config, bad)

@@ -20,7 +20,8 @@ from apache_beam.pvalue import TaggedOutput
 
 from persia_core.config import RunConfig
 from persia_core.preprocess import layouts
-from persia_core.preprocess.rows import DEAD, counter, dead_letter, encode_row, slot_specs
+from persia_core.preprocess.counters import counter
+from persia_core.preprocess.rows import DEAD, dead_letter, encode_row, slot_specs
 
 
 class KeyByMovieFn(beam.DoFn):

@@ -5,8 +5,9 @@ An encoded row is a tuple, compact to shuffle::
     (label: float, dense: bytes (float32[F]), slots: tuple[bytes (uint64[n_s])], ts: int, source: str,
      key: int (63-bit xxh3 of source, orders rows within and across shards))
 
-``LABEL`` .. ``KEY`` index it. A dead letter is the dict of a line that is not a valid example
-(``dead_letter``); DoFns emit it on their ``DEAD`` output.
+``LABEL`` .. ``KEY`` index it; ``decode_row`` and ``rows_to_table`` turn rows into the Parquet columns of
+``persia_core.data.schema``. A dead letter is the dict of a line that is not a valid example (``dead_letter``);
+DoFns emit it on their ``DEAD`` output. No Beam here: ``persia predict`` encodes raw rows with these too.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-import apache_beam as beam
+import numpy as np
+import pyarrow as pa
 import xxhash
 
 from persia_core import hashing
 from persia_core.config import RunConfig
 from persia_core.data import schema
 from persia_core.preprocess import layouts
-
-NAMESPACE = "persia_preprocess"
-"""Beam metrics namespace of the preprocess counters."""
 
 LABEL, DENSE, SLOTS, TS, SOURCE, KEY = range(6)
 """Indices into an encoded row tuple."""
@@ -76,6 +75,25 @@ def decode_row(row: tuple, slot_names: list[str]) -> dict[str, Any]:
     return out
 
 
+def rows_to_table(rows: list[tuple], slot_names: list[str], num_dense: int):
+    """Encoded rows -> a ``pyarrow.Table`` with ``schema.arrow_schema(slot_names)``, built column-wise."""
+    n = len(rows)
+    arrow_schema = schema.arrow_schema(slot_names)
+    columns = [pa.array(np.fromiter((r[LABEL] for r in rows), np.float32, n), pa.float32())]
+    dense_values = np.frombuffer(b"".join(r[DENSE] for r in rows), np.float32)
+    dense_offsets = (np.arange(n + 1, dtype=np.int64) * num_dense).astype(np.int32)
+    columns.append(pa.ListArray.from_arrays(pa.array(dense_offsets), pa.array(dense_values, pa.float32())))
+    for i in range(len(slot_names)):
+        blobs = [r[SLOTS][i] for r in rows]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((len(b) >> 3 for b in blobs), np.int64, n), out=offsets[1:])
+        values = np.frombuffer(b"".join(blobs), np.uint64)
+        columns.append(pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, pa.uint64())))
+    columns.append(pa.array(np.fromiter((r[TS] for r in rows), np.int64, n), pa.int64()))
+    columns.append(pa.array([r[SOURCE] for r in rows], pa.string()))
+    return pa.Table.from_arrays(columns, schema=arrow_schema)
+
+
 def dead_letter(path: str, line_no: int, raw: str, error: layouts.ParseError, example: bool) -> dict[str, Any]:
     """A dead letter: ``{"source": "<path>:<line_no>", "reason", "raw", "file", "kind", "example"}``
     (``example``: whether the line was an example, counted against the malformed budget)."""
@@ -87,8 +105,3 @@ def dead_letter(path: str, line_no: int, raw: str, error: layouts.ParseError, ex
         "kind": error.kind,
         "example": example,
     }
-
-
-def counter(name: str):
-    """The Beam counter ``name`` in the preprocess namespace."""
-    return beam.metrics.Metrics.counter(NAMESPACE, name)

@@ -18,11 +18,17 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from persia_core.config import load_config
+from persia_core.config import load_config, parse_overrides
 from persia_core.data import schema
 from persia_core.data.synthetic import write_criteo_tsv
 from persia_core.hashing import cross_values, feature_ids
 from persia_core.preprocess import layouts, pipeline
+from persia_core.preprocess.delimited import ParseDelimited
+from persia_core.preprocess.pipeline import malformed_summary
+from persia_core.preprocess.read import ReadFileLinesFn
+from persia_core.preprocess.rows import LABEL, SOURCE, TS, dead_letter, decode_row, encode_row, rows_to_table
+from persia_core.preprocess.split import SplitAndShard
+from persia_core.preprocess.stats import DenseStatsFn, DistinctIdsFn, MalformedSummaryFn, shard_bounds, split_cutoff
 
 
 def by_line(rows: list[dict]) -> dict[int, dict]:
@@ -151,11 +157,11 @@ def test_time_split_eval_is_the_last_fifth_by_timestamp(movielens_dir, tmp_path,
 def test_ties_at_the_cutoff_all_go_to_eval_in_the_split_composite():
     specs = [("s", ["a"], False)]
     rows = [
-        pipeline.encode_row({"label": 1.0, "dense": [], "fields": {"a": ["x"]}}, specs, f"f:{i}", ts)
+        encode_row({"label": 1.0, "dense": [], "fields": {"a": ["x"]}}, specs, f"f:{i}", ts)
         for i, ts in enumerate([1, 2, 3, 3, 3, 4, 5, 6, 7, 8])
     ]
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as p:
-        out = p | beam.Create(rows) | pipeline.SplitAndShard(0.8, 2, 1)
+        out = p | beam.Create(rows) | SplitAndShard(0.8, 2, 1)
         # n = 10, floor(0.2 * 10) = 2 -> cutoff = sorted_ts[2] = 3: all three rows at ts 3 are eval
         assert_that(
             out["plan"] | beam.Map(lambda plan: (plan["cutoff"], plan["train"], plan["eval"])),
@@ -163,7 +169,7 @@ def test_ties_at_the_cutoff_all_go_to_eval_in_the_split_composite():
             label="CheckPlan",
         )
         assert_that(
-            out["keyed"] | beam.Map(lambda kv: (kv[0][0], kv[1][pipeline.TS])),
+            out["keyed"] | beam.Map(lambda kv: (kv[0][0], kv[1][TS])),
             equal_to([("train", 1), ("train", 2)] + [("eval", t) for t in (3, 3, 3, 4, 5, 6, 7, 8)]),
             label="CheckSplit",
         )
@@ -211,8 +217,6 @@ def test_criteo_malformed_rows_go_to_dead_letter_with_line_numbers_and_counts_ad
     lines = {int(r["source"].rsplit(":", 1)[1]) for r in rows}
     assert lines == set(range(1, info["lines"] + 1)) - set(info["malformed_lines"])
     assert result["rows"] == {"train": 1600, "eval": 400, "malformed": 12, "read": 2012}
-    from persia_core.preprocess.pipeline import malformed_summary
-
     summary = malformed_summary(str(tmp_path))  # what make run prints and the report shows
     assert summary["rows"] == 12 and sum(summary["by_reason"].values()) == 12
     assert set(summary["by_reason"]) == set(info["malformed_kinds"])
@@ -276,9 +280,9 @@ def test_parse_delimited_composite_routes_bad_lines_to_dead_letters():
     good = "\t".join(["1", *["2"] * 13, *["abcd0123"] * 26])
     lines = [("f.tsv", 1, 0, good), ("f.tsv", 2, 1, "1\t2"), ("f.tsv", 3, 2, good.replace("1", "x", 1))]
     with test_pipeline.TestPipeline(runner=FnApiRunner()) as p:
-        out = p | beam.Create(lines) | pipeline.ParseDelimited(cfg)
+        out = p | beam.Create(lines) | ParseDelimited(cfg)
         assert_that(
-            out["rows"] | beam.Map(lambda r: (r[pipeline.SOURCE], r[pipeline.TS], r[pipeline.LABEL])),
+            out["rows"] | beam.Map(lambda r: (r[SOURCE], r[TS], r[LABEL])),
             equal_to([("f.tsv:1", 0, 1.0)]),
             label="CheckRows",
         )
@@ -292,8 +296,8 @@ def test_parse_delimited_composite_routes_bad_lines_to_dead_letters():
 def test_encoded_row_decodes_to_the_parquet_columns():
     specs = [("a", ["a"], False), ("ab", ["a", "b"], True)]
     record = {"label": 0.0, "dense": [0.5, 2.0], "fields": {"a": ["x", "y"], "b": ["z"]}, "ts": 7}
-    row = pipeline.encode_row(record, specs, "f:3", 7)
-    assert pipeline.decode_row(row, ["a", "ab"]) == {
+    row = encode_row(record, specs, "f:3", 7)
+    assert decode_row(row, ["a", "ab"]) == {
         "label": 0.0,
         "dense": [0.5, 2.0],
         "slot_a": feature_ids("a", ["x", "y"]),
@@ -301,9 +305,9 @@ def test_encoded_row_decodes_to_the_parquet_columns():
         "ts": 7,
         "source": "f:3",
     }
-    table = pipeline.rows_to_table([row, row], ["a", "ab"], 2)
+    table = rows_to_table([row, row], ["a", "ab"], 2)
     assert table.schema.equals(schema.arrow_schema(["a", "ab"]))
-    assert table.to_pylist()[1] == pipeline.decode_row(row, ["a", "ab"])
+    assert table.to_pylist()[1] == decode_row(row, ["a", "ab"])
 
 
 def test_rerun_with_fewer_shards_removes_stale_shard_files_and_output_is_deterministic(tmp_path, helpers):
@@ -339,7 +343,7 @@ def test_main_splits_our_flags_from_beam_options_and_applies_set_overrides(tiny_
     assert len(result["train_files"]) == 3
     assert result["config"]["split"]["max_malformed_fraction"] == 0.5
     with pytest.raises(ValueError, match="key=value"):
-        pipeline.parse_overrides(["split.max_rows"])
+        parse_overrides(["split.max_rows"])
 
 
 def test_missing_input_raises_file_not_found_naming_the_path(tmp_path, helpers):
@@ -351,11 +355,11 @@ def test_missing_input_raises_file_not_found_naming_the_path(tmp_path, helpers):
 
 def test_split_cutoff_and_shard_bounds_formulas():
     ts = np.array([5, 1, 4, 2, 3], np.int64)
-    assert pipeline.split_cutoff(ts, 0.2) == 5  # floor(0.8 * 5) = 4 -> sorted[4]
-    assert pipeline.split_cutoff(ts, 0.5) == 3  # floor(2.5) = 2
-    assert pipeline.split_cutoff(np.zeros(0, np.int64), 0.2) == 0
+    assert split_cutoff(ts, 0.2) == 5  # floor(0.8 * 5) = 4 -> sorted[4]
+    assert split_cutoff(ts, 0.5) == 3  # floor(2.5) = 2
+    assert split_cutoff(np.zeros(0, np.int64), 0.2) == 0
     keys = np.arange(10, dtype=np.int64)[::-1]
-    bounds = pipeline.shard_bounds(keys, 4)
+    bounds = shard_bounds(keys, 4)
     sizes = np.bincount([np.searchsorted(bounds, k, side="right") for k in keys], minlength=4)
     assert bounds == [2, 5, 7] and sizes.tolist() == [2, 3, 2, 3]
 
@@ -405,7 +409,7 @@ def test_blank_lines_are_not_rows_and_keep_the_line_numbers(tmp_path, helpers):
 
 def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
     # a quoted MovieLens tag may hold a CR: it must not split the line (and shift every later line number)
-    fn = pipeline.ReadFileLinesFn(skip_header=False, max_lines=0)
+    fn = ReadFileLinesFn(skip_header=False, max_lines=0)
     import tempfile
 
     with tempfile.NamedTemporaryFile("wb", suffix=".csv", delete=False) as f:
@@ -422,8 +426,8 @@ def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
 
 def test_parse_error_reasons_are_counted_by_kind():
     e = layouts.ParseError("unparsable number in I3: 'abc'", "unparsable number")
-    dead = pipeline._dead_letter("f", 3, "raw", e, True)
-    summary = pipeline.MalformedSummaryFn()
+    dead = dead_letter("f", 3, "raw", e, True)
+    summary = MalformedSummaryFn()
     acc = summary.add_input(summary.create_accumulator(), dead)
     other = summary.add_input(summary.create_accumulator(), dead)
     out = summary.extract_output(summary.merge_accumulators([acc, other]))
@@ -461,7 +465,7 @@ def test_dense_stats_combine_matches_numpy_across_batches_and_merges():
     rng = np.random.default_rng(1)
     x = rng.normal(3.0, 2.0, (10000, 3)).astype(np.float32)
     x[:, 2] = 0.1  # constant: std 1.0
-    fn = pipeline.DenseStatsFn(3)
+    fn = DenseStatsFn(3)
     accs = []
     for part in np.array_split(x, 3):
         acc = fn.create_accumulator()
@@ -479,7 +483,7 @@ def test_distinct_ids_estimate_is_within_three_percent():
     def row(big: list[int], small: list[int]) -> tuple:
         return (0.0, b"", (np.array(big, np.uint64).tobytes(), np.array(small, np.uint64).tobytes()), 0, "", 0)
 
-    fn = pipeline.DistinctIdsFn(["big", "small"])
+    fn = DistinctIdsFn(["big", "small"])
     acc = fn.create_accumulator()
     for i in range(30000):
         big = feature_ids("big", [str(i), str(i // 2)])

@@ -1,0 +1,52 @@
+"""Step 2 of the preprocess pipeline for delimited layouts (Criteo's TSV): numbered lines -> encoded rows.
+
+Each line is parsed by ``layouts.parse_delimited`` and encoded (``rows.encode_row``); a line that does not parse
+is a dead letter with the parser's reason. The MovieLens layout's counterpart is ``movielens.JoinMovieLens``.
+"""
+
+from __future__ import annotations
+
+import apache_beam as beam
+from apache_beam.pvalue import TaggedOutput
+
+from persia_core.config import RunConfig
+from persia_core.preprocess import layouts
+from persia_core.preprocess.counters import counter
+from persia_core.preprocess.rows import DEAD, dead_letter, encode_row, slot_specs
+
+
+class ParseDelimitedFn(beam.DoFn):
+    """``(path, line_no, row_number, text)`` -> an encoded row, or a dead letter on the ``dead`` output.
+
+    ``ts`` is the layout's timestamp column, else the global row number.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.layout = config.layout
+        self.specs = slot_specs(config)
+        self.rows = counter("rows")
+        self.malformed = counter("malformed")
+
+    def process(self, element: tuple):
+        path, line_no, row_number, text = element
+        try:
+            record = layouts.parse_delimited(text, self.layout)
+        except layouts.ParseError as e:
+            self.malformed.inc()
+            yield TaggedOutput(DEAD, dead_letter(path, line_no, text, e, True))
+            return
+        self.rows.inc()
+        ts = record["ts"] if record["ts"] is not None else row_number
+        yield encode_row(record, self.specs, f"{path}:{line_no}", ts)
+
+
+class ParseDelimited(beam.PTransform):
+    """Numbered lines of a delimited layout -> ``{"rows": encoded rows, "dead": dead letters}``."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def expand(self, lines):
+        out = lines | "ParseLines" >> beam.ParDo(ParseDelimitedFn(self.config)).with_outputs(DEAD, main="rows")
+        return {"rows": out.rows, "dead": out[DEAD]}

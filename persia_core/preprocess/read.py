@@ -1,0 +1,153 @@
+"""Step 1 of the preprocess pipeline: input files -> numbered lines, each keeping its ``"<file>:<line>"``.
+
+``ReadNumberedLines`` reads each file in order with ``FileSystems`` (local or gs://; ``ReadFileLinesFn``), then
+gives every data line its global row number over all files (``NumberRowsFn``, with the per-file line counts as
+a side input). Lines that are not UTF-8 become dead letters here; parsing is the next step's.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from collections.abc import Iterable
+
+import apache_beam as beam
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.pvalue import AsDict, TaggedOutput
+
+from persia_core.preprocess import layouts
+from persia_core.preprocess.counters import counter
+from persia_core.preprocess.rows import DEAD, dead_letter
+
+_COUNTS = "counts"
+
+
+class ReadFileLinesFn(beam.DoFn):
+    """``(file_index, path)`` -> ``(file_index, path, line_no, data_index, text, ok)`` per data line.
+
+    Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension); ``line_no`` is
+    1-based and counts the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line
+    end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps).
+    Line ends are ``\\n`` or ``\\r\\n``; in a file without any ``\\n``, a lone ``\\r`` (classic Mac files: before,
+    such a file was one line; a ``\\r`` inside a line of any other file stays in its line). Stops after
+    ``max_lines`` data lines (0 = all). A blank (whitespace-only) line holds no data and is not a row: it is
+    skipped, counted by the ``blank_lines`` counter, and keeps its place in the line numbers. Emits ``(file_index,
+    data lines read)`` on the ``counts`` output.
+    """
+
+    def __init__(self, skip_header: bool, max_lines: int) -> None:
+        self.skip_header = skip_header
+        self.max_lines = max_lines
+        self.lines_read = counter("lines_read")
+        self.blank_lines = counter("blank_lines")
+
+    def process(self, element: tuple[int, str]):
+        index, path = element
+        n = 0
+        line_no = 0
+        with FileSystems.open(path) as f:
+            for chunk in iter(f.readline, b""):
+                # a first readline that reached the end of the file without a LF but holds a CR: a file with
+                # CR-only line ends (read whole; a CR inside a line of a LF file stays part of its line)
+                cr_only = line_no == 0 and not chunk.endswith(b"\n") and b"\r" in chunk.rstrip(b"\r")
+                pieces = chunk.splitlines() if cr_only else (chunk,)
+                for raw in pieces:
+                    line_no += 1
+                    if line_no == 1 and self.skip_header:
+                        continue
+                    if self.max_lines and n >= self.max_lines:
+                        break
+                    try:
+                        text, ok = layouts.strip_line_end(raw.decode("utf-8")), True
+                    except UnicodeDecodeError:
+                        text, ok = raw.rstrip(b"\r\n"), False  # its bytes, for the dead letter
+                    if ok and not text.strip():
+                        self.blank_lines.inc()  # no data, so not a row (as predict reads them too)
+                        continue
+                    yield index, path, line_no, n, text, ok
+                    n += 1
+                if self.max_lines and n >= self.max_lines:
+                    break
+        self.lines_read.inc(n)
+        yield TaggedOutput(_COUNTS, (index, n))
+
+
+class NumberRowsFn(beam.DoFn):
+    """Gives each line its global row number (file order, headers excluded) and drops rows past ``max_rows``.
+
+    Input ``(file_index, path, line_no, data_index, text, ok)`` with side input ``counts`` ``{file_index: n}``;
+    output ``(path, line_no, row_number, text)``, or a dead letter ``"not utf-8"`` on the ``dead`` output.
+    """
+
+    def __init__(self, max_rows: int, example: bool) -> None:
+        self.max_rows = max_rows
+        self.example = example
+        self.malformed = counter("malformed" if example else "malformed_side_lines")
+        self._offsets: dict[int, int] | None = None
+
+    def process(self, element: tuple, counts: dict[int, int]):
+        index, path, line_no, data_index, text, ok = element
+        if self._offsets is None or len(self._offsets) != len(counts):
+            total, self._offsets = 0, {}
+            for i in sorted(counts):
+                self._offsets[i] = total
+                total += counts[i]
+        row_number = self._offsets[index] + data_index
+        if self.max_rows and row_number >= self.max_rows:
+            return
+        if not ok:
+            self.malformed.inc()
+            raw = text  # the line's bytes, as read
+            dead = dead_letter(
+                path, line_no, raw.decode("utf-8", errors="replace"), layouts.ParseError("not utf-8"), self.example
+            )
+            dead["raw_base64"] = base64.b64encode(raw).decode("ascii")
+            yield TaggedOutput(DEAD, dead)
+            return
+        yield path, line_no, row_number, text
+
+
+def _rows_read(counts: Iterable[int], max_rows: int) -> int:
+    total = sum(counts)
+    return min(total, max_rows) if max_rows else total
+
+
+class ReadNumberedLines(beam.PTransform):
+    """Read files in order into numbered lines: ``PBegin`` -> ``{"lines", "dead", "read"}``.
+
+    ``lines``: ``(path, line_no, row_number, text)`` (``row_number`` 0-based over the data lines of all
+    ``files`` in list order; only rows with ``row_number < max_rows`` when ``max_rows > 0``); ``dead``:
+    dead letters of undecodable lines; ``read``: one int, the number of data rows kept (lines + dead).
+    ``example``: whether these lines are examples (count towards the malformed budget) or side data.
+    """
+
+    def __init__(
+        self, files: list[str], has_header: bool, max_rows: int = 0, example: bool = True, redistribute: bool = False
+    ) -> None:
+        super().__init__()
+        self.files = list(files)
+        self.has_header = has_header
+        self.max_rows = max_rows
+        self.example = example
+        self.redistribute = redistribute
+
+    def expand(self, pbegin):
+        read = (
+            pbegin
+            | "ListFiles" >> beam.Create(list(enumerate(self.files)))
+            | "ReadFiles"
+            >> beam.ParDo(ReadFileLinesFn(self.has_header, self.max_rows)).with_outputs(_COUNTS, main="lines")
+        )
+        lines = read.lines
+        if self.redistribute:
+            lines = lines | "Redistribute" >> beam.Reshuffle()
+        numbered = lines | "NumberRows" >> beam.ParDo(
+            NumberRowsFn(self.max_rows, self.example), counts=AsDict(read[_COUNTS])
+        ).with_outputs(DEAD, main="lines")
+        max_rows = self.max_rows
+        total = (
+            read[_COUNTS]
+            | "FileCounts" >> beam.Map(lambda kv: kv[1])
+            | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
+        )
+        return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total}
