@@ -34,7 +34,13 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from persia_core import io
+from persia_core.config import RunConfig, load_config
 
 log = logging.getLogger("persia.tfrecord")
 
@@ -53,8 +59,6 @@ def _tf():
 
 def format_float32(x: float) -> str:
     """The shortest decimal text that reads back as the same float32 (``0.1`` for float32(0.1))."""
-    import numpy as np
-
     return np.format_float_positional(np.float32(x), unique=True, trim="-")
 
 
@@ -100,8 +104,6 @@ def examples_to_lines(records: Iterable[bytes], layout, where: str = "") -> Iter
 
 def input_files(pattern: str) -> list[str]:
     """TFRecord files of ``pattern``: a file, a glob, or a folder (its ``*.tfrecord[s][.gz]`` files), sorted."""
-    from persia_core import io
-
     if io.isdir(pattern):
         return [io.join(pattern, n) for n in io.listdir(pattern) if n.endswith(TFRECORD_SUFFIXES)]
     return io.glob(pattern)
@@ -109,10 +111,6 @@ def input_files(pattern: str) -> list[str]:
 
 def _records(path: str) -> Iterator[bytes]:
     """The serialized records of one TFRecord file (local, /gcs/ or gs://)."""
-    import tempfile
-
-    from persia_core import io
-
     tf = _tf()
     compression = "GZIP" if path.endswith(".gz") else ""
     if not io.is_remote(path):
@@ -142,15 +140,11 @@ def convert(input_pattern: str, output_dir: str, config) -> list[str]:
 
     Raises ``FileNotFoundError`` when nothing matches, ``ValueError`` for a non-delimited layout or an Example
     without a delimited form."""
-    from persia_core.config import RunConfig, load_config
-
     if not isinstance(config, RunConfig):
         config = load_config(config)
     layout = config.layout
     if layout.kind != "delimited":
         raise ValueError(f"TFRecord input needs a delimited layout (layout.kind), got {layout.kind!r}")
-    from persia_core import io
-
     files = input_files(input_pattern)
     if not files:
         raise FileNotFoundError(f"no TFRecord files match {input_pattern!r}")

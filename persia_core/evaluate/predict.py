@@ -40,6 +40,8 @@ from persia_core.config import RunConfig, load_config
 from persia_core.data import schema as S
 from persia_core.data.reader import ParquetExamples
 from persia_core.evaluate.run import LoadedModel, score
+from persia_core.preprocess import layouts
+from persia_core.preprocess.rows import encode_row, rows_to_table, slot_specs
 
 log = logging.getLogger("persia.predict")
 
@@ -88,8 +90,6 @@ def _set_aside(bad: list | None, path: str, line_no: int, err: Exception, text: 
 
 
 def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
-    from persia_core.preprocess import layouts
-
     layout = cfg.layout
     label_at = layout.columns.index(layout.label_column)
     n = len(layout.columns)
@@ -124,8 +124,6 @@ def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
 
 
 def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
-    from persia_core.preprocess import layouts
-
     layout = cfg.layout
     if layout.history_length > 0:
         raise ValueError(
@@ -199,8 +197,6 @@ def raw_rows_table(path: str, config: RunConfig, bad: list | None = None) -> tup
     ``schema.arrow_schema(slots)``, whether every row had a label). A row that does not parse raises
     ``ValueError`` naming ``file:line``, or, with ``bad`` (a list), is appended to it as ``{source, reason,
     line}`` and skipped. Raises ``FileNotFoundError`` for missing files."""
-    from persia_core.preprocess.rows import encode_row, rows_to_table, slot_specs
-
     if config.layout.kind == "delimited":
         records, labelled = _delimited_records(path, config, bad)
     else:

@@ -28,6 +28,7 @@ from apache_beam.options.pipeline_options import PipelineOptions, StandardOption
 from persia_core import io
 from persia_core.config import RunConfig, load_config, parse_overrides
 from persia_core.data import schema
+from persia_core.logging_utils import setup_logging
 from persia_core.preprocess.transform import Preprocess
 from persia_core.preprocess.write import STATS_FILE
 
@@ -44,8 +45,6 @@ def _match_files(pattern: str) -> list[str]:
 def malformed_summary(data_dir: str) -> dict | None:
     """What preprocess set aside in ``data_dir`` (its output folder): ``{"rows": N, "by_reason": {reason: n},
     "dead_letter": folder}``, or None when the folder has no ``preprocess_stats.json``."""
-    from persia_core import io
-
     path = io.join(data_dir, STATS_FILE)
     if not io.exists(path):
         return None
@@ -272,8 +271,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args, beam_args = parser.parse_known_args(argv)
     refuse_unknown_flags(parser, beam_args)
-    from persia_core.logging_utils import setup_logging
-
     setup_logging("preprocess")
     logging.getLogger("apache_beam").setLevel(logging.WARNING)
     config = load_config(args.config, parse_overrides(args.set))

@@ -14,6 +14,7 @@ import tempfile
 from typing import Any
 
 import apache_beam as beam
+import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from persia_core.data import schema
@@ -56,8 +57,6 @@ class WriteShardFn(beam.DoFn):
         yield split, shard, len(rows)
 
     def _write(self, path: str, rows: list[tuple]) -> None:
-        import pyarrow.parquet as pq
-
         arrow_schema = schema.arrow_schema(self.slot_names)
         with pq.ParquetWriter(path, arrow_schema) as writer:
             if not rows:
