@@ -128,7 +128,7 @@ class JoinMovieLens(beam.PTransform):
         self.config = config
 
     def expand(self, inputs):
-        parsers = {
+        parsers: dict[str, tuple[Callable[[str], dict], bool]] = {
             "ratings": (functools.partial(layouts.parse_rating, layout=self.config.layout), True),
             "movies": (layouts.parse_movie, False),
             "tags": (layouts.parse_tag, False),

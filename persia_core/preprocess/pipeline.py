@@ -72,8 +72,8 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
                 f"holding {layout.ratings_file}, {layout.movies_file} and {layout.tags_file}"
             )
         out = {}
-        files = {"ratings": layout.ratings_file, "movies": layout.movies_file, "tags": layout.tags_file}
-        for name, file in files.items():
+        names = {"ratings": layout.ratings_file, "movies": layout.movies_file, "tags": layout.tags_file}
+        for name, file in names.items():
             path = FileSystems.join(data, file)
             if not FileSystems.exists(path):
                 raise FileNotFoundError(f"preprocess: MovieLens {name} file {path!r} not found")

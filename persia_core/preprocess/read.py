@@ -57,6 +57,7 @@ class ReadFileLinesFn(beam.DoFn):
                         continue
                     if self.max_lines and n >= self.max_lines:
                         break
+                    text: str | bytes
                     try:
                         text, ok = layouts.strip_line_end(raw.decode("utf-8")), True
                     except UnicodeDecodeError:
