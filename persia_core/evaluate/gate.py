@@ -147,7 +147,7 @@ def gate(
     unloadable = current and rescored.get("source") == UNLOADABLE
     baseline = None if unloadable else rescored if current else stored
     out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
-    if unloadable:
+    if unloadable and marker is not None:
         source = (
             f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "
             f"the new model is judged on the absolute thresholds alone, so a sound one replaces it"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,7 +189,7 @@ def evaluate(
         seen, user = user_seen_rows(model, examples, user_slot)
         has_user = np.diff(examples.ids[user_slot][1]) > 0
         metrics["gauc"] = _gauc(labels, preds_all, user, has_user)
-        user_split = {"slot": user_slot}
+        user_split: dict[str, Any] = {"slot": user_slot}
         for name, rows in (("seen", seen), ("unseen", ~seen)):
             m = subset_metrics(labels, preds_all, rows)
             m["gauc"] = _gauc(labels, preds_all, user, rows & has_user)
