@@ -1,0 +1,51 @@
+"""Compiled inner loops of the embedding table (numba ``@njit(nogil=True, cache=True)``), by concern:
+
+============== ==============================================================================================
+module         holds
+============== ==============================================================================================
+``intrinsics`` software prefetch, 64-byte non-temporal stores, store fence; the prefetch distances
+``index``      the hash index, feature ID -> row: probe, batched find, insert, backward-shift delete, rebuild
+``recency``    the recency queue behind LRU eviction: enqueue, compaction, least recent row, orderings
+``rows``       lookup-or-create with eviction and admission, row gathers, initial rows, expiry, row moves
+``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
+``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
+============== ==============================================================================================
+
+The names below are the package's interface (``from persia_core.embedding.kernels import dedup``). Every kernel
+releases the GIL, so a parameter server's RPC threads keep (de)serializing while one runs.
+
+numba's on-disk cache (``__pycache__/*.nbi``, ``*.nbc`` next to each module) checks only the source of the
+module that defines a kernel, not of the modules it calls into: after editing one module, delete the package's
+``__pycache__`` so that the kernels of the other modules, which hold compiled copies of its code, recompile.
+"""
+
+from __future__ import annotations
+
+from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
+from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
+from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
+from persia_core.embedding.kernels.recency import _first_live, list_order, queue_from_order, queue_order, queue_size
+from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup
+
+__all__ = [
+    "_first_live",
+    "apply_adagrad",
+    "apply_adam",
+    "apply_moves",
+    "apply_rowwise_adagrad",
+    "apply_sgd",
+    "dedup",
+    "expire",
+    "find_rows",
+    "gather_rows",
+    "init_rows",
+    "list_order",
+    "lookup",
+    "queue_from_order",
+    "queue_order",
+    "queue_size",
+    "rebuild_index",
+    "route",
+    "segment_sum",
+    "shift_of",
+]
