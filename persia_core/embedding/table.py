@@ -309,7 +309,7 @@ class EmbeddingTable:
         """Remove rows last looked up before step ``older_than`` (caller holds the lock). Returns how many."""
         if older_than <= 0:
             return 0
-        lru = K._first_live(self.qrow, self.qstep, self.qht, self.last_used)
+        lru = K.first_live(self.qrow, self.qstep, self.qht, self.last_used)
         if lru < 0 or self.last_used[lru] >= older_than:
             return 0
         removed, moves = K.expire(

@@ -24,11 +24,10 @@ from __future__ import annotations
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
-from persia_core.embedding.kernels.recency import _first_live, list_order, queue_from_order, queue_order, queue_size
+from persia_core.embedding.kernels.recency import first_live, list_order, queue_from_order, queue_order, queue_size
 from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup
 
 __all__ = [
-    "_first_live",
     "apply_adagrad",
     "apply_adam",
     "apply_moves",
@@ -37,6 +36,7 @@ __all__ = [
     "dedup",
     "expire",
     "find_rows",
+    "first_live",
     "gather_rows",
     "init_rows",
     "list_order",

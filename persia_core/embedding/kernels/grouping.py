@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from persia_core.embedding.kernels.index import _home
+from persia_core.embedding.kernels.index import home
 from persia_core.embedding.kernels.intrinsics import PD, prefetch
 
 
@@ -34,9 +34,9 @@ def dedup(ids):
     u = 0
     for t in range(n):
         if t + PD < n:
-            prefetch(slot_row, _home(ids[t + PD], shift))
+            prefetch(slot_row, home(ids[t + PD], shift))
         key = ids[t]
-        i = _home(key, shift)
+        i = home(key, shift)
         while True:
             r = slot_row[i]
             if r == -1:

@@ -30,8 +30,8 @@ def find_many(ids, index, keys, out):
     n = ids.shape[0]
     for t in range(n):
         if t + PF < n:
-            prefetch(index, _home(ids[t + PF], shift))
-        out[t] = index[_home(ids[t], shift)]
+            prefetch(index, home(ids[t + PF], shift))
+        out[t] = index[home(ids[t], shift)]
     pend_t = np.empty(0, dtype=np.int32)
     pend_i = np.empty(0, dtype=np.int64)
     m = 0
@@ -48,7 +48,7 @@ def find_many(ids, index, keys, out):
             pi[:m] = pend_i[:m]
             pend_t, pend_i = pt, pi
         pend_t[m] = t
-        pend_i[m] = (_home(ids[t], shift) + 1) & mask
+        pend_i[m] = (home(ids[t], shift) + 1) & mask
         m += 1
     while m > 0:
         k = 0
@@ -72,7 +72,8 @@ def find_many(ids, index, keys, out):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _home(key, shift):
+def home(key, shift):
+    """Home slot of ``key: uint64`` in an index of ``2^(64 - shift)`` slots (Fibonacci hashing), as int64."""
     return np.int64((key * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(shift))
 
 
@@ -80,7 +81,7 @@ def _home(key, shift):
 def find(index, keys, shift, key):
     """Row of ``key`` or -1."""
     mask = index.shape[0] - 1
-    i = _home(key, shift)
+    i = home(key, shift)
     while True:
         r = index[i]
         if r == -1:
@@ -91,19 +92,20 @@ def find(index, keys, shift, key):
 
 
 @njit(nogil=True, cache=True)
-def _insert(index, keys, shift, key, row):
+def insert(index, keys, shift, key, row):
+    """Put ``row`` (the row of ``key``, which must be absent) into the first empty slot from ``key``'s home on."""
     mask = index.shape[0] - 1
-    i = _home(key, shift)
+    i = home(key, shift)
     while index[i] != -1:
         i = (i + 1) & mask
     index[i] = row
 
 
 @njit(nogil=True, cache=True)
-def _delete(index, keys, shift, key):
+def delete(index, keys, shift, key):
     """Remove ``key`` from the index by backward-shift deletion. Returns True if it was present."""
     mask = index.shape[0] - 1
-    i = _home(key, shift)
+    i = home(key, shift)
     while True:
         r = index[i]
         if r == -1:
@@ -117,7 +119,7 @@ def _delete(index, keys, shift, key):
         r = index[j]
         if r == -1:
             break
-        k = _home(keys[r], shift)
+        k = home(keys[r], shift)
         # move r back to i when its home k is not cyclically in (i, j]
         if (j > i and (k <= i or k > j)) or (j < i and (k <= i and k > j)):
             index[i] = r
@@ -132,15 +134,15 @@ def rebuild_index(index, keys, shift, size):
     index[:] = -1
     for r in range(size):
         if r + PF < size:
-            prefetch(index, _home(keys[r + PF], shift))
-        _insert(index, keys, shift, keys[r], r)
+            prefetch(index, home(keys[r + PF], shift))
+        insert(index, keys, shift, keys[r], r)
 
 
 @njit(nogil=True, cache=True)
-def _slot_of(index, keys, shift, key):
+def slot_of(index, keys, shift, key):
     """Index slot holding ``key`` (which must be present)."""
     mask = index.shape[0] - 1
-    i = _home(key, shift)
+    i = home(key, shift)
     while keys[index[i]] != key:
         i = (i + 1) & mask
     return i

@@ -58,7 +58,7 @@ def _compact(qrow, qstep, qht, last_used, size):
 
 
 @njit(nogil=True, cache=True)
-def _enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
+def enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
     """Append ``rows[:n]`` (in order) to the recency queue with entry step ``step``; compacts when full.
 
     One sequential write per entry (positions advance with a wrap check, no division per entry); the result is
@@ -85,7 +85,7 @@ def _enqueue_many(qrow, qstep, qht, last_used, size, rows, n, step):
 
 
 @njit(nogil=True, cache=True)
-def _first_live(qrow, qstep, qht, last_used):
+def first_live(qrow, qstep, qht, last_used):
     """Drop stale entries at the head; returns the least recently used row (its entry stays) or -1."""
     q = qrow.shape[0]
     while qht[0] < qht[1]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from persia_core.embedding.kernels.index import _delete, _home, _insert, _slot_of, find, find_many, shift_of
+from persia_core.embedding.kernels.index import delete, find, find_many, home, insert, shift_of, slot_of
 from persia_core.embedding.kernels.intrinsics import PL, prefetch, store_fence, stream64
-from persia_core.embedding.kernels.recency import DEAD, _enqueue_many, _first_live
+from persia_core.embedding.kernels.recency import DEAD, enqueue_many, first_live
 
 
 @njit(nogil=True, cache=True)
@@ -159,7 +159,7 @@ def lookup(
     find_many(ids, index, keys, rows)
     created = np.empty(n, dtype=np.int32)  # first the rows touched (queued in one go), then the rows created
     nt = _touch_and_copy(rows, last_used, step, created, weights, out, fill, stream)
-    _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nt, step)
+    enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nt, step)
     nc = 0
     for t in range(n):
         if rows[t] != -1:
@@ -188,7 +188,7 @@ def lookup(
                     out[t, j] = 0.0
     # queued after all evictions of this batch: a row created now must not be taken back by one of them (the
     # head never reaches these entries before the batch ends, exactly as if each had been queued at once)
-    _enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nc, step)
+    enqueue_many(qrow, qstep, qht, last_used, counters[0], created, nc, step)
     if fill and stream:
         store_fence()
     return created[:nc]
@@ -197,7 +197,7 @@ def lookup(
 @njit(nogil=True, cache=True, inline="always")
 def _admitted_after(sketch, sketch_shift, key, admit_after):
     """Count a sighting of ``key`` in the admission sketch; whether it has now been seen ``admit_after`` times."""
-    h = _home(key ^ np.uint64(0x5851F42D4C957F2D), sketch_shift)
+    h = home(key ^ np.uint64(0x5851F42D4C957F2D), sketch_shift)
     c = sketch[h]
     if c < 255:
         sketch[h] = c + 1
@@ -222,14 +222,14 @@ def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last
         r = np.int32(size)
         counters[0] = size + 1
     else:
-        r = _first_live(qrow, qstep, qht, last_used)  # the least recently used row
+        r = first_live(qrow, qstep, qht, last_used)  # the least recently used row
         if r < 0 or last_used[r] == step:
             raise ValueError("a batch holds more distinct IDs than the table's row capacity")
         qht[0] += 1
-        _delete(index, keys, shift, keys[r])
+        delete(index, keys, shift, keys[r])
         counters[1] += 1
     keys[r] = key
-    _insert(index, keys, shift, key, r)
+    insert(index, keys, shift, key, r)
     counters[2] += 1
     last_used[r] = step
     return r
@@ -289,11 +289,11 @@ def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
     ne = 0
     q = qrow.shape[0]
     while True:
-        r = _first_live(qrow, qstep, qht, last_used)
+        r = first_live(qrow, qstep, qht, last_used)
         if r < 0 or last_used[r] >= older_than:
             break
         qht[0] += 1
-        _delete(index, keys, shift, keys[r])
+        delete(index, keys, shift, keys[r])
         last_used[r] = DEAD
         gone[ne] = r
         ne += 1
@@ -308,7 +308,7 @@ def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
             continue
         while last_used[src] == DEAD:
             src -= 1
-        index[_slot_of(index, keys, shift, keys[src])] = h
+        index[slot_of(index, keys, shift, keys[src])] = h
         keys[h] = keys[src]
         last_used[h] = last_used[src]
         last_used[src] = DEAD
