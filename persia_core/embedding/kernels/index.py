@@ -161,7 +161,6 @@ def shift_of(index):
 @njit(nogil=True, cache=True)
 def find_rows(ids, index, keys):
     """Row of each ID (int32[N], -1 where absent)."""
-    shift = shift_of(index)
     out = np.empty(ids.shape[0], dtype=np.int32)
     find_many(ids, index, keys, out)
     return out
