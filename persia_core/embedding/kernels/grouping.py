@@ -15,8 +15,8 @@ def dedup(ids):
 
     Returns (``uint64[U]`` unique IDs in first-seen order, ``int64[N]`` inverse: ``uniq[inverse] == ids``).
     The scratch table holds int32 positions (2N to 4N slots, 8 MB for 1M IDs, so it mostly stays in cache) and
-    each ID's slot is prefetched ``PD`` IDs ahead: measured here on 1M Zipf-drawn IDs, 4.1 ms against 6.2-7.6 ms
-    with int64 positions and no prefetch. Raises ``ValueError`` for N >= 2^31."""
+    each ID's slot is prefetched ``PD`` IDs ahead, both faster than int64 positions without prefetching.
+    Raises ``ValueError`` for N >= 2^31."""
     n = ids.shape[0]
     if n >= 2**31:
         raise ValueError("dedup takes fewer than 2^31 IDs at once")

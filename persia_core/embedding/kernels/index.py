@@ -23,7 +23,7 @@ def find_many(ids, index, keys, out):
 
     Prefetched passes, so that the cache misses of independent IDs overlap: read every ID's home slot (prefetched
     ``PF`` IDs ahead), then check the key of its row (prefetched likewise). The IDs whose home slot holds another
-    key (about 9% at the index's usual load of 0.6) go on a list that is walked one slot further per round, the
+    key (a small share at the index's usual load of 0.6) go on a list that is walked one slot further per round, the
     keys again prefetched ahead, instead of each probing on alone (two misses in a row per step)."""
     shift = shift_of(index)
     mask = index.shape[0] - 1

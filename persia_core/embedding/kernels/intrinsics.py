@@ -21,8 +21,8 @@ from numba.extending import intrinsic
 
 PF = 128  # prefetch distance of hash probes, items
 PR = 32  # prefetch distance of row accesses (optimizer steps, recency-queue compaction), items
-PD = 16  # prefetch distance of dedup's scratch-table probes, items (measured best of 8-128 at 1M IDs)
-PL = 128  # prefetch distance of a lookup's recency-and-copy pass and of row gathers, items (measured best at 1M IDs)
+PD = 16  # prefetch distance of dedup's scratch-table probes, items (the best tried)
+PL = 128  # prefetch distance of a lookup's recency-and-copy pass and of row gathers, items (the best tried)
 
 
 @intrinsic

@@ -64,12 +64,11 @@ def _touch_and_copy(rows, last_used, step, touched, weights, out, fill, stream):
     (``out: float32[N, D]``, ``stream`` as in ``gather_rows``). Returns how many rows were first touched.
 
     One pass, ``last_used`` and (if ``fill``) the row's first cache line both prefetched ``PL`` rows ahead, so that
-    their misses overlap. Measured here on a lookup of 1M Zipf IDs (``make bench-ps``'s workload, best of 30, five
-    A/B runs): 10.3-11.6 ms against 11.3-12.1 ms with a recency pass and a copy pass of their own. One loop per
-    (``fill``, ``stream``), each with them constant: with the two tested inside one loop, the lookup was no faster
-    than before (12.0 ms). Also measured and dropped: the probe's key check in this pass too (the IDs found off
-    their home slot then need an ordered merge into the recency queue: 10.9-11.9 ms), keys and ``last_used``
-    interleaved in one array (12.1 ms), prefetching to L2 instead of L1 (no change)."""
+    their misses overlap: faster than a recency pass and a copy pass of their own. One loop per (``fill``,
+    ``stream``), each with them constant: with the two tested inside one loop, the fused pass gained nothing. Also
+    tried and dropped, as slower or no faster: the probe's key check in this pass too (the IDs found off their
+    home slot then need an ordered merge into the recency queue), keys and ``last_used`` interleaved in one array,
+    prefetching to L2 instead of L1."""
     if fill and stream:
         return _touch_and_copy_rows(rows, last_used, step, touched, weights, out, True)
     if fill:
@@ -242,8 +241,7 @@ def gather_rows(weights, rows, out, stream):
 
     ``stream=True`` (only when ``out`` starts on a 64-byte boundary and ``D`` is a multiple of 16): rows are written
     with 64-byte non-temporal stores, so the output (64 MB for 1M IDs at dim 16, far beyond the caches) is not
-    first read into the cache only to be overwritten (measured: a 1M-row gather 4.9 -> 2.5 ms into an existing
-    output); a store fence ends the pass."""
+    first read into the cache only to be overwritten; a store fence ends the pass."""
     n = rows.shape[0]
     d = out.shape[1]
     for t in range(n):
