@@ -13,6 +13,9 @@ raise ``NotImplementedError``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -25,7 +28,16 @@ PD = 16  # prefetch distance of dedup's scratch-table probes, items (the best tr
 PL = 128  # prefetch distance of a lookup's recency-and-copy pass and of row gathers, items (the best tried)
 
 
-@intrinsic
+def kernel_intrinsic(typing_fn: Callable[..., Any]) -> Callable[..., None]:
+    """``numba.extending.intrinsic(typing_fn)``, typed as compiled code calls the result.
+
+    numba's stubs give an intrinsic the signature of its typing function, ``typingctx`` first, but compiled code
+    calls it without ``typingctx``; typed so, every call site would be a type error. The intrinsics here return
+    nothing."""
+    return intrinsic(typing_fn)
+
+
+@kernel_intrinsic
 def prefetch(typingctx, arr, idx):
     """Hint the CPU to fetch ``arr[idx]`` (the first element of row ``idx`` for a 2-D array) into cache.
 
@@ -51,7 +63,7 @@ def prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
-@intrinsic
+@kernel_intrinsic
 def stream64(typingctx, dst, i, src, r, c):
     """``dst[i, 16c:16c+16] = src[r, 16c:16c+16]`` (float32) with one 64-byte non-temporal store.
 
@@ -79,7 +91,7 @@ def stream64(typingctx, dst, i, src, r, c):
     return sig, codegen
 
 
-@intrinsic
+@kernel_intrinsic
 def store_fence(typingctx):
     """A full memory fence (orders earlier non-temporal stores before anything after it)."""
     sig = types.void()
