@@ -27,7 +27,7 @@ OUT ?=
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -52,6 +52,20 @@ compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persi
 
 test: venv ## run the whole test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv ## every test that starts no process (servers, DDP ranks, kfp.local tasks, CLIs): under a minute
+	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" $(PYTEST_ARGS)
+
+lint: venv ## ruff: lint (E, F, I, B, UP) and check the format of every Python file
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv ## ruff: sort imports and format every Python file in place
+	$(VENV)/bin/ruff check --select I --fix .
+	$(VENV)/bin/ruff format .
+
+typecheck: venv ## mypy over persia_core, components and pipelines (settings in pyproject.toml)
+	$(VENV)/bin/mypy
 
 $(TORCHREC_VENV)/.installed: requirements-torchrec.txt
 	test -x $(TORCHREC_VENV)/bin/python || $(PYTHON) -m venv $(TORCHREC_VENV)

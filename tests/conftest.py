@@ -1,7 +1,40 @@
-"""Shared fixtures (helpers live in ``tests/support.py``, importable as ``support``)."""
+"""Shared fixtures (helpers live in ``tests/support.py``, importable as ``support``), and the ``processes`` marker.
+
+A test that starts a process (a parameter server, DDP ranks, a kfp.local task, a CLI in a subprocess) carries
+``@pytest.mark.processes``; ``make test-fast`` runs every other test. With ``PERSIA_TEST_FAST=1`` (as
+``make test-fast`` sets it) starting a process raises, so an unmarked test that starts one fails, naming itself.
+"""
+
+import multiprocessing.process
+import os
+import subprocess
 
 import pytest
 from support import write_dataset
+
+FAST = os.environ.get("PERSIA_TEST_FAST") == "1"
+
+
+class ProcessStartedError(RuntimeError):
+    """A test run by ``make test-fast`` started a process."""
+
+
+def _refuse(*args, **kwargs):
+    raise ProcessStartedError(
+        "this test starts a process: mark it @pytest.mark.processes (make test-fast runs only tests that start none)"
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "processes: starts processes (servers, DDP ranks, kfp.local tasks, CLIs); make test-fast skips it"
+    )
+    if FAST:  # for the whole session: module-scoped fixtures start before any function-scoped patch
+        subprocess.Popen.__init__ = _refuse  # type: ignore[method-assign]
+        multiprocessing.process.BaseProcess.start = _refuse  # type: ignore[method-assign]
+        os.fork = _refuse
+        os.posix_spawn = _refuse
+        os.posix_spawnp = _refuse
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         (["--repeats", "0"], "--repeats"),
     ],
 )
+@pytest.mark.processes
 def test_bench_ps_refuses_out_of_range_sizes_naming_the_flag(args, flag):
     p = _run(*args)
     assert p.returncode == 2
@@ -32,6 +33,7 @@ def test_bench_ps_refuses_out_of_range_sizes_naming_the_flag(args, flag):
     assert p.stdout == ""  # refused before any work
 
 
+@pytest.mark.processes
 def test_bench_ps_runs_at_the_smallest_sizes_it_accepts():
     p = _run("--rows", "1024", "--batch", "1", "--repeats", "1")
     assert p.returncode == 0, p.stderr

@@ -29,6 +29,7 @@ def test_criteo_synth_writes_one_hashed_id_per_slot_and_a_learnable_label(tmp_pa
     assert indexed.train.fixed.shape == (2003, 26) and max(indexed.vocab) <= 300
 
 
+@pytest.mark.processes
 def test_bench_reports_every_contestant_and_null_torchrec_without_its_environment(tmp_path, capsys):
     rc = hybrid.main(
         [
@@ -110,6 +111,7 @@ def test_device_check_without_cuda_says_so_writes_its_json_and_exits_0(tmp_path,
     assert written["skipped"] == "CUDA is not available on this machine" and written["gpu"] is None
 
 
+@pytest.mark.processes
 def test_device_check_with_a_python_without_torch_names_what_it_needs(tmp_path):
     # the device machine runs it with its own python3; one without torch gets a sentence, not a traceback
     import subprocess

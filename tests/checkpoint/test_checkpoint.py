@@ -190,6 +190,7 @@ def test_checkpoint_on_cloud_storage_is_whole_or_ignored(tmp_path, gcs_bucket):
     assert ckpt.find_latest(folder, deep_roles=None)[0] == previous
 
 
+@pytest.mark.processes
 def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=96)
     cfg = tiny_config(epochs=1)

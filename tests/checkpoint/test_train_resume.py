@@ -89,6 +89,7 @@ def runs(tmp_path_factory):
     return {"root": root, "data": data, "reference": ref, "killed": killed, "killed_run": box}
 
 
+@pytest.mark.processes
 def test_killed_parameter_server_fails_the_step_within_60s_naming_it_and_leaves_no_process(runs):
     box = runs["killed_run"]
     assert box["error"] is not None, "training finished before the parameter server was killed"
@@ -110,6 +111,7 @@ def _rows(model_dir: str, cfg) -> dict:
     return out
 
 
+@pytest.mark.processes
 def test_resume_after_the_kill_skips_a_corrupt_checkpoint_and_ends_as_the_uninterrupted_run(runs):
     killed, ref = runs["killed"], runs["reference"]
     done = [
@@ -145,6 +147,7 @@ def test_resume_after_the_kill_skips_a_corrupt_checkpoint_and_ends_as_the_uninte
         np.testing.assert_allclose(rb[k][1], acc, atol=1e-6, rtol=0)
 
 
+@pytest.mark.processes
 def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_changed_config(runs):
     root, data, previous = runs["root"], runs["data"], runs["reference"]
     cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
@@ -196,6 +199,7 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
 
 
+@pytest.mark.processes
 def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused_before_anything_starts(runs, tmp_path):
     # before: the new run's checkpoints (lower steps) were pruned as soon as written, and a retry resumed the
     # earlier run's, beyond the new run's last step
@@ -208,6 +212,7 @@ def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused_before_anyt
     assert not (model / "manifest.json").exists() and not (tmp_path / "work").exists()
 
 
+@pytest.mark.processes
 def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tmp_path):
     # before: a manifest that had lost a shard entry (its CRC recomputed) warm-started from half the rows
     import shutil
@@ -229,6 +234,7 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=copy)
 
 
+@pytest.mark.processes
 def test_a_model_whose_dense_file_is_corrupt_is_refused_naming_that_file(runs, tmp_path):
     # before: a warm start or an evaluation of such a model stopped with torch's own message (which names no file)
     import shutil
@@ -250,6 +256,7 @@ def test_a_model_whose_dense_file_is_corrupt_is_refused_naming_that_file(runs, t
         LoadedModel(model)
 
 
+@pytest.mark.processes
 def test_a_corrupt_newest_checkpoint_refused_while_re_sharding_it_falls_back_to_the_previous_one(runs, tmp_path):
     # before: with another shard count, the re-shard read the flipped shard file, raised, and the run failed (exit
     # 2) though the previous checkpoint was sound
@@ -299,6 +306,7 @@ def _signal_once_training(model: str, work: str, role: str, sig: int, box: dict)
     return th
 
 
+@pytest.mark.processes
 def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_too(runs):
     root = runs["root"]
     model, work = str(root / "worker-killed"), str(root / "worker-killed-work")
@@ -314,6 +322,7 @@ def test_killed_nn_worker_fails_the_step_and_its_peer_blocked_on_it_is_stopped_t
     assert _children(work) == []
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("role", ["ps-1", "nn_worker-1"])
 def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_leaves_no_process(runs, role, monkeypatch):
     # SIGSTOP: alive but frozen. Its peers would wait on it for the gloo timeout (a worker) or minutes of RPC

@@ -27,6 +27,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.processes
 def test_cli_help_lists_every_subcommand_and_explains_flags(capsys):
     p = _run("--help")
     assert p.returncode == 0
@@ -94,6 +95,7 @@ def test_cli_plan_delegates_to_the_planner_or_says_it_is_missing(monkeypatch, ca
     assert "planner" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
     data = write_dataset(str(tmp_path / "data"), rows=256, eval_rows=120)
@@ -198,6 +200,7 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
     assert os.path.exists(os.path.join(again["blessed_model"], "dense.pt"))
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_exits_143(tmp_path):
     # SIGTERM is how Kubernetes, KFP and Vertex AI cancel a task; before, Python's default ended the launcher at
@@ -254,6 +257,7 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(mine)] if os.path.isdir(SHM_DIR) else True
 
 
+@pytest.mark.processes
 def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
@@ -299,6 +303,7 @@ def test_cli_serve_shards_prints_addresses_and_stops_on_ctrl_c(tmp_path):
             proc.wait()
 
 
+@pytest.mark.processes
 def test_cli_serve_shards_leaves_no_temporary_folder_when_refused_or_stopped(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())

@@ -30,6 +30,7 @@ def test_a_full_table_allocates_what_bytes_per_row_counts(optimizer):
     assert allocated <= 4 << 20
 
 
+@pytest.mark.processes
 def test_config_refuses_a_budget_below_1024_rows_without_the_embedding_package():
     """The config's budget check runs wherever the config loads; the config imports no embedding package."""
     code = (

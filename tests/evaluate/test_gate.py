@@ -151,6 +151,7 @@ def _gated_pipeline():
     return gated
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_gate_under_kfp_local_blocks_a_worse_model_and_blesses_a_better_one(tmp_path):
     from kfp import local
@@ -181,6 +182,7 @@ def test_gate_under_kfp_local_blocks_a_worse_model_and_blesses_a_better_one(tmp_
     assert any("**bless**" in t for t in texts) and any("**reject**" in t for t in texts)
 
 
+@pytest.mark.processes
 def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluation_rows(tmp_path, trained):
     # The metrics stored at blessing came from that day's evaluation split. Here they are far better than what the
     # blessed model scores on today's rows (another day's easier data): compared with them, the same model would
@@ -212,6 +214,7 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
     assert late["baseline_source"].startswith("the metrics stored") and "model" not in late["baseline"]
 
 
+@pytest.mark.processes
 def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored_metrics(tmp_path, trained):
     import shutil
 
@@ -237,6 +240,7 @@ def test_a_blessed_model_that_cannot_score_the_new_data_falls_back_to_its_stored
     assert "stored when the latest blessed model was blessed" in d["baseline_source"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("damage", ["dense", "shard", "no config"])
 def test_a_blessed_model_that_cannot_be_loaded_is_replaced_by_a_sound_new_model(tmp_path, trained, damage):
     # before: the gate fell back to the broken model's stored metrics and kept it (its files unusable by any warm

@@ -21,6 +21,7 @@ from persia_core.evaluate.run import evaluate
 from persia_core.hashing import feature_ids
 
 
+@pytest.mark.processes
 def test_predict_on_the_eval_split_reproduces_the_evaluate_auc_exactly(trained, tmp_path):
     model, data = trained
     r = evaluate(model, data)
@@ -64,6 +65,7 @@ def _raw_and_parquet(tmp_path, rows):
     return str(raw), str(tmp_path / "rows.parquet")
 
 
+@pytest.mark.processes
 def test_predict_raw_delimited_rows_score_like_their_preprocessed_form(trained, tmp_path):
     model, _ = trained
     rows = [["1", "0.5", "3", "17", "4"], ["0", "", "19", "", ""], ["1", "2.5", "7", "1", "9"]]
@@ -85,6 +87,7 @@ def test_predict_raw_delimited_rows_score_like_their_preprocessed_form(trained, 
     assert np.array_equal(served["probability"], from_parquet["probability"])
 
 
+@pytest.mark.processes
 def test_predict_rejects_a_bad_raw_row_naming_file_and_line_and_missing_input(trained, tmp_path):
     model, _ = trained
     bad = tmp_path / "bad.tsv"
@@ -109,6 +112,7 @@ def _predict_setting_aside(model: str, tmp_path, name: str, text: str):
     return rows, out, [json.loads(line) for line in dead.read_text().splitlines()]
 
 
+@pytest.mark.processes
 def test_predict_with_a_dead_letter_file_sets_malformed_rows_aside_and_scores_the_rest(trained, tmp_path):
     model, _ = trained
     rows, out, set_aside = _predict_setting_aside(
@@ -188,6 +192,7 @@ def test_predict_raw_movielens_ratings_join_movies_and_tags_like_preprocess(tmp_
     assert len(set(raw["probability"].tolist())) > 1
 
 
+@pytest.mark.processes
 def test_a_blessed_model_location_serves_like_the_model_it_names(trained, tmp_path):
     """predict and evaluate take the gate's blessed-model location (what daily runs warm-start from) and use its
     latest blessed model."""
@@ -206,6 +211,7 @@ def test_a_blessed_model_location_serves_like_the_model_it_names(trained, tmp_pa
         evaluate(str(tmp_path), data)
 
 
+@pytest.mark.processes
 def test_predict_decides_once_per_file_whether_rows_carry_a_label(trained, tmp_path):
     # a row one field short in a labelled file is malformed, never read as an unlabelled row with its fields
     # shifted (its label taken for the first feature); and the other way round in an unlabelled file

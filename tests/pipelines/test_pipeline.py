@@ -33,6 +33,7 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
     assert params["embedding_staleness"]["defaultValue"] == -1
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -78,6 +79,7 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, mon
     assert any("<img" in open(p, errors="ignore").read() for p in reports if os.path.isfile(p))
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_kfp_local_failure_names_the_error_and_keeps_the_whole_output_in_a_log(tmp_path, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
@@ -116,6 +118,7 @@ def test_missing_local_data_is_refused_before_any_pipeline_task_starts(tmp_path,
     assert rc == 2 and "no input files match" in capfd.readouterr().err
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_sigterm_to_run_local_ends_the_running_task_and_its_processes_and_exits_143(tmp_path):
     # before: run_local exited, while the train task's launcher, servers and workers ran on to the end

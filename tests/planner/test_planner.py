@@ -156,6 +156,7 @@ def test_planner_cli_rejects_bad_input_with_a_usage_error(bad, capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.processes
 def test_planner_runs_as_persia_core_plan_and_as_its_own_module():
     import subprocess
     import sys
@@ -191,6 +192,7 @@ def test_planner_refuses_a_dim_below_one_naming_the_flag(dim, capsys):
         (["--params", "1e14", "--ids-per-sample", "-1"], "--ids-per-sample"),
     ],
 )
+@pytest.mark.processes
 def test_planner_refuses_non_finite_or_non_positive_sizes_naming_the_flag(args, flag):
     import subprocess
     import sys

@@ -38,6 +38,7 @@ def by_line(rows: list[dict]) -> dict[int, dict]:
 # ----------------------------------------------------------------------------------------------- MovieLens
 
 
+@pytest.mark.processes
 def test_same_slot_value_gives_same_id_in_two_separate_python_processes(tiny_movielens_run, helpers):
     out, _ = tiny_movielens_run
     row = by_line(helpers.read_split(out))[2]  # user 1, movie 1 (Toy Story), genres start with Adventure

@@ -219,6 +219,7 @@ def test_wire_round_trip_keeps_values_of_strided_big_endian_empty_and_scalar_arr
         np.testing.assert_array_equal(got[name], a)
 
 
+@pytest.mark.processes
 def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
@@ -248,6 +249,7 @@ def test_a_server_bound_beyond_loopback_without_a_token_refuses_to_start(tmp_pat
     assert "without a token" in r.stderr + r.stdout
 
 
+@pytest.mark.processes
 def test_a_server_started_from_a_device_instead_of_a_shard_file_exits_as_refused(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
@@ -340,6 +342,7 @@ def test_a_root_is_resolved_once_so_a_link_created_there_later_leads_nowhere_new
         check_storage_path(str(tmp_path / "ckpt" / "s.npz"), roots)
 
 
+@pytest.mark.processes
 def test_a_server_or_serve_shards_given_an_empty_storage_root_refuses_to_start(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(tiny_config().to_yaml())
@@ -387,6 +390,7 @@ def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(t
         srv.stop(0)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("value, ok", [("/data/run, /data/ckpt", True), (" ", False), ("/data/run,,/x", False)])
 def test_storage_roots_from_the_environment_are_stripped_and_a_blank_one_is_refused(tmp_path, value, ok):
     cfg = tmp_path / "tiny.yaml"

@@ -94,6 +94,7 @@ def test_array_headers_outside_the_segment_are_refused():
     assert shm_mod.write_reply(buf, [0, 64], {"rows": np.zeros(32, np.float32)}) is None  # too big: message
 
 
+@pytest.mark.processes
 def test_segments_of_a_killed_worker_are_removed_by_pid():
     import subprocess
     import sys

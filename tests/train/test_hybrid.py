@@ -75,6 +75,7 @@ def _dense(path):
     return torch.load(path, weights_only=True)
 
 
+@pytest.mark.processes
 def test_two_servers_one_worker_k0_gives_the_loss_curve_of_the_in_process_reference(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=192)
     cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True)
@@ -147,6 +148,7 @@ def _run_two_ranks(tmp_path, cfg: RunConfig, data: str, name: str):
     return out, ranks, paths
 
 
+@pytest.mark.processes
 def test_two_workers_keep_identical_dense_weights_after_every_step_and_loss_falls(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=512)
     cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=3, shuffle=True)
@@ -159,6 +161,7 @@ def test_two_workers_keep_identical_dense_weights_after_every_step_and_loss_fall
     assert 0 <= ranks[0]["max_staleness"] <= 2
 
 
+@pytest.mark.processes
 def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=256, shard_rows=[128, 96])
     cfg = tiny_config(num_workers=2, embedding_staleness=0, epochs=2, shuffle=True)
@@ -210,6 +213,7 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
         )
 
 
+@pytest.mark.processes
 def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
     import logging
 
@@ -262,6 +266,7 @@ def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interv
     ]
 
 
+@pytest.mark.processes
 def test_a_rank_without_any_train_file_runs_empty_steps_and_the_run_finishes(tmp_path):
     # 3 workers, 2 train files: rank 2 holds no row at all, so its batches must still have the schema's dense width
     data = write_dataset(str(tmp_path / "data"), shard_rows=[40, 9])

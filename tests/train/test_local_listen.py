@@ -6,6 +6,7 @@ import os
 import threading
 import time
 
+import pytest
 from support import tiny_config, write_dataset
 
 from persia_core.train.launcher import train
@@ -55,6 +56,7 @@ def _children() -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.processes
 def test_a_local_job_with_two_workers_listens_on_loopback_only(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=4096)
     cfg = tiny_config(num_workers=2, embedding_staleness=1, epochs=2)

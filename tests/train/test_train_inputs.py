@@ -87,6 +87,7 @@ def test_resuming_from_a_checkpoint_folder_that_does_not_exist_is_refused(tmp_pa
     assert "ckpt-none" in msg and "no such checkpoint folder" in msg
 
 
+@pytest.mark.processes
 def test_the_cli_exits_2_for_a_shard_count_mismatch_and_a_missing_init(tmp_path, data, scratch, capsys):
     with open(os.path.join(data, "run_config.yaml"), "w") as f:  # as preprocess leaves it
         f.write(tiny_config().to_yaml())

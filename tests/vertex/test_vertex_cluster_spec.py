@@ -198,6 +198,7 @@ def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> 
         (1, 1),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
     ],
 )
+@pytest.mark.processes
 def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas):
     """Replicas started as Vertex AI starts them, with CLUSTER_SPEC pointing at 127.0.0.1: the primary writes
     a whole Model and the parameter servers exit on its done marker."""
@@ -281,6 +282,7 @@ def test_vertex_replica_entry_point_passes_worker_flags_after_the_separator(monk
         cluster.main(["--config", "c.yaml", "--data", "d", "--out", "m"])
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint(tmp_path, tiny_data):
     """A restarted job (same command in every replica, as Vertex AI restarts it) continues from the newest
