@@ -44,4 +44,4 @@ COPY components components
 COPY pipelines pipelines
 COPY data data
 RUN pip install --no-deps -e . \
- && python -c "import persia_core.cluster, persia_core.train.worker, persia_core.ps.server, pipelines.vertex"
+ && python -c "import persia_core.cluster, persia_core.train.worker, persia_core.ps.server, components.custom_job, pipelines.vertex"

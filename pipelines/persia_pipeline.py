@@ -12,7 +12,7 @@ Steps:
 One pipeline, two compile-time targets (``--target``):
   local   (default) train runs every role as local processes (``components.train``); runs under ``kfp.local``.
           Writes ``pipelines/persia_pipeline.yaml`` (``make compile``).
-  vertex  train is a Vertex AI CustomJob with one worker pool per role (``pipelines.vertex.train``), and step 0,
+  vertex  train is a Vertex AI CustomJob with one worker pool per role (``components.vertex_train``), and step 0,
           ``resolve_data``, fills ``{date}`` tokens of ``data`` from the run's scheduled time. Every step runs in
           ``$PERSIA_BASE_IMAGE``. Writes ``pipelines/persia_pipeline_vertex.yaml``
           (``make compile TARGET=vertex``).
@@ -32,7 +32,9 @@ from components.evaluate import evaluate
 from components.gate import bless_model, gate
 from components.init_shards import init_shards
 from components.preprocess import preprocess
+from components.resolve_data import resolve_data
 from components.train import train
+from components.vertex_train import train as vertex_train
 from pipelines import vertex
 
 PIPELINE_NAME = "persia-hybrid-training"
@@ -63,7 +65,7 @@ def persia_pipeline(
 ) -> str:
     """Args:
     data: raw data (folder, file or glob; local, gs:// or /gcs/). Vertex target: ``{date}``, ``{date-1d}``,
-        ``{date:%Y%m%d}`` tokens are filled from the run's scheduled time (see ``pipelines.vertex``).
+        ``{date:%Y%m%d}`` tokens are filled from the run's scheduled time (see ``components.data_path``).
     config: run config, a shipped name (``movielens``, ``criteo``) or a YAML path.
     num_parameter_servers: embedding parameter-server shards (processes; default 0 = the config's
         ``embedding.num_shards``; on Vertex AI several shards share a server machine, see ``pipelines.vertex``).
@@ -85,7 +87,7 @@ def persia_pipeline(
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
     tasks = []
     if target is not None:
-        resolved = vertex.resolve_data(
+        resolved = resolve_data(
             template=data,
             schedule_time=dsl.PIPELINE_JOB_SCHEDULE_TIME_UTC_PLACEHOLDER,
             blessed_dir=blessed_dir,
@@ -112,7 +114,7 @@ def persia_pipeline(
             checkpoint_every_s=checkpoint_every_s,
         )
     else:
-        trained = vertex.train(
+        trained = vertex_train(
             dataset=pre.outputs["dataset"],
             shards=plan.outputs["shards"],
             worker_pool_specs=json.dumps(target.worker_pool_specs()),

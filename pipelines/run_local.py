@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
+        from components.data_path import resolve_data_path
         from persia_core.config import load_config
-        from pipelines.vertex import resolve_data_path
 
         if "{date" in args.data:  # as on Vertex AI, from the current UTC time (a cron job's own run time)
             args.data = resolve_data_path(args.data, "")

@@ -11,7 +11,7 @@ Everything is checked before a request is sent: parameters against the compiled 
 ``root.inputDefinitions`` (unknown names and ill-typed values are errors naming the parameter), the pipeline
 root (gs://), the cron's time zone, and that the template was compiled for the Vertex AI target. A scheduled
 run needs no edits: give ``data`` with ``{date-1d}`` tokens (filled from the run's scheduled time, see
-``pipelines.vertex``) and point the warm-start parameter at the blessed-model folder (its marker names the
+``components.data_path``) and point the warm-start parameter at the blessed-model folder (its marker names the
 latest blessed model); both are passed through as parameters.
 """
 
@@ -149,16 +149,16 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
 
     ``blessed_dir`` (given or the template's default) and a non-empty ``warm_start_from`` must be Cloud
     Storage folders (a path inside a run's container is gone when the run ends, so nothing would ever be
-    warm-started); ``{...}`` tokens of ``data`` must be date tokens (``pipelines.vertex.resolve_data_path``).
+    warm-started); ``{...}`` tokens of ``data`` must be date tokens (``components.data_path.resolve_data_path``).
     Raises ``ValueError`` naming the parameter."""
     import re
 
-    from pipelines.vertex import resolve_data_path
+    from components.data_path import resolve_data_path
 
     def value(name: str) -> str:
         return str(values.get(name, specs.get(name, {}).get("defaultValue", "")))
 
-    from pipelines.vertex import check_cloud_folders
+    from components.data_path import check_cloud_folders
 
     if "blessed_dir" in specs:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
@@ -391,7 +391,7 @@ def create_schedule(
     cron_tz = cron_with_time_zone(cron, time_zone)
     for flag, value in (("--start-time", start_time), ("--end-time", end_time)):
         if value:
-            from pipelines.vertex import parse_schedule_time
+            from components.data_path import parse_schedule_time
 
             parse_schedule_time(value)  # RFC 3339 or ValueError
     job = build_pipeline_job(

@@ -8,6 +8,9 @@ import re
 import pytest
 import yaml
 
+from components import custom_job, data_path
+from components.resolve_data import resolve_data
+from components.vertex_train import train as vertex_train
 from pipelines import vertex
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.persia_pipeline import main as compile_main
@@ -153,7 +156,7 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     shards.mkdir()
     (shards / "run_config.yaml").write_text(cfg.to_yaml())
     template = json.dumps(_settings(shards_per_server=2).worker_pool_specs())
-    specs, base = vertex.custom_job_request(
+    specs, base = custom_job.custom_job_request(
         template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model", ps_token_secret=""
     )
     assert [s["replicaCount"] for s in specs] == [1, 2, 2]
@@ -164,9 +167,9 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     assert base == "gs://b/root/train/model_job"
     tokens = {e["value"] for s in specs for e in s["containerSpec"]["env"] if e["name"] == "PERSIA_PS_TOKEN"}
     assert len(tokens) == 1 and len(tokens.pop()) == 32  # one fresh token shared by every pool
-    one = vertex.fill_worker_pool_specs(
+    one = custom_job.fill_worker_pool_specs(
         json.loads(template),
-        {p: "/x" for p in vertex.PLACEHOLDERS},
+        {p: "/x" for p in custom_job.PLACEHOLDERS},
         1,
         1,
         {"PERSIA_PS_TOKEN_SECRET": "projects/p/secrets/t/versions/1"},
@@ -174,7 +177,7 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     assert one[1] == {} and one[2]["containerSpec"]["env"] == [
         {"name": "PERSIA_PS_TOKEN_SECRET", "value": "projects/p/secrets/t/versions/1"}
     ]
-    ckpt, _ = vertex.custom_job_request(
+    ckpt, _ = custom_job.custom_job_request(
         template, "gs://b/root/pre/dataset", str(shards), "gs://b/root/train/model", checkpoint_every_s=600.0
     )
     for spec in (s for s in ckpt if s):  # every pool: workers write checkpoints, every replica resumes from them
@@ -185,7 +188,7 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
     bad = tiny_config(num_workers=3).with_overrides({"embedding.num_shards": 3})
     (shards / "run_config.yaml").write_text(bad.to_yaml())
     with pytest.raises(ValueError, match="multiple"):
-        vertex.custom_job_request(template, "gs://b/d", str(shards), "gs://b/m")
+        custom_job.custom_job_request(template, "gs://b/d", str(shards), "gs://b/m")
 
 
 @pytest.fixture
@@ -227,7 +230,7 @@ def test_vertex_launcher_sends_the_custom_job_request_and_logs_the_models_metric
     (model / "manifest.json").write_text(json.dumps({"num_shards": 2, "summary": summary}))  # as the primary would
     metrics = dsl.Metrics(uri=str(tmp_path / "metrics"))
     out_model = dsl.Model(uri=str(model))
-    vertex.train.python_func(
+    vertex_train.python_func(
         dataset=dsl.Dataset(uri=str(dataset)),
         shards=dsl.Artifact(uri=str(shards)),
         model=out_model,
@@ -262,19 +265,19 @@ def test_vertex_launcher_sends_the_custom_job_request_and_logs_the_models_metric
     ],
 )
 def test_vertex_schedule_time_fills_the_date_partition_of_the_data_path(template, schedule, want):
-    assert vertex.resolve_data_path(template, schedule) == want
+    assert data_path.resolve_data_path(template, schedule) == want
 
 
 def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
     now = dt.datetime(2025, 6, 1, 12, tzinfo=dt.UTC)
-    assert vertex.resolve_data_path("x/{date-1d}", "", now=now) == "x/2025-05-31"
-    assert vertex.resolve_data_path("x/{date}", "{{$.pipeline_job_schedule_time_utc}}", now=now) == "x/2025-06-01"
+    assert data_path.resolve_data_path("x/{date-1d}", "", now=now) == "x/2025-05-31"
+    assert data_path.resolve_data_path("x/{date}", "{{$.pipeline_job_schedule_time_utc}}", now=now) == "x/2025-06-01"
     with pytest.raises(ValueError, match="date token"):
-        vertex.resolve_data_path("x/{date-1w}", "2025-03-02T03:00:00Z")
+        data_path.resolve_data_path("x/{date-1w}", "2025-03-02T03:00:00Z")
     with pytest.raises(ValueError, match="RFC 3339"):
-        vertex.resolve_data_path("x/{date}", "yesterday")
+        data_path.resolve_data_path("x/{date}", "yesterday")
     assert (
-        vertex.resolve_data.python_func(
+        resolve_data.python_func(
             template="gs://b/{date}",
             schedule_time="2025-03-02T03:00:00Z",
             blessed_dir="gs://b/blessed",
@@ -284,9 +287,9 @@ def test_vertex_unscheduled_run_uses_the_current_time_and_bad_tokens_fail():
     )
     # a run started from the UI with the compiled default blessed_dir fails here, before any training
     with pytest.raises(ValueError, match="inside the run's container"):
-        vertex.resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="local_outputs/blessed")
+        resolve_data.python_func(template="gs://b/x", schedule_time="", blessed_dir="local_outputs/blessed")
     with pytest.raises(ValueError, match="warm_start_from"):
-        vertex.resolve_data.python_func(
+        resolve_data.python_func(
             template="gs://b/x", schedule_time="", blessed_dir="/gcs/b/blessed", warm_start_from="local_outputs/blessed"
         )
 

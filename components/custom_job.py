@@ -1,0 +1,159 @@
+"""The training CustomJob of the Vertex AI target: the worker-pool template filled for one run, submitted, waited for.
+
+Vertex AI numbers the pools as
+
+    pool 0  primary: 1 x NN machine (GPU)       NN worker of DDP rank 0; writes the Model
+    pool 1  NN workers: M - 1 x NN machine      the other DDP ranks ({} when M = 1)
+    pool 2  parameter servers: N / k x PS machine (high memory), k shards each
+
+and every replica runs ``python -m persia_core.cluster`` (roles from ``CLUSTER_SPEC``). The template is compiled
+into the pipeline (machine types, images, the command with ``{{dataset}}``, ``{{shards}}``, ``{{model}}``,
+``{{control}}`` placeholders and the compile-time default counts); at run time :func:`custom_job_request` fills
+the paths (``/gcs/`` form) and sets pool 1 and 2 counts from the run config that preprocess wrote
+(``trainer.num_workers``, ``embedding.num_shards``), so the pipeline parameters stay authoritative.
+"""
+
+import json
+import secrets
+
+PLACEHOLDERS = ("dataset", "shards", "model", "control")
+TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
+
+
+def fill_worker_pool_specs(
+    template: list[dict], paths: dict[str, str], nn_replicas: int, ps_replicas: int, env: dict[str, str]
+) -> list[dict]:
+    """The template's placeholders replaced by ``paths``, pool counts set (pool 1 = ``nn_replicas - 1``, an
+    empty spec when 0; pool 2 = ``ps_replicas``) and ``env`` added to every container. Raises ``ValueError``
+    for a template that is not pools 0..2 or a placeholder without a path."""
+    if len(template) != 3 or not template[0] or not template[2]:
+        raise ValueError("worker-pool template: expected [primary, NN workers or {}, parameter servers]")
+    missing = [p for p in PLACEHOLDERS if p not in paths]
+    if missing:
+        raise ValueError(f"worker-pool template: no path for {missing}")
+    if nn_replicas < 1 or ps_replicas < 1:
+        raise ValueError(f"need >= 1 NN replica and >= 1 parameter-server replica, got {nn_replicas}, {ps_replicas}")
+
+    def fill(text: str) -> str:
+        for name in PLACEHOLDERS:
+            text = text.replace("{{" + name + "}}", paths[name])
+        return text
+
+    primary = json.loads(json.dumps(template[0]))
+    workers = json.loads(json.dumps(template[1] or template[0]))
+    servers = json.loads(json.dumps(template[2]))
+    out = []
+    for spec, count in ((primary, 1), (workers, nn_replicas - 1), (servers, ps_replicas)):
+        if count == 0:
+            out.append({})
+            continue
+        spec["replicaCount"] = count
+        c = spec["containerSpec"]
+        c["args"] = [fill(a) for a in c.get("args", [])]
+        c["command"] = [fill(a) for a in c.get("command", [])]
+        c["env"] = [e for e in c.get("env", []) if e["name"] not in env] + [
+            {"name": k, "value": v} for k, v in sorted(env.items())
+        ]
+        out.append(spec)
+    return out
+
+
+def _arg(args: list[str], flag: str, default: int) -> int:
+    return int(args[args.index(flag) + 1]) if flag in args else default
+
+
+def custom_job_request(
+    template_json: str,
+    dataset_uri: str,
+    shards_uri: str,
+    model_uri: str,
+    ps_token_secret: str = "",
+    checkpoint_every_s: float = 0.0,
+    checkpoint_every_steps: int = 0,
+) -> tuple[list[dict], str]:
+    """Worker-pool specs for this run and the job's base output folder (``<model>_job``, gs:// form).
+
+    Counts follow the run config in ``shards_uri``: NN replicas = ``trainer.num_workers / ranks per replica``,
+    parameter-server replicas = ``embedding.num_shards / shards per server``. The token is a fresh random one
+    in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. With
+    ``checkpoint_every_s`` or ``checkpoint_every_steps`` > 0 every replica gets the checkpoint flags, the folder
+    being ``<model>/checkpoints`` on Cloud Storage: the workers write checkpoints there, and the replicas of a
+    restarted or retried job resume from the newest complete one. Raises ``ValueError`` when the counts do not
+    divide."""
+    from persia_core import io
+    from persia_core.config import load_config
+
+    template = json.loads(template_json)
+    args = template[0]["containerSpec"]["args"]
+    k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
+    config = load_config(io.join(shards_uri, "run_config.yaml"))
+    n, m = config.embedding.num_shards, config.trainer.num_workers
+    if n % k or m % g:
+        raise ValueError(
+            f"embedding.num_shards={n} must be a multiple of shards per server {k} and "
+            f"trainer.num_workers={m} of ranks per replica {g}"
+        )
+    base = io.to_uri(model_uri).rstrip("/") + "_job"
+    paths = {
+        "dataset": io.to_fuse(dataset_uri),
+        "shards": io.to_fuse(shards_uri),
+        "model": io.to_fuse(model_uri),
+        "control": io.to_fuse(io.join(base, "control")),
+    }
+    env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
+    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env)
+    if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
+        flags = [
+            "--",
+            "--checkpoint-dir",
+            io.to_fuse(io.join(model_uri, "checkpoints")),
+            "--checkpoint-every-s",
+            str(float(checkpoint_every_s)),
+            "--checkpoint-every-steps",
+            str(int(checkpoint_every_steps)),
+            "--no-checkpoint-at-end",
+        ]
+        for spec in specs:
+            if spec:
+                spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + flags
+    return specs, base
+
+
+def run_custom_job(
+    template_json: str,
+    dataset_uri: str,
+    shards_uri: str,
+    model_uri: str,
+    location: str,
+    project: str = "",
+    service_account: str = "",
+    network: str = "",
+    ps_token_secret: str = "",
+    timeout_s: int = 0,
+    display_name: str = "",
+    checkpoint_every_s: float = 0.0,
+    checkpoint_every_steps: int = 0,
+) -> dict:
+    """Submit the training CustomJob, wait for it, and return the Model's manifest (written by the primary).
+
+    Raises ``RuntimeError`` when the job fails (``google.cloud.aiplatform`` raises it with the job's error)."""
+    from google.cloud import aiplatform
+    from google.cloud.aiplatform.compat.types import custom_job as custom_job_types
+
+    from persia_core import io
+
+    specs, base = custom_job_request(
+        template_json, dataset_uri, shards_uri, model_uri, ps_token_secret, checkpoint_every_s, checkpoint_every_steps
+    )
+    job = aiplatform.CustomJob(
+        display_name=display_name or f"persia-train-{secrets.token_hex(4)}",
+        worker_pool_specs=[custom_job_types.WorkerPoolSpec.from_json(json.dumps(s)) for s in specs],
+        base_output_dir=base,
+        staging_bucket=base,
+        project=project or None,
+        location=location,
+        labels={"persia-kfp": "train"},
+    )
+    job.run(service_account=service_account or None, network=network or None, timeout=timeout_s or None, sync=True)
+    manifest = io.join(io.to_fuse(model_uri), "manifest.json")
+    return json.loads(io.read_text(manifest))
