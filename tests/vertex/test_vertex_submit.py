@@ -7,7 +7,7 @@ import pytest
 import yaml
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, WorkerOptions
 
-from pipelines import submit
+from pipelines import jobs, parameters, schedules, submit
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.vertex import VertexSettings
 
@@ -206,15 +206,15 @@ def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(templat
 
 
 def test_submit_python_api_checks_types_of_given_values(template, gapic):
-    target = submit.Target(PROJECT, REGION, ROOT)
+    target = parameters.Target(PROJECT, REGION, ROOT)
     with pytest.raises(ValueError, match="'max_rows': expected an integer"):
-        submit.submit(template, target, {"max_rows": "10"})
+        jobs.submit(template, target, {"max_rows": "10"})
     with pytest.raises(ValueError, match="'data': expected a string"):
-        submit.submit(template, target, {"data": 3})
+        jobs.submit(template, target, {"data": 3})
     with pytest.raises(ValueError, match="pipeline-root"):
-        submit.Target(PROJECT, REGION, "/local/root")
+        parameters.Target(PROJECT, REGION, "/local/root")
     with pytest.raises(ValueError, match="project"):
-        submit.Target("Bad_Project", REGION)
+        parameters.Target("Bad_Project", REGION)
     assert gapic == []
 
 
@@ -222,9 +222,9 @@ def test_submit_refuses_a_template_compiled_for_the_local_target(tmp_path, gapic
     monkeypatch.delenv("PERSIA_BASE_IMAGE", raising=False)
     local = compile_pipeline(str(tmp_path / "local.yaml"))
     with pytest.raises(ValueError, match="local target"):
-        submit.submit(local, submit.Target(PROJECT, REGION, ROOT))
+        jobs.submit(local, parameters.Target(PROJECT, REGION, ROOT))
     with pytest.raises(FileNotFoundError, match="make compile"):
-        submit.submit(str(tmp_path / "missing.yaml"), submit.Target(PROJECT, REGION, ROOT))
+        jobs.submit(str(tmp_path / "missing.yaml"), parameters.Target(PROJECT, REGION, ROOT))
     assert gapic == []
 
 
@@ -296,7 +296,7 @@ def test_schedule_create_rejects_bad_settings_before_sending(template, gapic, ex
 
 def test_cron_fields_in_range_steps_lists_and_names_are_accepted():
     for cron in ("0 3 * * *", "*/15 0-23/2 1,15 jan-jun mon-fri", "5 4 * * sun", "0 0 29 2 7", "0,30 9-17 * * 1-5"):
-        assert submit.cron_with_time_zone(cron, "UTC") == f"TZ=UTC {cron}"
+        assert schedules.cron_with_time_zone(cron, "UTC") == f"TZ=UTC {cron}"
 
 
 def test_schedule_list_pause_resume_delete_address_the_schedule(gapic, capsys):
@@ -346,7 +346,7 @@ def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(ga
     assert dict(m.labels) == {"framework": "persia-kfp", "run": "nightly"}
     assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/models/7@3"
     with pytest.raises(ValueError, match="gs://"):
-        submit.register_model("/local/model", "x", submit.Target(PROJECT, REGION), IMAGE)
+        jobs.register_model("/local/model", "x", parameters.Target(PROJECT, REGION), IMAGE)
 
 
 def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
@@ -379,7 +379,7 @@ def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
 
 
 def test_dataflow_beam_args_build_the_runner_options_and_check_them():
-    args = submit.dataflow_beam_args(
+    args = parameters.dataflow_beam_args(
         PROJECT,
         "europe-west1",
         "gs://b/tmp",
@@ -402,9 +402,9 @@ def test_dataflow_beam_args_build_the_runner_options_and_check_them():
     assert (w.machine_type, w.max_num_workers, w.sdk_container_image) == ("n2-standard-8", 40, IMAGE)
     assert w.subnetwork == "regions/europe-west1/subnetworks/default"
     with pytest.raises(ValueError, match="temp-location"):
-        submit.dataflow_beam_args(PROJECT, REGION, "/tmp", sdk_container_image=IMAGE)
+        parameters.dataflow_beam_args(PROJECT, REGION, "/tmp", sdk_container_image=IMAGE)
     with pytest.raises(ValueError, match="sdk-container-image"):
-        submit.dataflow_beam_args(PROJECT, REGION, "gs://b/tmp")
+        parameters.dataflow_beam_args(PROJECT, REGION, "gs://b/tmp")
 
 
 def test_upload_template_posts_the_yaml_to_the_kfp_registry(template, monkeypatch):
@@ -426,7 +426,7 @@ def test_upload_template_posts_the_yaml_to_the_kfp_registry(template, monkeypatc
 
     monkeypatch.setattr(registry_client.requests, "post", post)
     host = "https://us-central1-kfp.pkg.dev/test-project/persia"
-    name, version = submit.upload_template(host, template, ["v1", "latest"], "nightly build", auth=ApiAuth("t"))
+    name, version = jobs.upload_template(host, template, ["v1", "latest"], "nightly build", auth=ApiAuth("t"))
     assert (name, version) == ("persia-hybrid-training", "sha256:abc")
     (call,) = calls
     assert call["url"] == host and call["headers"] == {"description": "nightly build"}
