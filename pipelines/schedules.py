@@ -88,7 +88,7 @@ def create_schedule(
     if not display_name:
         raise ValueError("--name (the schedule's display name) is required")
     cron_tz = cron_with_time_zone(cron, time_zone)
-    for flag, value in (("--start-time", start_time), ("--end-time", end_time)):
+    for value in (start_time, end_time):
         if value:
             from components.data_path import parse_schedule_time
 
