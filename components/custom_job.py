@@ -16,6 +16,9 @@ the paths (``/gcs/`` form) and sets pool 1 and 2 counts from the run config that
 import json
 import secrets
 
+from persia_core import io
+from persia_core.config import load_config
+
 PLACEHOLDERS = ("dataset", "shards", "model", "control")
 TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
 
@@ -80,9 +83,6 @@ def custom_job_request(
     being ``<model>/checkpoints`` on Cloud Storage: the workers write checkpoints there, and the replicas of a
     restarted or retried job resume from the newest complete one. Raises ``ValueError`` when the counts do not
     divide."""
-    from persia_core import io
-    from persia_core.config import load_config
-
     template = json.loads(template_json)
     args = template[0]["containerSpec"]["args"]
     k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
@@ -139,8 +139,6 @@ def run_custom_job(
     Raises ``RuntimeError`` when the job fails (``google.cloud.aiplatform`` raises it with the job's error)."""
     from google.cloud import aiplatform
     from google.cloud.aiplatform.compat.types import custom_job as custom_job_types
-
-    from persia_core import io
 
     specs, base = custom_job_request(
         template_json, dataset_uri, shards_uri, model_uri, ps_token_secret, checkpoint_every_s, checkpoint_every_steps

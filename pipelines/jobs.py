@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from persia_core import io
+from persia_core.evaluate.gate import MARKER, latest_blessed_model
 from pipelines.parameters import (
     Target,
     check_cloud_values,
@@ -86,13 +88,9 @@ def register_model(
     be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded."""
     from google.cloud import aiplatform
 
-    from persia_core import io
-
     uri = io.to_uri(artifact_uri).rstrip("/")
     if not uri.startswith("gs://"):
         raise ValueError(f"--artifact-uri {artifact_uri!r} must be a gs:// (or /gcs/) folder")
-    from persia_core.evaluate.gate import MARKER, latest_blessed_model
-
     if not io.exists(io.join(uri, "manifest.json")) and io.exists(io.join(uri, MARKER)):
         uri = io.to_uri(latest_blessed_model(uri)).rstrip("/")  # a blessed-model location: its latest model
     if not display_name:

@@ -10,6 +10,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
+from components import LOCAL_IMAGE
+from components.data_path import check_cloud_folders, resolve_data_path
+from persia_core import io
+from persia_core.config import is_config_name, shipped_configs
+from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+
 _REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 
@@ -33,10 +41,6 @@ class Target:
 
 def load_template(path: str) -> dict:
     """The compiled pipeline YAML (local, gs:// or /gcs/). Raises ``FileNotFoundError`` / ``ValueError``."""
-    import yaml
-
-    from persia_core import io
-
     if not io.exists(path):
         raise FileNotFoundError(f"compiled pipeline {path!r} not found (run `make compile TARGET=vertex`)")
     spec = yaml.safe_load(io.read_text(path))
@@ -47,8 +51,6 @@ def load_template(path: str) -> dict:
 
 def check_vertex_template(spec: dict, path: str) -> None:
     """Refuse a template compiled for the local target (its images exist only on a laptop)."""
-    from components import LOCAL_IMAGE
-
     images = {e.get("container", {}).get("image") for e in spec.get("deploymentSpec", {}).get("executors", {}).values()}
     if LOCAL_IMAGE in images:
         raise ValueError(
@@ -132,14 +134,9 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     Storage folders (a path inside a run's container is gone when the run ends, so nothing would ever be
     warm-started); ``{...}`` tokens of ``data`` must be date tokens (``components.data_path.resolve_data_path``).
     Raises ``ValueError`` naming the parameter."""
-    import re
-
-    from components.data_path import resolve_data_path
 
     def value(name: str) -> str:
         return str(values.get(name, specs.get(name, {}).get("defaultValue", "")))
-
-    from components.data_path import check_cloud_folders
 
     if "blessed_dir" in specs:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
@@ -152,15 +149,11 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
             f"embedding_staleness must be >= 0, or -1 for the run config's value, got {value('embedding_staleness')}"
         )
     if "config" in specs:
-        from persia_core.config import is_config_name, shipped_configs
-
         cfg = value("config")
         if cfg and is_config_name(cfg) and cfg not in shipped_configs():
             raise ValueError(
                 f"config {cfg!r} is not a shipped run config {shipped_configs()} (or give a gs:// YAML path)"
             )
-    from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
-
     check_thresholds(
         min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
         max_ne=float(value("max_ne")) if "max_ne" in specs and value("max_ne") else DEFAULT_MAX_NE,

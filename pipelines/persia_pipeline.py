@@ -22,6 +22,7 @@ Every parameter has a default that runs on the bundled MovieLens data. Compile w
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = None
     try:
         if args.target == "vertex":
-            names = [f.name for f in vertex.dataclasses.fields(vertex.VertexSettings)]
+            names = [f.name for f in dataclasses.fields(vertex.VertexSettings)]
             settings = vertex.VertexSettings.from_env(**{k: v for k, v in vars(args).items() if k in names})
         print(compile_pipeline(output, args.target, settings))
     except ValueError as e:

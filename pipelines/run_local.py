@@ -23,7 +23,16 @@ import sys
 import threading
 import time
 
+from kfp import local
+
+from components.data_path import resolve_data_path
+from persia_core.config import load_config
+from persia_core.embedding.plan import check_warm_start_location
+from persia_core.evaluate.gate import check_thresholds, latest_blessed_model
 from persia_core.logging_utils import PROGRESS_PATTERN
+from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
+from persia_core.train.launcher import check_local_process_count, descendants
+from pipelines.persia_pipeline import persia_pipeline
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([^']+)'")
@@ -152,8 +161,6 @@ def _this_run(root: str, before: set[str], output: str) -> str:
 def terminate_descendants(sig: int = signal.SIGTERM) -> list[int]:
     """Send ``sig`` to every process below this one: the running task's shell, its Python executor and, where
     they are still there, the processes it started. Returns the pids signalled."""
-    from persia_core.train.launcher import descendants
-
     found = descendants(os.getpid())
     for pid in found:
         try:
@@ -199,38 +206,23 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = {zero})")
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
-    from persia_core.evaluate.decision import check_thresholds
-
     try:  # the gate's own checks, made before preprocess and train rather than after
         check_thresholds(min_auc=args.min_auc, max_ne=args.max_ne, as_flags=True)
     except ValueError as e:
         p.error(str(e))
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
-        from components.data_path import resolve_data_path
-        from persia_core.config import load_config
-
         if "{date" in args.data:  # as on Vertex AI, from the current UTC time (a cron job's own run time)
             args.data = resolve_data_path(args.data, "")
             print(f"data: {args.data}")
         cfg = load_config(args.config)
-        from persia_core.train.launcher import check_local_process_count
-
         check_local_process_count(
             args.parameter_servers or cfg.embedding.num_shards, args.nn_workers or cfg.trainer.num_workers
         )
         if "://" not in args.data:
-            from persia_core.preprocess.pipeline import resolve_inputs
-
             resolve_inputs(cfg, os.path.abspath(args.data))
     except (ValueError, FileNotFoundError) as e:
         print(f"run_local: {e}", file=sys.stderr)
         return 2
-
-    from kfp import local
-
-    from persia_core.model_store import latest_blessed_model
-    from persia_core.preprocess.pipeline import malformed_summary
-    from pipelines.persia_pipeline import persia_pipeline
 
     def absolute(path: str) -> str:
         return path if not path or "://" in path else os.path.abspath(path)
@@ -240,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
     try:
-        from persia_core.embedding.plan import check_warm_start_location
-
         check_warm_start_location(absolute(args.warm_start_from), blessed_dir)
     except FileNotFoundError as e:
         print(f"run_local: {e}", file=sys.stderr)

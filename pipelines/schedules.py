@@ -3,8 +3,10 @@ pausing, resuming and deleting the pipeline's schedules."""
 
 from __future__ import annotations
 
+import zoneinfo
 from typing import Any
 
+from components.data_path import parse_schedule_time
 from pipelines.jobs import build_pipeline_job
 from pipelines.parameters import Target
 
@@ -45,8 +47,6 @@ def _check_cron_field(cron: str, field: str, name: str, lo: int, hi: int, names:
 def cron_with_time_zone(cron: str, time_zone: str) -> str:
     """``"TZ=<zone> <cron>"`` as Vertex AI schedules take it. Raises ``ValueError`` for a cron that is not five
     fields or an unknown IANA time zone."""
-    import zoneinfo
-
     fields = cron.split()
     if fields and fields[0].startswith(("TZ=", "CRON_TZ=")):
         raise ValueError("give the time zone with --time-zone, not inside --cron")
@@ -90,8 +90,6 @@ def create_schedule(
     cron_tz = cron_with_time_zone(cron, time_zone)
     for value in (start_time, end_time):
         if value:
-            from components.data_path import parse_schedule_time
-
             parse_schedule_time(value)  # RFC 3339 or ValueError
     job = build_pipeline_job(
         template, target, parameter_values, enable_caching, display_name, labels, credentials, from_text

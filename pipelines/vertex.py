@@ -17,6 +17,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
+from persia_core.cluster import Machine, worker_pool_specs
+
 GPU_MACHINE_FAMILIES = (
     ("NVIDIA_TESLA_A100", "a2-"),
     ("NVIDIA_A100_80GB", "a2-"),
@@ -196,8 +198,6 @@ class VertexSettings:
 
     def worker_pool_specs(self) -> list[dict]:
         """The CustomJob's ``workerPoolSpecs`` template (see module docstring)."""
-        from persia_core.cluster import Machine, worker_pool_specs
-
         nn = Machine(
             self.nn_machine_type, self.accelerator_type, self.accelerator_count, boot_disk_gb=self.boot_disk_gb
         )
