@@ -36,6 +36,7 @@ from components.preprocess import preprocess
 from components.resolve_data import resolve_data
 from components.train import train
 from components.vertex_train import train as vertex_train
+from persia_core.evaluate.gate import DEFAULT_MAX_AUC_DROP, DEFAULT_MAX_NE, DEFAULT_MIN_AUC
 from pipelines import vertex
 
 PIPELINE_NAME = "persia-hybrid-training"
@@ -58,9 +59,9 @@ def persia_pipeline(
     beam_args: str = "",
     blessed_dir: str = DEFAULT_BLESSED_DIR,
     warm_start_from: str = "",
-    min_auc: float = 0.5,
-    max_auc_drop: float = 0.0,
-    max_ne: float = 1.0,
+    min_auc: float = DEFAULT_MIN_AUC,
+    max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
+    max_ne: float = DEFAULT_MAX_NE,
     checkpoint_every_s: float = 600.0,
     checkpoint_every_steps: int = 0,
 ) -> str:

@@ -28,7 +28,7 @@ from kfp import local
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
 from persia_core.embedding.plan import check_warm_start_location
-from persia_core.evaluate.gate import check_thresholds, latest_blessed_model
+from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds, latest_blessed_model
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
 from persia_core.train.launcher import check_local_process_count, descendants
@@ -191,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="start from a previous model, checkpoint or blessed-model location (empty = cold start)",
     )
-    p.add_argument("--min-auc", type=float, default=0.5, help="the gate blesses only a model with this eval AUC")
+    p.add_argument(
+        "--min-auc", type=float, default=DEFAULT_MIN_AUC, help="the gate blesses only a model with this eval AUC"
+    )
     p.add_argument(
         "--max-ne",
         type=float,
-        default=1.0,
+        default=DEFAULT_MAX_NE,
         help="... and never one whose normalized entropy is at or above this (1: the base rate)",
     )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
