@@ -13,12 +13,12 @@ def evaluate(
     metrics: Output[Metrics],
     roc: Output[ClassificationMetrics],
     report: Output[HTML],
+    min_auc: float,
+    max_auc_drop: float,
+    max_logloss_increase: float,
+    max_ne: float,
     user_slot: str = "user",
     blessed_dir: str = "",
-    min_auc: float = 0.5,
-    max_auc_drop: float = 0.0,
-    max_logloss_increase: float = 0.01,
-    max_ne: float = 1.0,
 ) -> str:
     """AUC (sklearn), GAUC over ``user_slot``, logloss, normalized entropy and calibration on the eval split
     (read-only lookups), also split by whether the row's user was seen in training, and per-slot coverage.
@@ -27,7 +27,9 @@ def evaluate(
     decide with the same thresholds against the latest blessed model in ``blessed_dir`` (empty: threshold
     only). The latest blessed model is re-scored on the same evaluation rows, and its metrics travel with the
     new ones (key ``baseline_on_this_eval_data``) so that the gate compares the two models on the same data.
-    Returns the overall metrics as a JSON string (the input of the ``gate`` component)."""
+    The thresholds are those of ``gate`` (no defaults here: the pipeline's come from
+    ``persia_core.evaluate.gate``'s ``DEFAULT_*``). Returns the overall metrics as a JSON string (the input of
+    the ``gate`` component)."""
     import json
 
     from persia_core.evaluate.gate import evaluate_gate

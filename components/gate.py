@@ -1,8 +1,11 @@
 """Component 5 (model gate): decide whether the new model is blessed, and copy it when it is.
 
-Wire them with ``dsl.If``::
+The thresholds (``min_auc``, ``max_auc_drop``, ``max_logloss_increase``, ``max_ne``) have no defaults here: a
+component's source runs as it is written, where a default naming ``persia_core.evaluate.gate``'s ``DEFAULT_*``
+constants could not be resolved, so the pipeline passes all four (its defaults are those constants). Wire the
+components with ``dsl.If``::
 
-    g = gate(metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir, min_auc=..., ...)
+    g = gate(metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir, min_auc=..., max_ne=..., ...)
     with dsl.If(g.outputs["Output"] == "bless"):
         bless_model(model=trained.outputs["model"], metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir)
 """
@@ -19,10 +22,10 @@ def gate(
     blessed_dir: str,
     decision: Output[Markdown],
     gate_metrics: Output[Metrics],
-    min_auc: float = 0.5,
-    max_auc_drop: float = 0.0,
-    max_logloss_increase: float = 0.01,
-    max_ne: float = 1.0,
+    min_auc: float,
+    max_auc_drop: float,
+    max_logloss_increase: float,
+    max_ne: float,
 ) -> str:
     """Compare the new model's metrics (``metrics_json``, the evaluate component's output) with the latest
     blessed model in ``blessed_dir`` (local, /gcs/ or gs://; empty or none blessed yet: ``min_auc`` only), and

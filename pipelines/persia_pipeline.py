@@ -36,7 +36,12 @@ from components.preprocess import preprocess
 from components.resolve_data import resolve_data
 from components.train import train
 from components.vertex_train import train as vertex_train
-from persia_core.evaluate.gate import DEFAULT_MAX_AUC_DROP, DEFAULT_MAX_NE, DEFAULT_MIN_AUC
+from persia_core.evaluate.gate import (
+    DEFAULT_MAX_AUC_DROP,
+    DEFAULT_MAX_LOGLOSS_INCREASE,
+    DEFAULT_MAX_NE,
+    DEFAULT_MIN_AUC,
+)
 from pipelines import vertex
 
 PIPELINE_NAME = "persia-hybrid-training"
@@ -135,6 +140,7 @@ def persia_pipeline(
         blessed_dir=blessed_dir,
         min_auc=min_auc,
         max_auc_drop=max_auc_drop,
+        max_logloss_increase=DEFAULT_MAX_LOGLOSS_INCREASE,
         max_ne=max_ne,
     ).set_display_name("evaluate")
     decision = gate(
@@ -142,6 +148,7 @@ def persia_pipeline(
         blessed_dir=blessed_dir,
         min_auc=min_auc,
         max_auc_drop=max_auc_drop,
+        max_logloss_increase=DEFAULT_MAX_LOGLOSS_INCREASE,
         max_ne=max_ne,
     ).set_display_name("model gate")
     tasks += [pre, plan, trained, ev, decision]

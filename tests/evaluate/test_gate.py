@@ -143,6 +143,7 @@ def _gated_pipeline():
             min_auc=min_auc,
             max_auc_drop=0.0,
             max_logloss_increase=0.01,
+            max_ne=G.DEFAULT_MAX_NE,
         )
         with dsl.If(g.outputs["Output"] == "bless"):
             bless_model(model=model.output, metrics_json=metrics_json, blessed_dir=blessed_dir)
