@@ -45,7 +45,7 @@ def fill_worker_pool_specs(
     primary = json.loads(json.dumps(template[0]))
     workers = json.loads(json.dumps(template[1] or template[0]))
     servers = json.loads(json.dumps(template[2]))
-    out = []
+    out: list[dict] = []
     for spec, count in ((primary, 1), (workers, nn_replicas - 1), (servers, ps_replicas)):
         if count == 0:
             out.append({})
@@ -138,7 +138,7 @@ def run_custom_job(
 
     Raises ``RuntimeError`` when the job fails (``google.cloud.aiplatform`` raises it with the job's error)."""
     from google.cloud import aiplatform
-    from google.cloud.aiplatform.compat.types import custom_job as custom_job_types
+    from google.cloud.aiplatform.compat.types import custom_job as custom_job_types  # type: ignore[attr-defined]
 
     specs, base = custom_job_request(
         template_json, dataset_uri, shards_uri, model_uri, ps_token_secret, checkpoint_every_s, checkpoint_every_steps

@@ -7,7 +7,7 @@ import datetime as _dt
 from typing import Any
 
 from persia_core import io
-from persia_core.evaluate.gate import MARKER, latest_blessed_model
+from persia_core.evaluate.gate import latest_blessed_model
 from pipelines.parameters import (
     Target,
     check_cloud_values,
@@ -91,8 +91,10 @@ def register_model(
     uri = io.to_uri(artifact_uri).rstrip("/")
     if not uri.startswith("gs://"):
         raise ValueError(f"--artifact-uri {artifact_uri!r} must be a gs:// (or /gcs/) folder")
-    if not io.exists(io.join(uri, "manifest.json")) and io.exists(io.join(uri, MARKER)):
-        uri = io.to_uri(latest_blessed_model(uri)).rstrip("/")  # a blessed-model location: its latest model
+    if not io.exists(io.join(uri, "manifest.json")):
+        latest = latest_blessed_model(uri)  # a blessed-model location (its marker names its latest model)?
+        if latest is not None:
+            uri = io.to_uri(latest).rstrip("/")
     if not display_name:
         raise ValueError("--display-name is required")
     if not serving_image:

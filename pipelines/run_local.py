@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     before = set(_run_dirs(root))
     if not args.verbose:
         print(f"kfp.local output: {log_path}")
-    failure = None
+    failure: tuple[RuntimeError | None, str] | None = None
     terminated = []
 
     def on_sigterm(signum, frame):  # a cancel: the running task's processes go too (Ctrl-C reaches them itself)
@@ -287,12 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 143 if terminated else 130
     if failure is not None:
-        e, tail = failure
+        error, tail = failure
         where = "above" if args.verbose else f"in {log_path}; its last lines:"
         errors = [line.strip() for line in tail.splitlines() if _EXCEPTION.match(line)]
         first = f"run_local: the failing task's error: {errors[-1]}\n" if errors else ""
         print(
-            f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(e))}\n{first}"
+            f"\nrun_local: the pipeline failed after {time.time() - t0:.0f} s: {_ANSI.sub('', str(error))}\n{first}"
             f"run_local: the failing task's own output is {where}\n{tail}{first}",
             file=sys.stderr,
         )

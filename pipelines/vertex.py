@@ -15,7 +15,9 @@ import dataclasses
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from persia_core.cluster import Machine, worker_pool_specs
 
@@ -180,14 +182,15 @@ class VertexSettings:
             )
 
     @classmethod
-    def from_env(cls, environ: dict | None = None, **overrides) -> "VertexSettings":
-        """Settings from ``PERSIA_*`` variables, then ``overrides`` (None values ignored)."""
-        environ = os.environ if environ is None else environ
-        kw = {}
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "VertexSettings":
+        """Settings from ``PERSIA_*`` variables (``environ``, default ``os.environ``), then ``overrides`` (None
+        values ignored)."""
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        kw: dict[str, Any] = {}
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, var in cls.ENV.items():
-            if environ.get(var, "") != "":
-                raw = environ[var]
+            if env.get(var, "") != "":
+                raw = env[var]
                 try:
                     kw[name] = int(raw) if types[name] in (int, "int") else raw
                 except ValueError as e:
