@@ -133,7 +133,7 @@ def captured_output(log_path: str, verbose: bool = False):
         log.close()
 
 
-def _run_dirs(root: str) -> list[str]:
+def run_dirs(root: str) -> list[str]:
     """The run folders kfp.local made under ``root`` (one per pipeline run)."""
     try:
         return [
@@ -145,10 +145,10 @@ def _run_dirs(root: str) -> list[str]:
         return []
 
 
-def _this_run(root: str, before: set[str], output: str) -> str:
+def this_run(root: str, before: set[str], output: str) -> str:
     """This run's folder: the new one whose evaluate step returned ``output`` (another run may share the pipeline
     root and finish meanwhile). "" when none matches."""
-    for d in sorted(set(_run_dirs(root)) - before):
+    for d in sorted(set(run_dirs(root)) - before):
         try:
             with open(os.path.join(d, "evaluate", "executor_output.json")) as f:
                 if json.load(f).get("parameterValues", {}).get("Output") == output:
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=True)
     t0 = time.time()
     log_path = os.path.join(root, "logs", time.strftime("run-%Y%m%d-%H%M%S") + f"-{os.getpid()}.log")
-    before = set(_run_dirs(root))
+    before = set(run_dirs(root))
     if not args.verbose:
         print(f"kfp.local output: {log_path}")
     failure: tuple[RuntimeError | None, str] | None = None
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     metrics = json.loads(result.output)
     print(f"pipeline finished in {time.time() - t0:.1f} s; outputs under {root}")
-    run_dir = _this_run(root, before, result.output)
+    run_dir = this_run(root, before, result.output)
     plans = glob.glob(os.path.join(run_dir, "init-shards", "*", "shard_plan.json")) if run_dir else []
     if plans:
         with open(plans[0]) as f:

@@ -10,6 +10,7 @@ from kfp import components
 
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.run_local import main as run_local
+from pipelines.run_local import run_dirs, this_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ("preprocess", "init-shards", "train", "evaluate")
@@ -251,16 +252,14 @@ def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refuse
 def test_run_local_reports_its_own_run_when_another_shares_the_pipeline_root(tmp_path):
     """Two runs in one pipeline root: each finds its own folder by what its evaluate step returned, never the
     newest one."""
-    from pipelines.run_local import _run_dirs, _this_run
-
     root = tmp_path / "out"
     old = root / "persia-hybrid-training-old"
     (old / "evaluate").mkdir(parents=True)
-    before = set(_run_dirs(str(root)))
+    before = set(run_dirs(str(root)))
     for name, auc in (("persia-hybrid-training-a", 0.71), ("persia-hybrid-training-b", 0.72)):
         (root / name / "evaluate").mkdir(parents=True)
         out = json.dumps({"auc": auc})
         (root / name / "evaluate" / "executor_output.json").write_text(json.dumps({"parameterValues": {"Output": out}}))
-    assert _this_run(str(root), before, json.dumps({"auc": 0.71})) == str(root / "persia-hybrid-training-a")
-    assert _this_run(str(root), before, json.dumps({"auc": 0.72})) == str(root / "persia-hybrid-training-b")
-    assert _this_run(str(root), before, json.dumps({"auc": 0.9})) == ""
+    assert this_run(str(root), before, json.dumps({"auc": 0.71})) == str(root / "persia-hybrid-training-a")
+    assert this_run(str(root), before, json.dumps({"auc": 0.72})) == str(root / "persia-hybrid-training-b")
+    assert this_run(str(root), before, json.dumps({"auc": 0.9})) == ""
