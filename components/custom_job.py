@@ -18,9 +18,9 @@ import secrets
 
 from persia_core import io
 from persia_core.config import load_config
+from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 
 PLACEHOLDERS = ("dataset", "shards", "model", "control")
-TOKEN_ENV, TOKEN_SECRET_ENV = "PERSIA_PS_TOKEN", "PERSIA_PS_TOKEN_SECRET"
 
 
 def fill_worker_pool_specs(

@@ -7,7 +7,7 @@ import datetime as _dt
 from typing import Any
 
 from persia_core import io
-from persia_core.evaluate.gate import latest_blessed_model
+from persia_core.model_store import latest_blessed_model
 from pipelines.parameters import (
     Target,
     check_cloud_values,

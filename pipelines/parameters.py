@@ -16,7 +16,7 @@ from components import LOCAL_IMAGE
 from components.data_path import check_cloud_folders, resolve_data_path
 from persia_core import io
 from persia_core.config import is_config_name, shipped_configs
-from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
 _REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")

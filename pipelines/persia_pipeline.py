@@ -36,7 +36,7 @@ from components.preprocess import preprocess
 from components.resolve_data import resolve_data
 from components.train import train
 from components.vertex_train import train as vertex_train
-from persia_core.evaluate.gate import (
+from persia_core.evaluate.decision import (
     DEFAULT_MAX_AUC_DROP,
     DEFAULT_MAX_LOGLOSS_INCREASE,
     DEFAULT_MAX_NE,

@@ -28,8 +28,9 @@ from kfp import local
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
 from persia_core.embedding.plan import check_warm_start_location
-from persia_core.evaluate.gate import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds, latest_blessed_model
+from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 from persia_core.logging_utils import PROGRESS_PATTERN
+from persia_core.model_store import latest_blessed_model
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
 from persia_core.train.launcher import check_local_process_count, descendants
 from pipelines.persia_pipeline import persia_pipeline

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from persia_core import io
-from persia_core.evaluate.decision import decide
+from persia_core.evaluate.decision import DEFAULT_MAX_NE, decide
 from persia_core.evaluate.gate import bless, read_baseline
 from persia_core.model_store import BLESSED_MARKER, latest_blessed_model
 
@@ -143,7 +143,7 @@ def _gated_pipeline():
             min_auc=min_auc,
             max_auc_drop=0.0,
             max_logloss_increase=0.01,
-            max_ne=G.DEFAULT_MAX_NE,
+            max_ne=DEFAULT_MAX_NE,
         )
         with dsl.If(g.outputs["Output"] == "bless"):
             bless_model(model=model.output, metrics_json=metrics_json, blessed_dir=blessed_dir)
