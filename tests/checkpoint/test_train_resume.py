@@ -248,11 +248,11 @@ def test_a_model_whose_dense_file_is_corrupt_is_refused_naming_that_file(runs, t
     cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True)
     with pytest.raises(
         WarmStartError,
-        match=r"dense weights .*%s cannot be read: .*not a readable dense-model "
-        r"file \(%d bytes" % (manifest["dense_file"], len(data) // 2),
+        match=rf"dense weights .*{manifest['dense_file']} cannot be read: .*not a readable dense-model "
+        rf"file \({len(data) // 2} bytes",
     ):
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=model)
-    with pytest.raises(ValueError, match=r"%s: not a readable dense-model file" % manifest["dense_file"]):
+    with pytest.raises(ValueError, match=rf"{manifest['dense_file']}: not a readable dense-model file"):
         LoadedModel(model)
 
 

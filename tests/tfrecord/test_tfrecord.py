@@ -43,7 +43,7 @@ def _rows(n=240, seed=0):
     """Rows as (CSV fields, Example features); None = missing."""
     rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         label = int(rng.random() < 0.3)
         i1 = None if rng.random() < 0.1 else int(rng.integers(0, 1000))
         i2 = int(rng.integers(-5, 50))

@@ -88,7 +88,7 @@ def test_two_servers_one_worker_k0_gives_the_loss_curve_of_the_in_process_refere
     for k in a:
         np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-5)
     # every embedding row the servers hold equals the reference's
-    for s, rel in enumerate(manifest["shard_files"]):
+    for rel in manifest["shard_files"]:
         tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes)
         load_shard_file(str(tmp_path / "model" / rel), tables)
         sd = tables["default"].state_dict()
