@@ -8,7 +8,7 @@ Memory (parameter servers). Bytes per row come from the table's own accounting (
 ``persia_core.embedding.table`` allocates): key, LRU links, last-used step and optimizer state from
 ``row_bytes_without_index``, the weights at the storage precision (``--weights``; the table stores fp32 today,
 fp16 is what the plan assumes), and the hash index of int32 slots at load <= ``memory.MAX_LOAD``, sized as
-``capacity_for_budget`` sizes it. One shard process holds at most 2^31 - 1 rows (its row numbers are int32), so
+``memory.capacity_and_slots`` sizes it. One shard process holds at most 2^31 - 1 rows (its row numbers are int32), so
 a large server runs several shard processes, each with an equal share of the server's usable RAM less a fixed
 per-process overhead. Hash routing spreads rows evenly; each shard keeps 4 standard deviations of headroom.
 
@@ -76,38 +76,11 @@ def row_bytes_without_index(optimizer: str, dim: int, weights: str = "fp32") -> 
     return M.row_bytes_without_index(optimizer, dim, weights)
 
 
-def _state_bytes(optimizer: str, dim: int) -> int:
-    return sum(
-        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        for shape, dt in M.state_shapes(optimizer, dim).values()
-    )
-
-
-def capacity_for_budget(
-    budget_bytes: int, optimizer: str, dim: int, weights: str = "fp32", max_rows: int = MAX_ROWS_PER_SHARD
-) -> tuple[int, int]:
-    """Rows one shard process holds in ``budget_bytes``, and its hash-index slots.
-
-    The search of ``memory.capacity_for_budget`` (power-of-two slot counts, load <= ``memory.MAX_LOAD``) with the
-    per-row bytes of ``weights`` and at most ``max_rows`` rows; equal to it for fp32. Returns ``(0, 0)`` when
-    fewer than 1024 rows fit."""
-    per_row = row_bytes_without_index(optimizer, dim, weights)
-    budget_bytes -= M.QUEUE_FIXED_BYTES
-    best, best_slots = 0, 0
-    slots = 1024
-    while slots * INDEX_SLOT_BYTES < budget_bytes:
-        cap = min(int(slots * M.MAX_LOAD), (budget_bytes - INDEX_SLOT_BYTES * slots) // per_row, max_rows)
-        if cap > best:
-            best, best_slots = int(cap), slots
-        slots *= 2
-    return (best, best_slots) if best >= 1024 else (0, 0)
-
-
 def row_bytes(optimizer: str, dim: int, weights: str, capacity: int, slots: int) -> RowBytes:
     """The per-row breakdown at ``capacity`` rows over ``slots`` index slots."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    state = _state_bytes(optimizer, dim)
+    state = M.state_bytes(optimizer, dim)
     fixed = M.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
     return RowBytes(
         key=8,
@@ -217,7 +190,7 @@ def _layouts(inp: PlanInputs) -> list[tuple[int, int, int, int]]:
         budget = int((usable - k * overhead) / k)
         if budget <= 0:
             break
-        cap, slots = capacity_for_budget(budget, inp.optimizer, inp.dim, inp.weights)
+        cap, slots = M.capacity_and_slots(budget, inp.optimizer, inp.dim, inp.weights, MAX_ROWS_PER_SHARD)
         if cap == 0:
             break
         out.append((k, cap, budget, slots))

@@ -25,7 +25,7 @@ SEED_ARGS = [
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("budget", [1 << 20, 10**9, 3 * 10**10 + 7])
 def test_planner_fp32_capacity_equals_the_tables_own_capacity_for_budget(optimizer, budget):
-    cap, slots = planner.capacity_for_budget(budget, optimizer, 32)
+    cap, slots = memory.capacity_and_slots(budget, optimizer, 32, max_rows=planner.MAX_ROWS_PER_SHARD)
     assert cap == memory.capacity_for_budget(budget, optimizer, 32)
     assert cap * planner.row_bytes_without_index(optimizer, 32) + 4 * slots <= budget
     assert planner.row_bytes_without_index(optimizer, 32) == memory.row_bytes_without_index(optimizer, 32)
