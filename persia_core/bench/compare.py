@@ -73,7 +73,10 @@ def bench_dataset(
 
     load0 = loadavg()
     res: dict = {"dataset": name, "samples": samples, "global_batch": global_batch, "seeds": seeds, **(extra or {})}
-    plain, trec, hyb, syn = [], [], [], []
+    plain: list[dict] = []
+    trec: list[dict] = []
+    hyb: list[dict] = []
+    syn: list[dict] = []
     by_layout: dict[str, dict[str, float]] = {"hybrid": {}, "sync": {}}
     by_threads: dict[str, dict[str, float]] = {"plain_torch": {}, "torchrec": {}}
     best: dict = {}
@@ -130,7 +133,7 @@ def bench_dataset(
             best.setdefault("torchrec", trec[-1]["threads"])
         # (a) and (b): every layout on the first seed, the fastest afterwards
         for mode, k, out in (("hybrid", 4, hyb), ("sync", 0, syn)):
-            runs = []
+            tried: list[tuple[dict, tuple[int, int]]] = []
             for m, t in layouts if seed == 0 else [best[mode]]:
                 log(f"{name} seed {seed}: ({'a' if k else 'b'}) {mode} K={k}, {m} NN worker(s) x {t} thread(s)")
                 if seed == 0:
@@ -145,9 +148,9 @@ def bench_dataset(
                 )
                 if seed == 0:
                     by_layout[mode][r["layout"]] = r["sps"]
-                runs.append((r, (m, t)))
-            chosen, lay = max(runs, key=lambda x: x[0]["sps"])
-            for r, _ in runs:
+                tried.append((r, (m, t)))
+            chosen, lay = max(tried, key=lambda x: x[0]["sps"])
+            for r, _ in tried:
                 if r is not chosen and not keep:
                     shutil.rmtree(os.path.dirname(r["model_dir"]), ignore_errors=True)
             best.setdefault(mode, lay)

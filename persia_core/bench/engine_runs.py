@@ -30,7 +30,7 @@ def run_hybrid(
 
     if global_batch % workers:
         raise ValueError(f"global batch {global_batch} is not divisible by {workers} NN workers")
-    overrides = {
+    overrides: dict[str, float] = {
         "trainer.embedding_staleness": staleness,
         "trainer.num_workers": workers,
         "trainer.threads_per_worker": threads,

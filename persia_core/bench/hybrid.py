@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n".join(lines) + "\n")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    for line in lines:
-        print(line, flush=True)
+    for text in lines:
+        print(text, flush=True)
     return 0
 
 

@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             "slots": [s for s in shipped.to_dict()["slots"] if s["name"] not in ("history", "liked_history")],
         }
     )
-    out = {}
+    out: dict[str, Any] = {}
     for name, cfg in (("shipped", shipped), ("floor_features", floor)):
         data = os.path.join(work, name, "data")
         run_preprocess(cfg, args.data, data)

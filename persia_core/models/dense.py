@@ -25,6 +25,9 @@ def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
 
 
 class _Base(nn.Module):
+    dense_mean: torch.Tensor  # buffers (register_buffer), typed for mypy
+    dense_std: torch.Tensor
+
     def __init__(self, num_dense: int, dense_mean=None, dense_std=None):
         super().__init__()
         mean = torch.as_tensor(dense_mean if dense_mean is not None else [0.0] * num_dense, dtype=torch.float32)
@@ -67,6 +70,8 @@ class DNN(_Base):
 class DLRM(_Base):
     """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
     interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
+
+    _iu_flat: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
     def __init__(
         self,
