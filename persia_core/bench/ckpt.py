@@ -18,8 +18,8 @@ measurement always follows the same neighbour), with ``sync`` and a short pause 
 read the file is dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``). The medians
 are printed as a table and, as the last line, one JSON object with at least ``dump_mb_per_s``,
 ``load_mb_per_s``, ``seq_write_mb_per_s`` and ``seq_read_mb_per_s`` (MB = 10^6 bytes): each the best of
-``--reps`` rounds (as ``timeit`` reports; a shared virtual disk's throughput swings by 2-4x from one second to the
-next), with the medians beside them (``*_median_mb_per_s``).
+``--reps`` rounds (as ``timeit`` reports; a shared virtual disk's throughput swings widely from one second to
+the next), with the medians beside them (``*_median_mb_per_s``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``make device-check``: the GPU tests and the GPU benchmark, in one unattended command (< 8 min on one H200).
+"""``make device-check``: the GPU tests and the GPU benchmark, in one unattended command.
 
 Runs with the machine's own Python as it is (no ``.venv``): needs torch with CUDA, numba, grpcio, pyarrow,
 numpy, scikit-learn, xxhash and pyyaml. On a machine without CUDA (or a ``python3`` without torch) it says so,

@@ -36,7 +36,7 @@ import tempfile
 from persia_core.bench.compare import bench_dataset, loadavg, log
 
 DEFAULT_SAMPLES = 1_800_000
-"""About 60 s per contestant for plain PyTorch (~30k samples/s at batch 4096 on the 2-core machine)."""
+"""Training samples per contestant on the Criteo-shaped set unless ``--samples`` or ``BENCH_SAMPLES`` say otherwise."""
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
