@@ -22,11 +22,17 @@ class RunConfig:
     """One run: data layout, split, slots, embedding, model and trainer settings."""
 
     layout: LayoutConfig = field(default_factory=LayoutConfig)
+    """How the raw files are laid out."""
     split: SplitConfig = field(default_factory=SplitConfig)
+    """Evaluation split, malformed-row budget and Parquet shards of the preprocess step."""
     slots: list[SlotConfig] = field(default_factory=list)
+    """The ID features (at least one), each read from the layout's fields into one embedding table."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    """Embedding tables and parameter-server shards."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The dense network."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The hybrid training loop."""
 
     def __post_init__(self) -> None:
         if not self.slots:

@@ -20,13 +20,19 @@ class OptimizerConfig:
     """
 
     name: str = "rowwise_adagrad"
+    """One of ``OPTIMIZERS``: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``."""
     lr: float = 0.05
+    """Learning rate of the embedding rows."""
     eps: float = 1e-8
+    """adagrad / rowwise_adagrad / adam: added to the denominator's square root."""
     initial_accumulator: float = 0.0
     """adagrad / rowwise_adagrad: starting value of the accumulator."""
     beta1: float = 0.9
+    """adam: decay of the first-moment estimate."""
     beta2: float = 0.999
+    """adam: decay of the second-moment estimate."""
     weight_decay: float = 0.0
+    """L2 penalty added to each gradient (``torch.optim`` semantics); 0 = none."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -48,9 +54,11 @@ class TableConfig:
     """One embedding table: the rows of the slots that name it, with one dim and one optimizer."""
 
     name: str = "default"
+    """Table name, unique; slots name it in ``slots[].table``."""
     dim: int = 16
     """Embedding dim D (floats per row)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Server-side optimizer of this table's rows."""
     init_scale: float = 0.01
     """Rows start uniform in [-init_scale, init_scale], drawn from a generator seeded by the feature ID
     (the same ID gets the same initial row on any shard, process or run)."""
@@ -80,6 +88,7 @@ class EmbeddingConfig:
     """Embedding tables and their parameter-server shards."""
 
     tables: list[TableConfig] = field(default_factory=lambda: [TableConfig()])
+    """The embedding tables (at least one); each shard holds its share of every table."""
     num_shards: int = 2
     """Parameter-server shards (one process each); feature ID -> shard by ``shard_of`` (see ``hashing``)."""
     shard_memory_bytes: int = 1 << 30

@@ -14,6 +14,7 @@ class TrainerConfig:
     batch_size: int = 512
     """Samples per NN worker per step."""
     epochs: int = 2
+    """Passes over the train split."""
     embedding_staleness: int = 4
     """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
     K = 0 is fully synchronous training."""
@@ -22,6 +23,7 @@ class TrainerConfig:
     dense_lr: float = 1e-3
     """Adam learning rate of the dense network."""
     seed: int = 0
+    """Seed of the dense initialization, shuffling, ID dropout and the rows' initial values."""
     shuffle: bool = True
     """Shuffle each worker's rows every epoch (seeded by seed, epoch, rank); false: file order."""
     threads_per_worker: int = 1
