@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 
+from persia_core import io
 from persia_core.ps.storage_roots import resolve_storage_roots
 
 
@@ -72,8 +73,6 @@ def check_output_file(flag: str, path: str) -> None:
     """Refuse a local output file ``path`` that cannot be created: an existing folder, or a path under a file.
     ``ValueError`` naming ``flag`` and the path; empty and ``gs://`` paths are not checked. Called before the work
     whose result goes there."""
-    from persia_core import io
-
     if not path or io.is_gcs(path):
         return
     local = io.to_fuse(path) if io.is_fuse(path) else path

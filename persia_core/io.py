@@ -105,7 +105,7 @@ _split_gcs = split_gcs  # older name
 
 def _client():
     """A cached ``google.cloud.storage.Client`` (anonymous against ``STORAGE_EMULATOR_HOST``)."""
-    from google.cloud import storage
+    from google.cloud import storage  # type: ignore[attr-defined]  # google-cloud-storage ships no types
 
     emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
     key = (emulator, os.getpid())

@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
+from persia_core import io
+
 T = TypeVar("T")
 
 #: ``%`` -style format of every line; ``{who}`` becomes ``role[rank]`` (or ``role`` without a rank).
@@ -153,8 +155,6 @@ def write_tensorboard(history: dict, log_dir: str) -> str | None:
             "TensorBoard event files not written (%s); install the 'tensorboard' package", e
         )
         return None
-    from persia_core import io
-
     local = tempfile.mkdtemp(prefix="persia-tb-") if io.is_gcs(log_dir) else log_dir
     writer = SummaryWriter(log_dir=local)
     try:

@@ -43,17 +43,22 @@ def state_shapes(optimizer: str, dim: int) -> dict[str, tuple[tuple[int, ...], t
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
+def state_bytes(optimizer: str, dim: int) -> int:
+    """Bytes of optimizer state per row (the arrays of ``state_shapes``). Raises ``ValueError`` for an unknown
+    optimizer."""
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        for shape, dt in state_shapes(optimizer, dim).values()
+    )
+
+
 def row_bytes_without_index(optimizer: str, dim: int, storage: str = "fp32") -> int:
     """Bytes per row excluding the hash index: key, last-used step, recency-queue entries (1.25 per row, 8 bytes
     each), weights at ``storage`` precision, optimizer state (fp32). Raises ``ValueError`` for an unknown storage
     or optimizer."""
     if storage not in STORAGE_BYTES:
         raise ValueError(f"storage must be one of {sorted(STORAGE_BYTES)}, got {storage!r}")
-    state = sum(
-        int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-        for shape, dt in state_shapes(optimizer, dim).values()
-    )
-    return 8 + 4 + 10 + STORAGE_BYTES[storage] * dim + state
+    return 8 + 4 + 10 + STORAGE_BYTES[storage] * dim + state_bytes(optimizer, dim)
 
 
 def index_slots(rows: int) -> int:
@@ -64,22 +69,40 @@ def index_slots(rows: int) -> int:
     return n
 
 
-def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: str = "fp32") -> int:
-    """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes).
+def capacity_and_slots(
+    budget_bytes: int, optimizer: str, dim: int, storage: str = "fp32", max_rows: int | None = None
+) -> tuple[int, int]:
+    """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes), at most ``max_rows``
+    (None: no cap), and the hash-index slots it is sized for: ``(rows, slots)``, or ``(0, 0)`` when fewer than
+    1024 rows fit.
 
-    Raises ``ValueError`` if not even 1024 rows fit.
-    """
+    Searches the power-of-two slot counts from 1024 up, each holding at most ``MAX_LOAD`` rows per slot; the
+    first count that reaches the most rows wins. Raises ``ValueError`` for an unknown storage or optimizer."""
     per_row = row_bytes_without_index(optimizer, dim, storage)
     budget_bytes -= QUEUE_FIXED_BYTES
-    best = 0
+    best, best_slots = 0, 0
     slots = MIN_INDEX_SLOTS
     while slots * 4 < budget_bytes:
         cap = min(int(slots * MAX_LOAD), (budget_bytes - 4 * slots) // per_row)
-        best = max(best, cap)
+        if max_rows is not None:
+            cap = min(cap, max_rows)
+        if cap > best:
+            best, best_slots = int(cap), slots
         slots *= 2
-    if best < MIN_ROWS:
-        raise ValueError(f"a memory budget of {budget_bytes} bytes holds fewer than 1024 rows of dim {dim}")
-    return int(best)
+    return (best, best_slots) if best >= MIN_ROWS else (0, 0)
+
+
+def capacity_for_budget(budget_bytes: int, optimizer: str, dim: int, storage: str = "fp32") -> int:
+    """The largest row count whose arrays and hash index fit in ``budget_bytes`` (bytes) (``capacity_and_slots``).
+
+    Raises ``ValueError`` if not even 1024 rows fit.
+    """
+    rows, _ = capacity_and_slots(budget_bytes, optimizer, dim, storage)
+    if rows == 0:
+        raise ValueError(
+            f"a memory budget of {budget_bytes - QUEUE_FIXED_BYTES} bytes holds fewer than 1024 rows of dim {dim}"
+        )
+    return rows
 
 
 def min_budget_bytes(optimizer: str, dim: int, storage: str = "fp32") -> int:

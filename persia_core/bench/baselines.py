@@ -150,6 +150,8 @@ def eval_metrics(labels: np.ndarray, preds: np.ndarray) -> dict:
 class PlainTorchModel(torch.nn.Module):
     """One sparse ``EmbeddingBag`` over every slot's rows + a dense model ``dense(emb[B,S,D], x[B,F])``."""
 
+    base: torch.Tensor  # a buffer (register_buffer), typed for mypy
+
     def __init__(self, vocab: list[int], dim: int, dense: torch.nn.Module, init_scale: float):
         super().__init__()
         self.num_slots = len(vocab)

@@ -18,8 +18,8 @@ measurement always follows the same neighbour), with ``sync`` and a short pause 
 read the file is dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``). The medians
 are printed as a table and, as the last line, one JSON object with at least ``dump_mb_per_s``,
 ``load_mb_per_s``, ``seq_write_mb_per_s`` and ``seq_read_mb_per_s`` (MB = 10^6 bytes): each the best of
-``--reps`` rounds (as ``timeit`` reports; a shared virtual disk's throughput swings by 2-4x from one second to the
-next), with the medians beside them (``*_median_mb_per_s``).
+``--reps`` rounds (as ``timeit`` reports; a shared virtual disk's throughput swings widely from one second to
+the next), with the medians beside them (``*_median_mb_per_s``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _drop_cache(path: str) -> None:
 def _seq_write(path: str, data: np.ndarray) -> float:
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        f.write(memoryview(data))
+        f.write(data.data)
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - t0
@@ -61,7 +61,7 @@ def _seq_read(path: str, nbytes: int) -> float:
     _drop_cache(path)
     t0 = time.perf_counter()
     buf = np.empty(nbytes, dtype=np.uint8)
-    mv = memoryview(buf)
+    mv = buf.data
     got = 0
     with open(path, "rb", buffering=0) as f:
         while got < nbytes:
@@ -89,12 +89,12 @@ def build_table(rows: int, dim: int, seed: int = 0) -> EmbeddingTable:
     return t
 
 
-def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
-    """Measure (see module docstring); returns the figures (medians over ``reps``, after ``warmup`` rounds that
-    are not counted: the first touches of fresh memory and of the disk are slow on virtual machines)."""
-    t_build = time.perf_counter()
-    table = build_table(rows, dim)
-    build_s = time.perf_counter() - t_build
+def _rounds(
+    table: EmbeddingTable, dim: int, rows: int, reps: int, warmup: int, workdir: str
+) -> tuple[dict[str, list[float]], int]:
+    """The timed rounds of ``run`` (see the module docstring): seconds of each measurement per round, warm-up
+    rounds included, and the bytes of the dump. The files are removed, and the plain copy's buffer freed, on
+    return."""
     dump_path, plain_path = os.path.join(workdir, "shard.npz"), os.path.join(workdir, "plain.bin")
     times: dict[str, list[float]] = {"dump": [], "load": [], "load_rebuild_index": [], "seq_write": [], "seq_read": []}
     nbytes = crc = 0
@@ -141,9 +141,18 @@ def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
                 times[name].append(group[name]())
             os.sync()
             time.sleep(0.5)
-    del same
     for p in (dump_path, plain_path):
         os.remove(p)
+    return times, nbytes
+
+
+def run(rows: int, dim: int, reps: int, workdir: str, warmup: int = 1) -> dict:
+    """Measure (see module docstring); returns the figures (medians over ``reps``, after ``warmup`` rounds that
+    are not counted: the first touches of fresh memory and of the disk are slow on virtual machines)."""
+    t_build = time.perf_counter()
+    table = build_table(rows, dim)
+    build_s = time.perf_counter() - t_build
+    times, nbytes = _rounds(table, dim, rows, reps, warmup, workdir)
     times = {k: v[warmup:] for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}

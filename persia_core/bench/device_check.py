@@ -1,4 +1,4 @@
-"""``make device-check``: the GPU tests and the GPU benchmark, in one unattended command (< 8 min on one H200).
+"""``make device-check``: the GPU tests and the GPU benchmark, in one unattended command.
 
 Runs with the machine's own Python as it is (no ``.venv``): needs torch with CUDA, numba, grpcio, pyarrow,
 numpy, scikit-learn, xxhash and pyyaml. On a machine without CUDA (or a ``python3`` without torch) it says so,
@@ -16,11 +16,13 @@ Writes every figure to ``<out>/device_check.json`` and prints it as the last lin
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 
 def dense_ceiling(batch: int, steps: int = 50) -> float:
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-tests", action="store_true")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    torch: types.ModuleType | None
     try:
-        import torch
+        torch = importlib.import_module("torch")
     except ImportError:
         torch = None
     if torch is None or not torch.cuda.is_available():
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         name = "fp16" if fp16 else "fp32"
         c = cfg.with_overrides({"trainer.fp16_transfer": fp16})
         t0 = time.time()
-        manifest = train(
+        train(
             c, os.path.join(work, "data"), os.path.join(work, f"model_{name}"), work_dir=os.path.join(work, f"w_{name}")
         )
         hist = json.load(open(os.path.join(work, f"model_{name}", "train_metrics.json")))

@@ -30,24 +30,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
+
+from persia_core.bench.compare import bench_dataset, loadavg, log
 
 DEFAULT_SAMPLES = 1_800_000
-"""About 60 s per contestant for plain PyTorch (~30k samples/s at batch 4096 on the 2-core machine)."""
-
-
-def _log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _loadavg() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
+"""Training samples per contestant on the Criteo-shaped set unless ``--samples`` or ``BENCH_SAMPLES`` say otherwise."""
 
 
 def parse_layouts(text: str) -> list[tuple[int, int]]:
@@ -66,290 +55,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def run_hybrid(
-    config,
-    data_dir: str,
-    work_dir: str,
-    staleness: int,
-    workers: int,
-    threads: int,
-    seed: int,
-    global_batch: int,
-    delay_s: float = 0.0,
-    bandwidth: float = 0.0,
-) -> dict:
-    """Contestants (a)/(b): ``init_shards`` + ``train`` with K = ``staleness``, ``workers`` NN workers of
-    ``threads`` torch threads and per-worker batch ``global_batch // workers``. The model is left in
-    ``work_dir/model``. Returns ``{"sps", "max_staleness", "samples", "train_seconds", "wall_seconds",
-    "model_dir"}`` (sps: the trainer's own samples/s over its training loop)."""
-    from persia_core.embedding.plan import init_shards
-    from persia_core.train.launcher import train
-
-    if global_batch % workers:
-        raise ValueError(f"global batch {global_batch} is not divisible by {workers} NN workers")
-    overrides = {
-        "trainer.embedding_staleness": staleness,
-        "trainer.num_workers": workers,
-        "trainer.threads_per_worker": threads,
-        "trainer.batch_size": global_batch // workers,
-        "trainer.seed": seed,
-    }
-    if delay_s or bandwidth:
-        overrides.update({"trainer.network_delay_s": delay_s, "trainer.network_bandwidth_bytes_per_s": bandwidth})
-    cfg = config.with_overrides(overrides)
-    if os.path.exists(work_dir):
-        shutil.rmtree(work_dir)
-    init_dir, model_dir = os.path.join(work_dir, "init"), os.path.join(work_dir, "model")
-    t0 = time.time()
-    init_shards(cfg, data_dir, init_dir)
-    manifest = train(cfg, data_dir, model_dir, init_dir=init_dir, work_dir=os.path.join(work_dir, "run"))
-    with open(os.path.join(model_dir, "train_metrics.json")) as f:
-        hist = json.load(f)
-    shutil.rmtree(init_dir, ignore_errors=True)
-    s = manifest["summary"]
-    return {
-        "sps": s["samples_per_s"],
-        "max_staleness": s["max_staleness"],
-        "samples": hist["samples"][-1] if hist.get("samples") else 0,
-        "train_seconds": hist.get("train_seconds"),
-        "wall_seconds": time.time() - t0,
-        "model_dir": model_dir,
-    }
-
-
-def evaluate_hybrid(model_dir: str, data_dir: str, keep: bool = False) -> dict:
-    """AUC/logloss/NE of a trained model on the eval split (``persia_core.evaluate.run.evaluate``); deletes
-    the model folder afterwards unless ``keep``."""
-    from persia_core.evaluate.run import evaluate
-
-    t0 = time.time()
-    m = evaluate(model_dir, data_dir)["metrics"]
-    if not keep:
-        shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
-    return {"auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"], "eval_seconds": time.time() - t0}
-
-
-def _mean(values: list) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.fmean(vals) if vals else None
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _round(d: dict) -> dict:
-    def r(v):
-        if isinstance(v, float):
-            return round(v, 6) if abs(v) < 10 else round(v, 1)
-        if isinstance(v, list):
-            return [r(x) for x in v]
-        if isinstance(v, dict):
-            return {k: r(x) for k, x in v.items()}
-        return v
-
-    return {k: r(v) for k, v in d.items()}
-
-
-def bench_dataset(
-    name: str,
-    config,
-    data_dir: str,
-    work: str,
-    samples: int,
-    global_batch: int,
-    seeds: int,
-    layouts: list[tuple[int, int]],
-    delay_s: float,
-    bandwidth: float,
-    torchrec_python: str,
-    baseline_threads: list[int] | None = None,
-    keep: bool = False,
-    extra: dict | None = None,
-) -> dict:
-    """All contestants on one prepared dataset; returns its JSON line as a dict (see module docstring).
-    ``samples``: training rows per contestant (the hybrid engine trains on its train split x epochs, which the
-    caller made equal to ``samples``)."""
-    import gc
-
-    baseline_threads = baseline_threads or [os.cpu_count() or 1]
-    from persia_core.bench.baselines import load_indexed, run_plain_torch
-    from persia_core.bench.torchrec_contestant import run_torchrec
-
-    load0 = _loadavg()
-    res: dict = {"dataset": name, "samples": samples, "global_batch": global_batch, "seeds": seeds, **(extra or {})}
-    plain, trec, hyb, syn = [], [], [], []
-    by_layout: dict[str, dict[str, float]] = {"hybrid": {}, "sync": {}}
-    by_threads: dict[str, dict[str, float]] = {"plain_torch": {}, "torchrec": {}}
-    best: dict = {}
-    load_at: dict[str, float | None] = {}  # 1-min load average as each first-seed run starts (noise indicator)
-    for seed in range(seeds):
-        # (c) plain PyTorch, in this process; every thread count on the first seed, the fastest afterwards
-        data = load_indexed(data_dir, [s.name for s in config.slots])
-        _log(f"{name} seed {seed}: data indexed for (c) in {data.seconds:.1f} s, {sum(data.vocab)} table rows")
-        runs = []
-        for th in baseline_threads if seed == 0 else [best["plain_torch"]]:
-            _log(f"{name} seed {seed}: (c) plain PyTorch, {samples} samples, {th} thread(s)")
-            if seed == 0:
-                load_at[f"plain_torch_{th}t"] = _loadavg()
-            r = run_plain_torch(data, config, samples, seed, global_batch, th, progress=lambda m: _log(f"  (c) {m}"))
-            r["threads"] = th
-            _log(f"  {r['sps']:.0f} samples/s, AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}")
-            if seed == 0:
-                by_threads["plain_torch"][str(th)] = r["sps"]
-            runs.append(r)
-        del data
-        gc.collect()
-        plain.append(max(runs, key=lambda r: r["sps"]))
-        best.setdefault("plain_torch", plain[-1]["threads"])
-        # (d) TorchRec, in its own environment; the same choice of threads
-        cfg_path = os.path.join(work, f"{name}-config.yaml")
-        with open(cfg_path, "w") as f:
-            f.write(config.to_yaml())
-        runs = []
-        for th in baseline_threads if seed == 0 else [best.get("torchrec", baseline_threads[0])]:
-            _log(f"{name} seed {seed}: (d) TorchRec, {th} thread(s)")
-            if seed == 0:
-                load_at[f"torchrec_{th}t"] = _loadavg()
-            r = run_torchrec(
-                data_dir,
-                cfg_path,
-                samples,
-                seed,
-                global_batch,
-                th,
-                python=torchrec_python,
-                log=lambda m: _log(f"  (d) {m}"),
-            )
-            if r.get("sps") is None:
-                _log(f"  could not run: {r.get('error')}")
-                runs = [r]
-                break
-            r["threads"] = th
-            _log(f"  {r['sps']:.0f} samples/s, AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}")
-            if seed == 0:
-                by_threads["torchrec"][str(th)] = r["sps"]
-            runs.append(r)
-        trec.append(max(runs, key=lambda r: r["sps"] or 0.0))
-        if trec[-1].get("threads"):
-            best.setdefault("torchrec", trec[-1]["threads"])
-        # (a) and (b): every layout on the first seed, the fastest afterwards
-        for mode, k, out in (("hybrid", 4, hyb), ("sync", 0, syn)):
-            runs = []
-            for m, t in layouts if seed == 0 else [best[mode]]:
-                _log(f"{name} seed {seed}: ({'a' if k else 'b'}) {mode} K={k}, {m} NN worker(s) x {t} thread(s)")
-                if seed == 0:
-                    load_at[f"{mode}_{m}x{t}"] = _loadavg()
-                r = run_hybrid(
-                    config, data_dir, os.path.join(work, f"{name}-{mode}-{m}x{t}-s{seed}"), k, m, t, seed, global_batch
-                )
-                r["layout"] = f"{m}x{t}"
-                _log(
-                    f"  {r['sps']:.0f} samples/s ({r['samples']} samples, max staleness {r['max_staleness']}, "
-                    f"{r['wall_seconds']:.0f} s with start-up)"
-                )
-                if seed == 0:
-                    by_layout[mode][r["layout"]] = r["sps"]
-                runs.append((r, (m, t)))
-            chosen, lay = max(runs, key=lambda x: x[0]["sps"])
-            for r, _ in runs:
-                if r is not chosen and not keep:
-                    shutil.rmtree(os.path.dirname(r["model_dir"]), ignore_errors=True)
-            best.setdefault(mode, lay)
-            chosen.update(evaluate_hybrid(chosen["model_dir"], data_dir, keep))
-            _log(
-                f"{name} seed {seed}: {mode} AUC {chosen['auc']:.4f}, logloss {chosen['logloss']:.4f} "
-                f"(layout {chosen['layout']})"
-            )
-            out.append(chosen)
-    # (a) and (b) with the injected network cost, first seed's best layouts, samples/s only
-    delay = {}
-    if delay_s or bandwidth:
-        for mode, k in (("hybrid", 4), ("sync", 0)):
-            m, t = best[mode]
-            load_at[f"{mode}_delay"] = _loadavg()
-            _log(
-                f"{name}: {mode} K={k} with injected delay {delay_s * 1e3:.1f} ms/call"
-                + (f", bandwidth {bandwidth:.3g} B/s" if bandwidth else "")
-                + f", layout {m}x{t}"
-            )
-            r = run_hybrid(
-                config,
-                data_dir,
-                os.path.join(work, f"{name}-{mode}-delay"),
-                k,
-                m,
-                t,
-                0,
-                global_batch,
-                delay_s,
-                bandwidth,
-            )
-            if not keep:
-                shutil.rmtree(os.path.dirname(r["model_dir"]), ignore_errors=True)
-            _log(f"  {r['sps']:.0f} samples/s (max staleness {r['max_staleness']})")
-            delay[mode] = r
-    p0, t0, h0, s0 = plain[0], trec[0], hyb[0], syn[0]
-    res.update(
-        {
-            "hybrid_sps": h0["sps"],
-            "sync_sps": s0["sps"],
-            "plain_torch_sps": p0["sps"],
-            "torchrec_sps": t0.get("sps"),
-            "hybrid_auc": _mean([r["auc"] for r in hyb]),
-            "sync_auc": _mean([r["auc"] for r in syn]),
-            "plain_torch_auc": _mean([r["auc"] for r in plain]),
-            "torchrec_auc": _mean([r.get("auc") for r in trec]),
-            "hybrid_logloss": _mean([r["logloss"] for r in hyb]),
-            "sync_logloss": _mean([r["logloss"] for r in syn]),
-            "plain_torch_logloss": _mean([r["logloss"] for r in plain]),
-            "torchrec_logloss": _mean([r.get("logloss") for r in trec]),
-            "max_staleness": h0["max_staleness"],
-            "sync_max_staleness": s0["max_staleness"],
-            "hybrid_delay_sps": delay["hybrid"]["sps"] if delay else None,
-            "sync_delay_sps": delay["sync"]["sps"] if delay else None,
-            "delay_max_staleness": delay["hybrid"]["max_staleness"] if delay else None,
-            "network_delay_s": delay_s,
-            "network_bandwidth_bytes_per_s": bandwidth,
-        }
-    )
-    if t0.get("sps") is None:
-        res["torchrec_error"] = t0.get("error", "unknown")
-    res.update(
-        {
-            "hybrid_vs_plain_torch": _ratio(res["hybrid_sps"], res["plain_torch_sps"]),
-            "sync_vs_plain_torch": _ratio(res["sync_sps"], res["plain_torch_sps"]),
-            "torchrec_vs_plain_torch": _ratio(res["torchrec_sps"], res["plain_torch_sps"]),
-            "hybrid_vs_torchrec": _ratio(res["hybrid_sps"], res["torchrec_sps"]),
-            "hybrid_vs_sync": _ratio(res["hybrid_sps"], res["sync_sps"]),
-            "hybrid_delay_vs_sync_delay": _ratio(res["hybrid_delay_sps"], res["sync_delay_sps"]),
-            "hybrid_minus_sync_auc": (res["hybrid_auc"] - res["sync_auc"])
-            if res["hybrid_auc"] is not None and res["sync_auc"] is not None
-            else None,
-            "hybrid_layout": h0["layout"],
-            "sync_layout": s0["layout"],
-            "hybrid_sps_by_layout": by_layout["hybrid"],
-            "sync_sps_by_layout": by_layout["sync"],
-            "plain_torch_threads": p0.get("threads"),
-            "torchrec_threads": t0.get("threads"),
-            "plain_torch_sps_by_threads": by_threads["plain_torch"],
-            "torchrec_sps_by_threads": by_threads["torchrec"],
-            "hybrid_aucs": [r["auc"] for r in hyb],
-            "sync_aucs": [r["auc"] for r in syn],
-            "plain_torch_aucs": [r["auc"] for r in plain],
-            "torchrec_aucs": [r.get("auc") for r in trec],
-            "hybrid_train_wall_s": h0["wall_seconds"],
-            "plain_torch_train_s": p0["train_seconds"],
-            "plain_torch_table_rows": p0.get("table_rows"),
-            "loadavg_start": load0,
-            "loadavg_end": _loadavg(),
-            "loadavg_by_run": load_at,
-            "cpus": os.cpu_count(),
-        }
-    )
-    return _round(res)
-
-
 def prepare_movielens(data: str, out_dir: str):
     """Preprocess the bundled MovieLens with the shipped config into ``out_dir`` (reused when it is there).
     Returns (config, schema)."""
@@ -360,7 +65,7 @@ def prepare_movielens(data: str, out_dir: str):
     config = load_config("movielens")
     if os.path.exists(os.path.join(out_dir, "schema.json")):
         return config, read_schema(out_dir)
-    _log(f"movielens: preprocessing {data} -> {out_dir}")
+    log(f"movielens: preprocessing {data} -> {out_dir}")
     return config, run_preprocess(config, data, out_dir)
 
 
@@ -372,9 +77,9 @@ def prepare_criteo(out_dir: str, samples: int, eval_rows: int, vocab: int):
 
     if os.path.exists(os.path.join(out_dir, "schema.json")):
         return read_schema(out_dir)
-    _log(f"criteo_synth: writing {samples} train + {eval_rows} eval rows -> {out_dir}")
+    log(f"criteo_synth: writing {samples} train + {eval_rows} eval rows -> {out_dir}")
     schema = write_criteo_synth(out_dir, samples, eval_rows, vocab=vocab)
-    _log(
+    log(
         f"criteo_synth: written in {schema['synthetic']['seconds']:.0f} s, planted AUC "
         f"{schema['synthetic']['planted_auc']:.4f}"
     )
@@ -450,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--baseline-threads: give at least one thread count >= 1")
     work = args.work or tempfile.mkdtemp(prefix="bench-hybrid-")
     os.makedirs(work, exist_ok=True)
-    _log(
+    log(
         f"work folder {work}; {args.samples} samples, {args.seeds} seed(s), layouts {args.layouts}, "
-        f"{os.cpu_count()} CPUs, load {_loadavg()}"
+        f"{os.cpu_count()} CPUs, load {loadavg()}"
     )
     lines = []
     common = dict(
@@ -502,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                 **common,
             )
         lines.append(json.dumps(line))
-        _log(f"{name} done")
+        log(f"{name} done")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
-    for line in lines:
-        print(line, flush=True)
+    for text in lines:
+        print(text, flush=True)
     return 0
 
 

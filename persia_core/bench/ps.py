@@ -26,6 +26,7 @@ Sizes can be reduced for a quick look: ``--rows 1000000 --batch 100000``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -94,70 +95,22 @@ MIN_ROWS = 1024
 row count below) holds at least 1024 rows (``embedding.table.capacity_for_budget``)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark (see the module docstring); returns 0. Bad arguments: argparse's usage error (exit 2)."""
-    p = argparse.ArgumentParser(prog="python -m persia_core.bench.ps", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--rows", type=int_at_least(MIN_ROWS), default=10_000_000, help=f"live IDs (rows), at least {MIN_ROWS}"
-    )
-    p.add_argument("--batch", type=int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
-    p.add_argument(
-        "--repeats",
-        type=int_at_least(1),
-        default=12,
-        help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)",
-    )
-    p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
-    args = p.parse_args(argv)
-    os.environ["NUMBA_NUM_THREADS"] = "1"
-    # PyTorch's CPU allocator backs large tensors with transparent huge pages only when asked; numpy always asks.
-    # Without them the static table's random gathers miss the TLB and its lookup rate halves from run to run
-    # (measured 30M-84M IDs/s here), so the reference is held at its best.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    import warnings
-
+def _static_vs_ours(table, batches: list, grads, n_live: int, dim: int, batch: int, repeats: int, uniq_counts) -> dict:
+    """The in-process ``table`` and a plain PyTorch static table of ``n_live`` rows, timed interleaved on
+    ``batches`` (see the module docstring); prints their figures and returns them. The static table and its
+    optimizer are freed on return."""
     import numpy as np
     import torch
 
-    torch.set_num_threads(1)
-    # torch's note on its own sparse gradients (the static table's), printed once amid the figures
-    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-    from persia_core.config import OptimizerConfig
-    from persia_core.embedding.kernels import dedup
-    from persia_core.embedding.table import EmbeddingTable
-    from persia_core.memory import bytes_per_row, row_bytes_without_index
-
-    dim = 16
-    opt = OptimizerConfig(name="rowwise_adagrad", lr=0.01)
-    rng = np.random.default_rng(0)
-    live = rng.integers(0, 2**64 - 1, size=args.rows, dtype=np.uint64, endpoint=True)
-    live = np.unique(live)  # distinct; the permutation below decides which are hot
-    live = live[rng.permutation(len(live))]
-    sample = _zipf_sampler(live, 1.05, 1)
-    batches = [sample(args.batch) for _ in range(3)]
-    uniq_counts = [len(dedup(b)[0]) for b in batches]
-    print(
-        f"workload: {len(live):,} live IDs, batches of {args.batch:,} raw IDs "
-        f"(~{int(np.mean(uniq_counts)):,} unique), Zipf 1.05, dim {dim}, rowwise_adagrad, 1 thread"
-    )
-
-    # ---- in-process table and the plain PyTorch static table, measured interleaved -----------------------
-    table = EmbeddingTable(dim, opt, capacity=len(live) + args.batch, init_scale=0.01)
-    t0 = time.perf_counter()
-    for i in range(0, len(live), 1_000_000):
-        table.lookup(live[i : i + 1_000_000])
-    print(f"filled the table in {time.perf_counter() - t0:.1f} s")
-    grads = np.random.default_rng(2).normal(size=(args.batch, dim)).astype(np.float32) * 0.01
-
-    emb = torch.nn.EmbeddingBag(len(live), dim, mode="sum", sparse=True)
+    emb = torch.nn.EmbeddingBag(n_live, dim, mode="sum", sparse=True)
     topt = torch.optim.Adagrad(emb.parameters(), lr=0.01)
-    offsets = torch.arange(args.batch)
-    n_static = np.uint64(len(live))
+    offsets = torch.arange(batch)
+    n_static = np.uint64(n_live)
 
     def static_rows(ids):
         """The static table's modulo hashing of raw feature IDs ``uint64[N]`` -> ``int64[N]`` rows: numpy's
-        uint64 remainder (measured 2.2 ms per 1M IDs here, torch's int64 remainder 2.8 ms; torch has none for
-        uint64); the rows are below 2^63, so the int64 view is exact."""
+        uint64 remainder (faster here than torch's int64 remainder; torch has none for uint64); the rows are
+        below 2^63, so the int64 view is exact."""
         return torch.from_numpy((ids % n_static).view(np.int64))
 
     tb = [static_rows(b) for b in batches]
@@ -182,28 +135,50 @@ def main(argv: list[str] | None = None) -> int:
     # machine runs meanwhile falls on both alike; the best time of each is kept
     table.lookup(batches[0])
     t_update(0)
-    lookup_s = _interleaved(lambda i: table.lookup(batches[i]), t_lookup, len(batches), args.repeats)
-    gather_s = _interleaved(lambda i: table.lookup(batches[i]), t_gather_only, len(batches), args.repeats)
-    apply_s = _interleaved(lambda i: table.apply_gradients(batches[i], grads), t_update, len(batches), args.repeats)
+    lookup_s = _interleaved(lambda i: table.lookup(batches[i]), t_lookup, len(batches), repeats)
+    gather_s = _interleaved(lambda i: table.lookup(batches[i]), t_gather_only, len(batches), repeats)
+    apply_s = _interleaved(lambda i: table.apply_gradients(batches[i], grads), t_update, len(batches), repeats)
     lookup_ratio, apply_ratio = _ratio_summary(lookup_s[2]), _ratio_summary(apply_s[2])
-    lookups, torch_lookups = args.batch / lookup_s[0], args.batch / lookup_s[1]
-    updates, torch_updates = args.batch / apply_s[0], args.batch / apply_s[1]
+    lookups, torch_lookups = batch / lookup_s[0], batch / lookup_s[1]
+    updates, torch_updates = batch / apply_s[0], batch / apply_s[1]
     print(
         f"in-process: lookup {lookups / 1e6:.2f}M IDs/s, apply {updates / 1e6:.2f}M IDs/s "
-        f"({np.mean(uniq_counts) * updates / args.batch / 1e6:.2f}M unique rows/s)"
+        f"({np.mean(uniq_counts) * updates / batch / 1e6:.2f}M unique rows/s)"
     )
-    torch_gather = args.batch / gather_s[1]
+    torch_gather = batch / gather_s[1]
     print(
         f"plain PyTorch EmbeddingBag: lookup {torch_lookups / 1e6:.2f}M IDs/s (modulo hashing included; "
         f"gather alone from rows hashed beforehand {torch_gather / 1e6:.2f}M IDs/s, ours in the same rounds "
-        f"{args.batch / gather_s[0] / 1e6:.2f}M), forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s"
+        f"{batch / gather_s[0] / 1e6:.2f}M), forward+backward+Adagrad {torch_updates / 1e6:.2f}M IDs/s"
     )
     print(
         f"paired rounds (static table's time / ours, > 1: ours faster): lookup median {lookup_ratio['median']:.3f} "
         f"(quartiles {lookup_ratio['q1']:.3f}-{lookup_ratio['q3']:.3f}, {lookup_ratio['rounds']} rounds), "
         f"apply median {apply_ratio['median']:.2f}"
     )
-    del emb, topt
+    return {
+        "lookups": lookups,
+        "updates": updates,
+        "torch_lookups": torch_lookups,
+        "torch_updates": torch_updates,
+        "torch_gather": torch_gather,
+        "lookup_ratio": lookup_ratio,
+        "apply_ratio": apply_ratio,
+    }
+
+
+def _table_figures(live, batches: list, grads, uniq_counts, dim: int, opt, batch: int, repeats: int) -> dict:
+    """Fill an in-process table with the ``live`` IDs, time it against the static table (``_static_vs_ours``),
+    and print its bytes per row; returns the figures of both. The table is freed on return."""
+    from persia_core.embedding.table import EmbeddingTable
+    from persia_core.memory import bytes_per_row, row_bytes_without_index
+
+    table = EmbeddingTable(dim, opt, capacity=len(live) + batch, init_scale=0.01)
+    t0 = time.perf_counter()
+    for i in range(0, len(live), 1_000_000):
+        table.lookup(live[i : i + 1_000_000])
+    print(f"filled the table in {time.perf_counter() - t0:.1f} s")
+    speed = _static_vs_ours(table, batches, grads, len(live), dim, batch, repeats, uniq_counts)
 
     # ---- memory accounting ---------------------------------------------------------------------------
     cap = table.capacity
@@ -216,66 +191,120 @@ def main(argv: list[str] | None = None) -> int:
         f"(raw {raw64}, x{bpr64 / raw64:.3f}); dim16 with fp16 storage {bpr16_fp16:.1f}; "
         f"excluding index: {row_bytes_without_index('rowwise_adagrad', 16)}"
     )
-    del table
+    return {**speed, "bpr16": bpr16, "bpr64": bpr64, "raw16": raw16, "raw64": raw64, "bpr16_fp16": bpr16_fp16}
 
-    # ---- end to end through gRPC ---------------------------------------------------------------------
-    grpc_ids = None
-    if not args.skip_grpc:
-        from persia_core.config import RunConfig
-        from persia_core.ps.client import EmbeddingClient
-        from persia_core.train.launcher import LocalCluster
 
-        cfg = RunConfig.from_dict(
-            {
-                "layout": {"kind": "delimited", "columns": ["label", "a"], "label_column": "label"},
-                "slots": [{"name": "a", "source": "a"}],
-                "embedding": {
-                    "tables": [{"name": "default", "dim": dim, "optimizer": {"name": "rowwise_adagrad"}}],
-                    "num_shards": 2,
-                    "shard_memory_bytes": 2 * len(live) * 100,
-                },
-            }
-        )
-        work = tempfile.mkdtemp(prefix="bench-ps-")
-        path = os.path.join(work, "cfg.yaml")
-        with open(path, "w") as f:
-            f.write(cfg.to_yaml())
-        with LocalCluster(path, 2, 0, work) as cluster:
-            addrs = cluster.start_servers()
-            client = EmbeddingClient(addrs, cfg.embedding, token=cluster.token, timeout_s=120)
-            t0 = time.perf_counter()
-            for i in range(0, len(live), 1_000_000):
-                client.lookup("default", live[i : i + 1_000_000])
-            print(f"filled 2 servers over gRPC in {time.perf_counter() - t0:.1f} s")
+def _grpc_figure(live, batches: list, grads, dim: int, batch: int, repeats: int) -> float:
+    """End to end through gRPC: raw IDs per second of dedup + lookup + push with 2 parameter servers on
+    127.0.0.1 (filled with the ``live`` IDs first); prints it."""
+    import torch
 
-            def e2e(i=[0]):
-                i[0] += 1
-                b = batches[i[0] % len(batches)]
-                uniq, inverse = dedup(b)
-                client.lookup("default", uniq)
-                # worker-side aggregation: one gradient row per unique ID (summed over its raw occurrences)
-                g = torch.zeros(len(uniq), dim).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(grads))
-                client.push("default", uniq, g.numpy()).result()
+    from persia_core.config import RunConfig
+    from persia_core.embedding.kernels import dedup
+    from persia_core.ps.client import EmbeddingClient
+    from persia_core.train.launcher import LocalCluster
 
-            e2e()
-            grpc_ids = args.batch / _best(e2e, args.repeats)
-            client.close()
-        print(f"end to end, 2 servers on 127.0.0.1: {grpc_ids / 1e6:.2f}M raw IDs/s (dedup + lookup + push)")
+    cfg = RunConfig.from_dict(
+        {
+            "layout": {"kind": "delimited", "columns": ["label", "a"], "label_column": "label"},
+            "slots": [{"name": "a", "source": "a"}],
+            "embedding": {
+                "tables": [{"name": "default", "dim": dim, "optimizer": {"name": "rowwise_adagrad"}}],
+                "num_shards": 2,
+                "shard_memory_bytes": 2 * len(live) * 100,
+            },
+        }
+    )
+    work = tempfile.mkdtemp(prefix="bench-ps-")
+    path = os.path.join(work, "cfg.yaml")
+    with open(path, "w") as f:
+        f.write(cfg.to_yaml())
+    with LocalCluster(path, 2, 0, work) as cluster:
+        addrs = cluster.start_servers()
+        client = EmbeddingClient(addrs, cfg.embedding, token=cluster.token, timeout_s=120)
+        t0 = time.perf_counter()
+        for i in range(0, len(live), 1_000_000):
+            client.lookup("default", live[i : i + 1_000_000])
+        print(f"filled 2 servers over gRPC in {time.perf_counter() - t0:.1f} s")
+        calls = itertools.count(1)
+
+        def e2e():
+            b = batches[next(calls) % len(batches)]
+            uniq, inverse = dedup(b)
+            client.lookup("default", uniq)
+            # worker-side aggregation: one gradient row per unique ID (summed over its raw occurrences)
+            g = torch.zeros(len(uniq), dim).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(grads))
+            client.push("default", uniq, g.numpy()).result()
+
+        e2e()
+        grpc_ids = batch / _best(e2e, repeats)
+        client.close()
+    print(f"end to end, 2 servers on 127.0.0.1: {grpc_ids / 1e6:.2f}M raw IDs/s (dedup + lookup + push)")
+    return grpc_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (see the module docstring); returns 0. Bad arguments: argparse's usage error (exit 2)."""
+    p = argparse.ArgumentParser(prog="python -m persia_core.bench.ps", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--rows", type=int_at_least(MIN_ROWS), default=10_000_000, help=f"live IDs (rows), at least {MIN_ROWS}"
+    )
+    p.add_argument("--batch", type=int_at_least(1), default=1_000_000, help="raw IDs per batch (>= 1)")
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=12,
+        help="timed rounds per figure, cycling over 3 batches (best is kept; >= 1)",
+    )
+    p.add_argument("--skip-grpc", action="store_true", help="skip the end-to-end gRPC figure")
+    args = p.parse_args(argv)
+    os.environ["NUMBA_NUM_THREADS"] = "1"
+    # PyTorch's CPU allocator backs large tensors with transparent huge pages only when asked; numpy always asks.
+    # Without them the static table's random gathers miss the TLB and its lookup rate swings from run to run,
+    # so the reference is held at its best.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    import warnings
+
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(1)
+    # torch's note on its own sparse gradients (the static table's), printed once amid the figures
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    from persia_core.config import OptimizerConfig
+    from persia_core.embedding.kernels import dedup
+
+    dim = 16
+    opt = OptimizerConfig(name="rowwise_adagrad", lr=0.01)
+    rng = np.random.default_rng(0)
+    live = rng.integers(0, 2**64 - 1, size=args.rows, dtype=np.uint64, endpoint=True)
+    live = np.unique(live)  # distinct; the permutation below decides which are hot
+    live = live[rng.permutation(len(live))]
+    sample = _zipf_sampler(live, 1.05, 1)
+    batches = [sample(args.batch) for _ in range(3)]
+    uniq_counts = [len(dedup(b)[0]) for b in batches]
+    print(
+        f"workload: {len(live):,} live IDs, batches of {args.batch:,} raw IDs "
+        f"(~{int(np.mean(uniq_counts)):,} unique), Zipf 1.05, dim {dim}, rowwise_adagrad, 1 thread"
+    )
+    grads = np.random.default_rng(2).normal(size=(args.batch, dim)).astype(np.float32) * 0.01
+    t = _table_figures(live, batches, grads, uniq_counts, dim, opt, args.batch, args.repeats)
+    grpc_ids = None if args.skip_grpc else _grpc_figure(live, batches, grads, dim, args.batch, args.repeats)
 
     result = {
-        "lookups_per_s_per_core": lookups,
-        "updates_per_s_per_core": updates,
+        "lookups_per_s_per_core": t["lookups"],
+        "updates_per_s_per_core": t["updates"],
         "grpc_ids_per_s": grpc_ids,
-        "bytes_per_row": bpr16,
-        "raw_bytes_per_row": raw16,
-        "bytes_per_row_dim64": bpr64,
-        "raw_bytes_per_row_dim64": raw64,
-        "bytes_per_row_fp16": bpr16_fp16,
-        "torch_static_lookups_per_s_per_core": torch_lookups,
-        "torch_static_updates_per_s_per_core": torch_updates,
-        "torch_static_gather_only_per_s_per_core": torch_gather,
-        "lookup_speed_ratio_paired": lookup_ratio,
-        "update_speed_ratio_paired": apply_ratio,
+        "bytes_per_row": t["bpr16"],
+        "raw_bytes_per_row": t["raw16"],
+        "bytes_per_row_dim64": t["bpr64"],
+        "raw_bytes_per_row_dim64": t["raw64"],
+        "bytes_per_row_fp16": t["bpr16_fp16"],
+        "torch_static_lookups_per_s_per_core": t["torch_lookups"],
+        "torch_static_updates_per_s_per_core": t["torch_updates"],
+        "torch_static_gather_only_per_s_per_core": t["torch_gather"],
+        "lookup_speed_ratio_paired": t["lookup_ratio"],
+        "update_speed_ratio_paired": t["apply_ratio"],
         "unique_ids_per_batch": float(np.mean(uniq_counts)),
         "batch_raw_ids": args.batch,
         "live_ids": len(live),

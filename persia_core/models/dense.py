@@ -25,6 +25,9 @@ def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
 
 
 class _Base(nn.Module):
+    dense_mean: torch.Tensor  # buffers (register_buffer), typed for mypy
+    dense_std: torch.Tensor
+
     def __init__(self, num_dense: int, dense_mean=None, dense_std=None):
         super().__init__()
         mean = torch.as_tensor(dense_mean if dense_mean is not None else [0.0] * num_dense, dtype=torch.float32)
@@ -68,6 +71,8 @@ class DLRM(_Base):
     """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
     interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
 
+    _iu_flat: torch.Tensor  # a buffer (register_buffer), typed for mypy
+
     def __init__(
         self,
         num_slots: int,
@@ -85,8 +90,7 @@ class DLRM(_Base):
         n = num_slots + 1
         iu = torch.triu_indices(n, n, offset=1)
         # the upper triangle of each [n, n] dot-product matrix, as positions in its flattened n*n entries: a gather
-        # by index_select, whose backward (index_add) is cheaper than that of two-index advanced indexing (on one
-        # CPU thread at B=2048, S=26: forward + backward 4.6 ms against 7.3 ms)
+        # by index_select, whose backward (index_add) is cheaper than that of two-index advanced indexing
         self.register_buffer("_iu_flat", iu[0] * n + iu[1], persistent=False)
         self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False)
 

@@ -2,7 +2,7 @@
 
 A leaf module (standard library only): a launcher or a pipeline compiler that needs the token variable or an
 exit code imports this, not the gRPC server. The service and its calls are described in
-``persia_core.ps.server``; the message encoding in ``persia_core.ps.wire``.
+``persia_core.ps.servicer``; the message encoding in ``persia_core.ps.wire``.
 """
 
 SERVICE = "persia.ParameterServer"

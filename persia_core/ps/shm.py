@@ -141,7 +141,7 @@ class Segment:
 
     def close(self) -> None:
         """Unmap and remove the file (idempotent)."""
-        self.buf = None
+        self.buf = np.empty(0, dtype=np.uint8)  # drop the view of the mapping, so that it can close
         try:
             self.mm.close()
         except (BufferError, ValueError):  # a view still alive: the mapping goes with it

@@ -28,7 +28,7 @@ def encode(meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None
             raise ValueError(f"array {name!r} has dtype {a.dtype}, not one of {sorted(ALLOWED)}")
         # a byte view, not a copy (unless strided or big-endian): the join below is then the only copy
         little = np.ascontiguousarray(a.astype(a.dtype.newbyteorder("<"), order="C", copy=False))
-        b = memoryview(little.reshape(-1).view(np.uint8))
+        b = little.reshape(-1).view(np.uint8).data
         entries.append([name, a.dtype.name, list(a.shape), offset, b.nbytes])
         bufs.append(b)
         offset += b.nbytes

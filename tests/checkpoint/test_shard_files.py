@@ -12,7 +12,7 @@ from persia_core.embedding.delta import load_with_deltas
 from persia_core.embedding.plan import reshard
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.hashing import shard_of
-from persia_core.ps.server import ParameterServerShard
+from persia_core.ps.shard import ParameterServerShard
 
 OPTIMIZERS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 

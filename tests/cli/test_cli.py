@@ -453,10 +453,10 @@ def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_pat
     # YAML merge keys stay valid: a key merged from an anchor may be given again, overriding it
     import yaml
 
-    from persia_core.config import _UniqueKeyLoader
+    from persia_core.config.loading import UniqueKeyLoader
 
     text = "a: &opt {name: adagrad, lr: 0.1}\nb: {<<: *opt, lr: 0.2}\n"
-    assert yaml.load(text, Loader=_UniqueKeyLoader) == yaml.safe_load(text)
+    assert yaml.load(text, Loader=UniqueKeyLoader) == yaml.safe_load(text)
     assert yaml.safe_load(text)["b"] == {"name": "adagrad", "lr": 0.2}
 
 

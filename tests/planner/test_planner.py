@@ -1,10 +1,11 @@
-"""persia_core.planner: bytes per row from the table's accounting, the 100-trillion seed plan, the CLI."""
+"""persia_core.capacity_plan and persia_core.planner: bytes per row from the table's accounting, the 100-trillion
+seed plan, the CLI."""
 
 import json
 
 import pytest
 
-from persia_core import memory, planner
+from persia_core import capacity_plan, memory, planner
 
 SEED_ARGS = [
     "--params",
@@ -25,30 +26,31 @@ SEED_ARGS = [
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("budget", [1 << 20, 10**9, 3 * 10**10 + 7])
 def test_planner_fp32_capacity_equals_the_tables_own_capacity_for_budget(optimizer, budget):
-    cap, slots = planner.capacity_for_budget(budget, optimizer, 32)
+    cap, slots = memory.capacity_and_slots(budget, optimizer, 32, max_rows=capacity_plan.MAX_ROWS_PER_SHARD)
     assert cap == memory.capacity_for_budget(budget, optimizer, 32)
-    assert cap * planner.row_bytes_without_index(optimizer, 32) + 4 * slots <= budget
-    assert planner.row_bytes_without_index(optimizer, 32) == memory.row_bytes_without_index(optimizer, 32)
+    assert cap * capacity_plan.row_bytes_without_index(optimizer, 32) + 4 * slots <= budget
+    assert capacity_plan.row_bytes_without_index(optimizer, 32) == memory.row_bytes_without_index(optimizer, 32)
 
 
 def test_planner_fp16_weights_save_two_bytes_per_float_and_nothing_else():
     for opt in ("sgd", "rowwise_adagrad", "adam"):
         assert (
-            planner.row_bytes_without_index(opt, 32, "fp32") - planner.row_bytes_without_index(opt, 32, "fp16")
+            capacity_plan.row_bytes_without_index(opt, 32, "fp32")
+            - capacity_plan.row_bytes_without_index(opt, 32, "fp16")
             == 2 * 32
         )
-    rb = planner.row_bytes("rowwise_adagrad", 32, "fp16", 1000, 2048)
+    rb = capacity_plan.row_bytes("rowwise_adagrad", 32, "fp16", 1000, 2048)
     assert (rb.key, rb.lru, rb.last_used, rb.weights, rb.optimizer_state) == (8, 10, 4, 64, 4)
-    assert rb.without_index == planner.row_bytes_without_index("rowwise_adagrad", 32, "fp16")
+    assert rb.without_index == capacity_plan.row_bytes_without_index("rowwise_adagrad", 32, "fp16")
 
 
 def test_planner_follows_the_table_accounting_not_a_constant(monkeypatch):
-    base = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
+    base = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
     real = memory.row_bytes_without_index
     monkeypatch.setattr(
         memory, "row_bytes_without_index", lambda opt, dim, storage="fp32": real(opt, dim, storage) + 64
     )
-    bigger = planner.plan(planner.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
+    bigger = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**9, dim=32, vm_ram_tb=0.05))
     assert bigger.row_bytes.without_index == base.row_bytes.without_index + 64
     assert bigger.parameter_servers > base.parameter_servers
 
@@ -59,8 +61,8 @@ def test_planner_puts_100_trillion_parameters_on_at_most_the_seeds_30_servers(ca
     assert out[-1].startswith("parameter_servers=")
     n = int(out[-1].split("=")[1])
     assert 1 <= n <= 30
-    p = planner.plan(
-        planner.PlanInputs(
+    p = capacity_plan.plan(
+        capacity_plan.PlanInputs(
             rows=int(1e14 / 32), dim=32, weights="fp16", optimizer="rowwise_adagrad", vm_ram_tb=12, usable=0.9
         )
     )
@@ -73,7 +75,9 @@ def test_planner_puts_100_trillion_parameters_on_at_most_the_seeds_30_servers(ca
 
 
 def test_planner_fp32_weights_do_not_fit_100_trillion_on_30_servers():
-    p = planner.plan(planner.PlanInputs(rows=int(1e14 / 32), dim=32, weights="fp32", vm_ram_tb=12, usable=0.9))
+    p = capacity_plan.plan(
+        capacity_plan.PlanInputs(rows=int(1e14 / 32), dim=32, weights="fp32", vm_ram_tb=12, usable=0.9)
+    )
     assert p.parameter_servers > 30
 
 
@@ -121,8 +125,8 @@ def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(cap
 
 
 def test_planner_network_bytes_per_step_count_ids_rows_and_the_dense_all_reduce():
-    p = planner.plan(
-        planner.PlanInputs(
+    p = capacity_plan.plan(
+        capacity_plan.PlanInputs(
             rows=10**6,
             dim=8,
             batch_size=100,
@@ -220,12 +224,12 @@ def test_planner_a_huge_model_plans_quickly_and_matches_the_linear_search():
     import time
 
     t0 = time.perf_counter()
-    p = planner.plan(planner.PlanInputs(rows=10**29, dim=32))
+    p = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**29, dim=32))
     assert time.perf_counter() - t0 < 10 and p.parameter_servers > 10**16
 
     def linear(rows, k, cap):
         servers = max(1, math.ceil(rows / (k * cap)))
-        while (m := rows / (servers * k)) * (1 + planner.SKEW_SIGMAS / math.sqrt(max(m, 1.0))) > cap:
+        while (m := rows / (servers * k)) * (1 + capacity_plan.SKEW_SIGMAS / math.sqrt(max(m, 1.0))) > cap:
             servers += 1
         return servers
 
@@ -236,4 +240,4 @@ def test_planner_a_huge_model_plans_quickly_and_matches_the_linear_search():
         (12345678901, 2, 2**20),
         (10**12, 1, 2**31 - 1),
     ]:
-        assert planner._servers_needed(rows, k, cap) == linear(rows, k, cap)
+        assert capacity_plan.servers_needed(rows, k, cap) == linear(rows, k, cap)

@@ -3,7 +3,8 @@
 import pytest
 from support import tiny_config
 
-from persia_core.ps.server import ParameterServerShard, serve
+from persia_core.ps.servicer import serve
+from persia_core.ps.shard import ParameterServerShard
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from support import tiny_config
 
 from persia_core.embedding.sharded import LocalEmbedding
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
-from persia_core.ps.server import ParameterServerShard
+from persia_core.ps.shard import ParameterServerShard
 
 
 def test_lookup_and_push_through_grpc_equal_the_in_process_reference(cluster):

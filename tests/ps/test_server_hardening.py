@@ -359,7 +359,8 @@ def test_a_server_or_serve_shards_given_an_empty_storage_root_refuses_to_start(t
 
 
 def test_dump_and_load_outside_the_storage_roots_are_refused_and_write_nothing(tmp_path):
-    from persia_core.ps.server import ParameterServerShard, serve
+    from persia_core.ps.servicer import serve
+    from persia_core.ps.shard import ParameterServerShard
 
     cfg = tiny_config()
     allowed = tmp_path / "model"

@@ -7,7 +7,7 @@ import pytest
 
 from persia_core.ps import shm as shm_mod
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
-from persia_core.ps.server import ParameterServerShard
+from persia_core.ps.shard import ParameterServerShard
 
 pytestmark = pytest.mark.skipif(not shm_mod.available(), reason="no writable /dev/shm")
 

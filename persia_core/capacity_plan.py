@@ -1,0 +1,272 @@
+"""Capacity plan computation: from the model and a target throughput to parameter servers, NN-worker GPUs,
+network bytes per step and the Vertex AI worker pools to submit (``plan(PlanInputs(...))``; the CLI and the
+printed table are ``persia_core.planner``'s).
+
+Memory (parameter servers). Bytes per row come from the table's own accounting (``persia_core.memory``, what
+``persia_core.embedding.table`` allocates): key, LRU links, last-used step and optimizer state from
+``row_bytes_without_index``, the weights at the storage precision (``weights``; the table stores fp32 today,
+fp16 is what the plan assumes), and the hash index of int32 slots at load <= ``memory.MAX_LOAD``, sized as
+``memory.capacity_and_slots`` sizes it. One shard process holds at most 2^31 - 1 rows (its row numbers are
+int32), so a large server runs several shard processes, each with an equal share of the server's usable RAM less
+a fixed per-process overhead. Hash routing spreads rows evenly; each shard keeps 4 standard deviations of
+headroom.
+
+Compute (NN workers): GPUs = ceil(target samples/s / samples/s per GPU), on VMs of ``gpus_per_vm``.
+
+Network per NN worker (one GPU, one DDP rank) per step: the batch's IDs, deduplicated (``unique_fraction``),
+go out as uint64 (8 B) and come back as float32 rows (4 D B; the wire carries fp32 whatever the storage); the
+gradient push sends both again; the dense all-reduce (ring) moves 2 (W - 1) / W x 4 B per dense parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from persia_core import memory as M
+from persia_core.cluster import Machine, worker_pool_specs
+from persia_core.config import OPTIMIZERS
+
+WEIGHT_BYTES = {k: v for k, v in M.STORAGE_BYTES.items()}
+MAX_ROWS_PER_SHARD = int(np.iinfo(np.int32).max)
+"""Rows one shard process can hold: the table's row numbers (index slots, recency queue) are int32."""
+INDEX_SLOT_BYTES = 4
+"""One int32 slot of the table's hash index."""
+TB = 10**12
+SKEW_SIGMAS = 4.0
+
+
+@dataclass
+class RowBytes:
+    """Bytes per row, everything included, split as the table stores it."""
+
+    key: int
+    lru: int
+    """The recency queue: 1.25 (row, step) entries of 8 B per row (its fixed 8 KiB is amortized in ``index``)."""
+    last_used: int
+    weights: int
+    optimizer_state: int
+    index: float
+    """Hash-index slots per row at the planned capacity (4 B per slot, load <= MAX_LOAD), and the recency
+    queue's fixed 8 KiB, amortized over the rows."""
+
+    @property
+    def total(self) -> float:
+        return self.key + self.lru + self.last_used + self.weights + self.optimizer_state + self.index
+
+    @property
+    def without_index(self) -> int:
+        return self.key + self.lru + self.last_used + self.weights + self.optimizer_state
+
+
+def row_bytes_without_index(optimizer: str, dim: int, weights: str = "fp32") -> int:
+    """Bytes per row excluding the hash index, at weight precision ``weights`` (``fp32`` | ``fp16`` | ``bf16``):
+    the table's own accounting (``memory.row_bytes_without_index``)."""
+    if weights not in WEIGHT_BYTES:
+        raise ValueError(f"weights must be one of {sorted(WEIGHT_BYTES)}, got {weights!r}")
+    return M.row_bytes_without_index(optimizer, dim, weights)
+
+
+def row_bytes(optimizer: str, dim: int, weights: str, capacity: int, slots: int) -> RowBytes:
+    """The per-row breakdown at ``capacity`` rows over ``slots`` index slots."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    state = M.state_bytes(optimizer, dim)
+    fixed = M.row_bytes_without_index(optimizer, dim) - 4 * dim - state  # key + recency queue + last-used step
+    return RowBytes(
+        key=8,
+        lru=fixed - 12,
+        last_used=4,
+        weights=WEIGHT_BYTES[weights] * dim,
+        optimizer_state=state,
+        index=(INDEX_SLOT_BYTES * slots + M.QUEUE_FIXED_BYTES) / max(capacity, 1),
+    )
+
+
+@dataclass
+class PlanInputs:
+    """What the plan is computed from (the CLI's arguments)."""
+
+    rows: int
+    """Embedding rows = distinct feature IDs (= parameters / dim)."""
+    dim: int = 32
+    weights: str = "fp32"
+    optimizer: str = "rowwise_adagrad"
+    vm_ram_tb: float = 12.0
+    """RAM of one parameter-server VM, in TB (10^12 bytes)."""
+    usable: float = 0.9
+    """Share of a server's RAM the shard processes may use."""
+    process_overhead_gb: float = 0.5
+    """Memory of one shard process besides its table (interpreter, gRPC buffers), GB (10^9 bytes)."""
+    batch_size: int = 512
+    """Samples per NN worker (GPU) per step."""
+    throughput: float = 1.0e6
+    """Target samples per second, whole job."""
+    samples_per_gpu: float = 50_000.0
+    """Samples per second one NN worker (GPU) sustains (measure it; an assumption here)."""
+    gpus_per_vm: int = 8
+    ids_per_sample: float = 26.0
+    """Feature IDs per sample over all slots."""
+    unique_fraction: float = 1.0
+    """Share of a batch's IDs left after deduplication (1 = no repeats, the worst case)."""
+    dense_params: float = 1.0e6
+    """Parameters of the dense network (all-reduced every step)."""
+    nic_gbps: float = 100.0
+    """Network bandwidth of one parameter-server VM, Gbit/s."""
+    ps_machine_type: str = "m2-ultramem-416"
+    gpu_machine_type: str = "a2-highgpu-8g"
+    accelerator_type: str = "NVIDIA_TESLA_A100"
+    image: str = "IMAGE_URI"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "rows": (self.rows >= 1, ">= 1"),
+            "dim": (self.dim >= 1, ">= 1"),
+            "vm_ram_tb": (self.vm_ram_tb > 0, "> 0"),
+            "usable": (0 < self.usable <= 1, "in (0, 1]"),
+            "process_overhead_gb": (self.process_overhead_gb >= 0, ">= 0"),
+            "batch_size": (self.batch_size >= 1, ">= 1"),
+            "throughput": (self.throughput > 0, "> 0"),
+            "samples_per_gpu": (self.samples_per_gpu > 0, "> 0"),
+            "gpus_per_vm": (self.gpus_per_vm >= 1, ">= 1"),
+            "ids_per_sample": (self.ids_per_sample > 0, "> 0"),
+            "unique_fraction": (0 < self.unique_fraction <= 1, "in (0, 1]"),
+            "dense_params": (self.dense_params >= 0, ">= 0"),
+            "nic_gbps": (self.nic_gbps > 0, "> 0"),
+        }
+        for name, (ok, need) in checks.items():
+            value = getattr(self, name)
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                flag = "" if name == "rows" else f" (--{name.replace('_', '-')})"
+                raise ValueError(f"planner: invalid {name}={value!r}{flag}: must be a finite number {need}")
+        if self.weights not in WEIGHT_BYTES:
+            raise ValueError(f"planner: weights must be one of {sorted(WEIGHT_BYTES)}, got {self.weights!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"planner: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    row_bytes: RowBytes
+    shards_per_server: int
+    rows_per_shard_capacity: int
+    shard_budget_bytes: int
+    parameter_servers: int
+    total_shards: int
+    rows_per_shard: float
+    memory_per_server_bytes: float
+    gpus: int
+    nn_vms: int
+    steps_per_s: float
+    net_lookup_bytes_per_step: float
+    net_push_bytes_per_step: float
+    net_allreduce_bytes_per_step: float
+    ps_gbps_per_server: float
+    worker_pool_specs: list[dict] = field(default_factory=list)
+
+    @property
+    def net_bytes_per_step(self) -> float:
+        return self.net_lookup_bytes_per_step + self.net_push_bytes_per_step + self.net_allreduce_bytes_per_step
+
+
+def _layouts(inp: PlanInputs) -> list[tuple[int, int, int, int]]:
+    """Candidate server layouts ``(k shard processes per server, rows per process, its budget, index slots)``:
+    every k up to 8 past the first whose processes are no longer capped by int32 row numbers."""
+    usable = inp.vm_ram_tb * TB * inp.usable
+    overhead = inp.process_overhead_gb * 1e9
+    out = []
+    first_uncapped = None
+    for k in range(1, 100_001):
+        budget = int((usable - k * overhead) / k)
+        if budget <= 0:
+            break
+        cap, slots = M.capacity_and_slots(budget, inp.optimizer, inp.dim, inp.weights, MAX_ROWS_PER_SHARD)
+        if cap == 0:
+            break
+        out.append((k, cap, budget, slots))
+        if cap < MAX_ROWS_PER_SHARD:  # more processes would only split the RAM further
+            first_uncapped = k if first_uncapped is None else first_uncapped
+            if k >= first_uncapped + 8:
+                break
+    if not out:
+        raise ValueError(
+            f"planner: a server of {inp.vm_ram_tb} TB x {inp.usable} usable holds no shard process "
+            f"of at least 1024 rows"
+        )
+    return out
+
+
+def servers_needed(rows: int, k: int, cap: int) -> int:
+    """Servers of k shard processes of ``cap`` rows that hold ``rows`` with the routing headroom: the fewest
+    servers, from ``ceil(rows / (k cap))`` up, whose mean rows per shard plus ``SKEW_SIGMAS`` standard deviations
+    fit in ``cap``. Found by bisection (the test is monotone in the server count), so a huge ``rows`` takes
+    as long as a small one."""
+
+    def fits(servers: int) -> bool:
+        mean = rows / (servers * k)
+        return mean * (1 + SKEW_SIGMAS / math.sqrt(max(mean, 1.0))) <= cap
+
+    lo = max(1, math.ceil(rows / (k * cap)))
+    if fits(lo):
+        return lo
+    # mean + s sqrt(mean) <= cap  <=>  sqrt(mean) <= (sqrt(s^2 + 4 cap) - s) / 2: a close upper estimate
+    best_mean = ((math.sqrt(SKEW_SIGMAS**2 + 4 * cap) - SKEW_SIGMAS) / 2) ** 2
+    hi = max(lo + 1, math.ceil(rows / (k * best_mean)))
+    while not fits(hi):
+        hi += hi - lo  # float rounding left the estimate short: widen
+    while hi - lo > 1:  # fits(hi), not fits(lo)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def plan(inp: PlanInputs) -> Plan:
+    """The capacity plan for ``inp`` (see module docstring): the fewest servers, then the fewest shard
+    processes per server."""
+    servers, k, cap, budget, slots = min(
+        (servers_needed(inp.rows, k, cap), k, cap, budget, slots) for k, cap, budget, slots in _layouts(inp)
+    )
+    rb = row_bytes(inp.optimizer, inp.dim, inp.weights, cap, slots)
+    total_shards = servers * k
+    mean = inp.rows / total_shards
+    gpus_needed = max(1, math.ceil(inp.throughput / inp.samples_per_gpu))
+    nn_vms = math.ceil(gpus_needed / inp.gpus_per_vm)
+    gpus = nn_vms * inp.gpus_per_vm  # whole VMs; one DDP rank per GPU
+    steps_per_s = inp.throughput / (gpus * inp.batch_size)
+    unique = inp.batch_size * inp.ids_per_sample * inp.unique_fraction
+    row_wire = 4 * inp.dim
+    lookup = unique * (8 + row_wire)
+    push = unique * (8 + row_wire)
+    allreduce = 2 * (gpus - 1) / gpus * 4 * inp.dense_params if gpus > 1 else 0.0
+    ps_gbps = (lookup + push) * gpus * steps_per_s * 8 / servers / 1e9
+    accel = inp.accelerator_type if inp.gpus_per_vm else ""
+    specs = worker_pool_specs(
+        nn_machine=Machine(inp.gpu_machine_type, accel, inp.gpus_per_vm if accel else 0),
+        ps_machine=Machine(inp.ps_machine_type),
+        nn_replicas=nn_vms,
+        ps_replicas=servers,
+        image=inp.image,
+        args=["--shards-per-server", str(k), "--ranks-per-replica", str(inp.gpus_per_vm)],
+    )
+    return Plan(
+        inputs=inp,
+        row_bytes=rb,
+        shards_per_server=k,
+        rows_per_shard_capacity=cap,
+        shard_budget_bytes=budget,
+        parameter_servers=servers,
+        total_shards=total_shards,
+        rows_per_shard=mean,
+        memory_per_server_bytes=k * (cap * rb.without_index + INDEX_SLOT_BYTES * slots + inp.process_overhead_gb * 1e9),
+        gpus=gpus,
+        nn_vms=nn_vms,
+        steps_per_s=steps_per_s,
+        net_lookup_bytes_per_step=lookup,
+        net_push_bytes_per_step=push,
+        net_allreduce_bytes_per_step=allreduce,
+        ps_gbps_per_server=ps_gbps,
+        worker_pool_specs=specs,
+    )

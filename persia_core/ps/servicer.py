@@ -1,0 +1,153 @@
+"""The gRPC service of one parameter-server shard: the servicer, its token check, and ``serve``.
+
+Service ``persia.ParameterServer`` (unary calls, ``persia_core.ps.wire`` messages):
+
+    Lookup          meta {table}            ids uint64[U]           -> rows float32[U, D] (rows created)
+    LookupReadonly  meta {table}            ids uint64[U]           -> rows float32[U, D] (unseen -> zeros)
+    Push            meta {table, client, seq, step, sync_workers}  ids, grads float32[U, D] -> {applied, dropped}
+    Dump            meta {path}                       -> {bytes, crc32c}  (shard file: rows, optimizer state,
+                                                         recency list, applied-push records; see embedding.sharded)
+    Load            meta {path, size?, crc32c?}       -> {ok}   (refused unless size and CRC-32C match, if given)
+    Contains, Stats, Health
+
+What each call does to the shard is ``persia_core.ps.shard.ParameterServerShard``'s. Errors map to status codes:
+a bad request INVALID_ARGUMENT, a path outside the storage roots PERMISSION_DENIED, a sync step not completed in
+time DEADLINE_EXCEEDED, an unusable shared-memory segment FAILED_PRECONDITION, anything else INTERNAL (an error
+answer, never a hang).
+
+Same-host transport: a client on this host may pass the arrays of a call in a shared-memory segment instead of
+the message (``persia_core.ps.shm``); the call, token check and answers are the same.
+
+Security: with a token, every call must carry it in the ``x-persia-token`` metadata, else it is refused with
+UNAUTHENTICATED. ``Dump`` and ``Load`` reach only paths under the storage roots (``check_storage_path``); with
+none, any path the process can write and read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from persia_core.ps import shm as shm_mod
+from persia_core.ps import wire
+from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_HEADER
+from persia_core.ps.shard import ParameterServerShard, check_ids
+from persia_core.ps.storage_roots import check_storage_path, resolve_storage_roots
+
+log = logging.getLogger("persia.ps")
+
+
+class _Servicer:
+    def __init__(self, shard: ParameterServerShard, token: str | None, storage_roots: list[str] | None = None):
+        self.shard = shard
+        self.token = token
+        self.storage_roots = resolve_storage_roots(storage_roots)
+        self.segments = shm_mod.SegmentCache()
+
+    def _check(self, context) -> None:
+        if self.token is None:
+            return
+        got = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
+        if not hmac.compare_digest(got.encode(), self.token.encode()):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong parameter-server token")
+
+    def _wrap(self, fn):
+        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+            self._check(context)
+            try:
+                meta, arrays = wire.decode(request)
+                shm = meta.pop("shm", None)
+                buf = None
+                if shm is not None:  # the arrays are in the client's shared-memory segment (persia_core.ps.shm)
+                    buf = self.segments.get(shm.get("name"), shm.get("size", 0))
+                    arrays = shm_mod.views(buf, shm.get("arrays", []))
+                out_meta, out_arrays = fn(meta, arrays, context)
+                if buf is not None and out_arrays:
+                    entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
+                    if entries is not None:
+                        return wire.encode({**out_meta, "shm_out": entries})
+                return wire.encode(out_meta, out_arrays)
+            except shm_mod.ShmUnavailable as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
+            except PermissionError as e:
+                if e.errno is not None:  # the operating system refused (not the storage-root check): log it
+                    log.exception("request refused by the operating system")
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"shard {self.shard.shard}: {e}")
+            except (ValueError, KeyError, TypeError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
+            except TimeoutError as e:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+            except Exception as e:  # an error answer, never a hang
+                log.exception("request failed")
+                context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.shard}: {type(e).__name__}: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(handler)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        s = self.shard
+
+        def lookup(meta, arrays, ctx):
+            return {}, {"rows": s.lookup(meta["table"], check_ids(arrays["ids"]))}
+
+        def lookup_readonly(meta, arrays, ctx):
+            return {}, {"rows": s.table(meta["table"]).lookup_readonly(check_ids(arrays["ids"]))}
+
+        def push(meta, arrays, ctx):
+            remaining = ctx.time_remaining()
+            return s.push(meta, arrays["ids"], arrays["grads"], remaining), {}
+
+        def contains(meta, arrays, ctx):
+            return {}, {"found": s.table(meta["table"]).contains(check_ids(arrays["ids"])).astype(np.uint8)}
+
+        def dump(meta, arrays, ctx):
+            nbytes, crc = s.dump(check_storage_path(meta.get("path"), self.storage_roots))
+            return {"bytes": nbytes, "crc32c": crc}, {}
+
+        def load(meta, arrays, ctx):
+            s.load(check_storage_path(meta.get("path"), self.storage_roots), meta.get("size"), meta.get("crc32c"))
+            return {"ok": True}, {}
+
+        def stats(meta, arrays, ctx):
+            return s.stats(), {}
+
+        def health(meta, arrays, ctx):
+            return {"ok": True, "shard": s.shard, "pid": os.getpid()}, {}
+
+        methods = {
+            "Lookup": lookup,
+            "LookupReadonly": lookup_readonly,
+            "Push": push,
+            "Contains": contains,
+            "Dump": dump,
+            "Load": load,
+            "Stats": stats,
+            "Health": health,
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, {k: self._wrap(v) for k, v in methods.items()})
+
+
+def serve(
+    shard: ParameterServerShard,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    max_workers: int = 32,
+    storage_roots: list[str] | None = None,
+) -> tuple[grpc.Server, int]:
+    """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
+    ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
+
+    Raises ``RuntimeError`` if the port cannot be bound, ``TypeError``/``ValueError`` for bad storage roots
+    (``resolve_storage_roots``)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((_Servicer(shard, token, storage_roots).handlers(),))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"parameter server could not bind {host}:{port}")
+    server.start()
+    return server, bound
