@@ -33,10 +33,11 @@ import torch.distributed as dist
 from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT
 from persia_core.models import build_model
 from persia_core.train import checkpoint as ckpt
-from persia_core.train.hybrid import HybridTrainPipeline, make_schedule, model_slot_order, table_layouts
+from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
 
 log = logging.getLogger("persia.worker")
 

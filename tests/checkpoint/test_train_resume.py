@@ -16,11 +16,12 @@ from support import tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import WarmStartError, init_shards
+from persia_core.embedding.pooling import pool, prepare_ids
 from persia_core.embedding.sharded import load_shard_file, make_tables
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
 from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
-from persia_core.train.hybrid import make_schedule, pool, prepare_ids
+from persia_core.train.hybrid import make_schedule
 from persia_core.train.launcher import TrainingFailed, train
 
 EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
