@@ -330,7 +330,7 @@ def finalize_model(
     included. Returns the manifest."""
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
-    from persia_core.train.checkpoint import lineage
+    from persia_core.checkpoints import lineage
     from persia_core.train.model_output import finish_model
 
     n = len(addresses)
@@ -372,7 +372,7 @@ def resume_point(args, config) -> tuple[str, dict] | None:
     none; ``--resume PATH``: exactly that checkpoint; ``--resume ''``: start afresh. Raises ``CheckpointError``
     when the checkpoint belongs to another run (config or data lineage) or holds another number of shards than
     the run config (re-shard it with ``persia_core.embedding.plan`` first)."""
-    from persia_core.train import checkpoint as ckpt
+    from persia_core import checkpoints as ckpt
 
     explicit = _flag(args.worker_args, "--resume")
     where = explicit if explicit is not None else args.resume

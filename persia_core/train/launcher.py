@@ -11,7 +11,7 @@ state ``T`` in ``/proc``) for ``STOPPED_FAIL_S`` seconds fails the job the same 
 wait on it for the gloo timeout (30 min) or the RPC retries. Children run in their own sessions
 and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
 
-Checkpoints and resume (``persia_core.train.checkpoint``): with checkpoint settings, the workers write
+Checkpoints and resume (``persia_core.checkpoints``): with checkpoint settings, the workers write
 checkpoints under ``<model_dir>/checkpoints`` (or the given folder). ``train`` started again on the same output
 (a KFP retry) finds the newest complete checkpoint there and continues from it in new processes; a checkpoint
 whose files are partial or corrupt is refused, with the reason logged, and the previous one is used. A checkpoint
@@ -481,7 +481,7 @@ def _checkpoint_inits(
     they load them), or, for a checkpoint of another shard count, its rows re-sharded into ``work_dir``."""
     from persia_core.embedding.plan import reshard
     from persia_core.embedding.sharded import read_shard_file, write_shard_arrays
-    from persia_core.train.checkpoint import CheckpointError
+    from persia_core.checkpoints import CheckpointError
 
     shards = sorted((e for e in manifest["files"] if e.get("role") == "shard"), key=lambda e: e["shard"])
     if len(shards) == n:
@@ -507,7 +507,7 @@ def _checkpoint_inits(
 def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
     """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
     fields; an empty folder means ``<model_dir>/checkpoints``."""
-    from persia_core.train.checkpoint import CheckpointSettings
+    from persia_core.checkpoints import CheckpointSettings
 
     if settings is None:
         tc = config.trainer
@@ -639,7 +639,7 @@ def _train(
 ) -> dict:
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
-    from persia_core.train import checkpoint as ckpt
+    from persia_core import checkpoints as ckpt
 
     check_local_process_count(config.embedding.num_shards, config.trainer.num_workers)
     schema = read_schema(data_dir)

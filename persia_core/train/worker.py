@@ -4,7 +4,7 @@ Started by ``persia_core.train.launcher`` (or by a Vertex AI worker pool) with t
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or, on one machine, ``PERSIA_DIST_FILE_STORE``: a
 file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
 
-Checkpoints (``persia_core.train.checkpoint``): every N steps and/or T seconds and at the end, all ranks stop at
+Checkpoints (``persia_core.train.checkpointer``): every N steps and/or T seconds and at the end, all ranks stop at
 the same step boundary and write one. Resuming (``--resume``) restores the dense model, its Adam state, the RNG
 states, the loss history and the data position (the next step: the schedule is a function of seed, epoch and
 rank, so the same batches follow). A warm start (``--init-dense``) loads only the dense weights.
@@ -30,13 +30,14 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT
 from persia_core.models import build_model
-from persia_core.train import checkpoint as ckpt
+from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
 from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
 
 log = logging.getLogger("persia.worker")
@@ -77,14 +78,14 @@ def run_worker(
     world: int,
     progress_every: int = 20,
     on_step=None,
-    checkpointer: ckpt.Checkpointer | None = None,
+    checkpointer: Checkpointer | None = None,
     resume: tuple[str, dict] | None = None,
     init_dense: str = "",
 ) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
 
-    ``checkpointer``: writes checkpoints when due and at the end (see ``checkpoint.Checkpointer``).
+    ``checkpointer``: writes checkpoints when due and at the end (see ``persia_core.train.checkpointer.Checkpointer``).
     ``resume``: ``(checkpoint path, manifest)`` to continue from (the servers must hold that checkpoint's
     shards). ``init_dense``: a ``dense.pt`` whose weights start the model (warm start).
     Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
@@ -106,11 +107,11 @@ def run_worker(
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     if resume is not None:
         path, manifest = resume
-        state = ckpt.load_rank_state(path, manifest, rank, world)
-        model_sd, opt_sd = ckpt.load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
+        state = load_rank_state(path, manifest, rank, world)
+        model_sd, opt_sd = load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
         model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
-        ckpt.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         start, samples = int(state["step"]), int(state["samples"])
         elapsed0, max_stal0 = float(state.get("elapsed_s", 0.0)), int(state.get("max_staleness", 0))
         history = state.get("history") or history
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.lineage
                 else (ckpt.lineage(config, args.data) if rank == 0 else {})
             )
-            checkpointer = ckpt.Checkpointer(settings, rank, world, client, len(addresses), info)
+            checkpointer = Checkpointer(settings, rank, world, client, len(addresses), info)
         run_worker(
             config,
             args.data,

@@ -7,10 +7,11 @@ import pytest
 import torch
 from support import tiny_config, write_dataset
 
+from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
 from persia_core.model_store import shard_file_name
-from persia_core.train import checkpoint as ckpt
+from persia_core.train.checkpointer import Checkpointer, load_dense
 from persia_core.train.worker import run_worker
 
 
@@ -18,7 +19,7 @@ def _run(cfg, data, out, ckpt_dir, every, resume=None, backend=None):
     os.makedirs(out, exist_ok=True)
     backend = backend or LocalEmbedding(cfg.embedding, seed=cfg.trainer.seed)
     settings = ckpt.CheckpointSettings(dir=ckpt_dir, every_steps=every, keep=10)
-    cp = ckpt.Checkpointer(settings, 0, 1, backend, backend.num_shards, {"note": "test"})
+    cp = Checkpointer(settings, 0, 1, backend, backend.num_shards, {"note": "test"})
     hist = run_worker(cfg, data, out, backend, 0, 1, checkpointer=cp, resume=resume)
     return hist, backend
 
@@ -60,10 +61,10 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
         for k in ("keys", "weights", "m", "v", "steps"):
             np.testing.assert_allclose(sa["default"][k], sb["default"][k], atol=1e-6, rtol=0, err_msg=k)
     # the final checkpoints hold the same dense optimizer (Adam) state
-    da, oa = ckpt.load_dense(
+    da, oa = load_dense(
         open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read()
     )
-    db, ob = ckpt.load_dense(
+    db, ob = load_dense(
         open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read()
     )
     for i, st in oa["state"].items():

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from support import tiny_config, write_dataset
 
+from persia_core.checkpoints import CheckpointSettings, list_checkpoints
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import WarmStartError, init_shards
 from persia_core.embedding.pooling import pool, prepare_ids
 from persia_core.embedding.sharded import load_shard_file, make_tables
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
-from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
 from persia_core.train.hybrid import make_schedule
 from persia_core.train.launcher import TrainingFailed, train
 
@@ -213,7 +213,7 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
     # before: a manifest that had lost a shard entry (its CRC recomputed) warm-started from half the rows
     import shutil
 
-    from persia_core.train import checkpoint as ckpt
+    from persia_core import checkpoints as ckpt
 
     newest = [p for _, p in list_checkpoints(os.path.join(runs["reference"], "checkpoints"))][0]
     copy = str(tmp_path / os.path.basename(newest))

@@ -203,11 +203,11 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     a whole Model and the parameter servers exit on its done marker."""
     from support import tiny_config
 
+    from persia_core.checkpoints import config_sha256
     from persia_core.embedding.plan import init_shards
     from persia_core.embedding.sharded import LocalEmbedding, ShardFileError, shard_file_bytes
     from persia_core.evaluate.run import evaluate
     from persia_core.model_store import shard_file_name
-    from persia_core.train.checkpoint import config_sha256
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2)
     init = str(tmp_path / "shards")
@@ -288,8 +288,8 @@ def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint
     attempt does not stop the new servers."""
     from support import tiny_config
 
+    from persia_core import checkpoints as ckpt
     from persia_core.embedding.plan import init_shards
-    from persia_core.train import checkpoint as ckpt
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=2)
     init = str(tmp_path / "shards")
