@@ -112,6 +112,23 @@ class CheckpointSettings:
         return cls(**json.loads(text)) if text else cls()
 
 
+def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
+    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
+    fields; an empty folder means ``<model_dir>/checkpoints``."""
+    if settings is None:
+        tc = config.trainer
+        settings = CheckpointSettings(
+            dir=tc.checkpoint_dir,
+            every_steps=tc.checkpoint_every_steps,
+            every_s=tc.checkpoint_every_s,
+            keep=tc.checkpoint_keep,
+            at_end=tc.checkpoint_at_end,
+        )
+    if not settings.dir:
+        settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
+    return settings
+
+
 # ---- names, manifests, verification -------------------------------------------------------------------------
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return io.join(ckpt_dir, f"ckpt-{int(step):010d}")

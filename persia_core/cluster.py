@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass, field
 
 from persia_core import io
+from persia_core.checkpoints import checkpoint_settings
 from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 
@@ -328,9 +329,9 @@ def finalize_model(
     """After the last step: every server dumps its shard into ``model_dir``; the manifest is written last, by the
     same writer as a local run's (``persia_core.train.model_output.finish_model``): shard CRC-32Cs and lineage
     included. Returns the manifest."""
+    from persia_core.checkpoints import lineage
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
-    from persia_core.checkpoints import lineage
     from persia_core.train.model_output import finish_model
 
     n = len(addresses)
@@ -359,8 +360,6 @@ def _flag(argv: list[str], name: str) -> str | None:
 def checkpoint_folder(args, config) -> str:
     """The run's checkpoint folder: ``--checkpoint-dir`` among the NN worker flags, else ``trainer.checkpoint_dir``,
     else ``<out>/checkpoints``."""
-    from persia_core.train.launcher import checkpoint_settings
-
     return _flag(args.worker_args, "--checkpoint-dir") or checkpoint_settings(config, args.out).dir
 
 

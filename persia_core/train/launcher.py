@@ -479,9 +479,9 @@ def _checkpoint_inits(
 ) -> list[dict]:
     """The state each of the ``n`` servers starts from: the checkpoint's shard files (checked by the servers as
     they load them), or, for a checkpoint of another shard count, its rows re-sharded into ``work_dir``."""
+    from persia_core.checkpoints import CheckpointError
     from persia_core.embedding.plan import reshard
     from persia_core.embedding.sharded import read_shard_file, write_shard_arrays
-    from persia_core.checkpoints import CheckpointError
 
     shards = sorted((e for e in manifest["files"] if e.get("role") == "shard"), key=lambda e: e["shard"])
     if len(shards) == n:
@@ -502,25 +502,6 @@ def _checkpoint_inits(
         inits.append({"path": path, "bytes": nbytes, "crc32c": crc})
     log.info("re-sharded rows per table: %s (dropped beyond capacity: %s)", report["rows"], report["dropped"])
     return inits
-
-
-def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
-    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
-    fields; an empty folder means ``<model_dir>/checkpoints``."""
-    from persia_core.checkpoints import CheckpointSettings
-
-    if settings is None:
-        tc = config.trainer
-        settings = CheckpointSettings(
-            dir=tc.checkpoint_dir,
-            every_steps=tc.checkpoint_every_steps,
-            every_s=tc.checkpoint_every_s,
-            keep=tc.checkpoint_keep,
-            at_end=tc.checkpoint_at_end,
-        )
-    if not settings.dir:
-        settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
-    return settings
 
 
 def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) -> None:
@@ -609,7 +590,8 @@ def train(
 
     Args:
         init_dir: the ``init_shards`` output (shard plan, initial shard states, warm-start dense weights).
-        checkpoint: ``CheckpointSettings`` (default: from the config, see ``checkpoint_settings``).
+        checkpoint: ``CheckpointSettings`` (default: from the config, see
+            ``persia_core.checkpoints.checkpoint_settings``).
         resume_from: ``"auto"``: continue from the newest complete checkpoint in the checkpoint folder, if any;
             a checkpoint folder: continue from exactly that one; ``""``: start afresh.
         delta_every_s, delta_dir: incremental export every T seconds (0: ``trainer.delta_every_s`` where the
@@ -637,14 +619,14 @@ def _train(
     delta_every_s: float,
     delta_dir: str,
 ) -> dict:
+    from persia_core import checkpoints as ckpt
     from persia_core.data.reader import read_schema
     from persia_core.ps.client import EmbeddingClient
-    from persia_core import checkpoints as ckpt
 
     check_local_process_count(config.embedding.num_shards, config.trainer.num_workers)
     schema = read_schema(data_dir)
     check_config_matches_data(config, schema, data_dir)
-    settings = checkpoint_settings(config, model_dir, checkpoint)
+    settings = ckpt.checkpoint_settings(config, model_dir, checkpoint)
     if resume_from not in ("", "auto") and not io.exists(resume_from):
         raise FileNotFoundError(f"resume_from {resume_from}: no such checkpoint folder")
     if resume_from == "" and (settings.periodic or settings.at_end):

@@ -308,9 +308,7 @@ def settings_from(config: RunConfig, args, out_dir: str) -> ckpt.CheckpointSetti
             keep=num(args.checkpoint_keep, 2),
             at_end=not args.no_checkpoint_at_end,
         )
-    from persia_core.train.launcher import checkpoint_settings
-
-    settings = checkpoint_settings(config, out_dir)
+    settings = ckpt.checkpoint_settings(config, out_dir)
     return settings if settings.periodic or settings.at_end else None
 
 
