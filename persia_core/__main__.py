@@ -10,7 +10,7 @@ Commands call the same ``persia_core`` functions as the KFP components:
     evaluate      metrics + HTML report (+ model gate)           persia_core.evaluate.run.evaluate, report, gate
     predict       score Parquet / raw rows with a Model          persia_core.evaluate.predict.predict
     plan          capacity planning                              persia_core.planner.main
-    serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.launcher.LocalCluster
+    serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.local_cluster.LocalCluster
 
 Exit codes: 0 success; 2 bad input (a usage error, an invalid config or argument: ``ValueError``, a missing
 file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died); 130 interrupted (Ctrl-C); 143
@@ -217,7 +217,7 @@ def cmd_plan(args, extra: list[str]) -> int:
 def cmd_serve_shards(args, _extra) -> int:
     import tempfile
 
-    from persia_core.train.launcher import LocalCluster
+    from persia_core.train.local_cluster import LocalCluster
 
     config = _config(args.config, [], args.set)
     n = args.num_shards or config.embedding.num_shards
@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"persia {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:  # Ctrl-C: the shell's convention, 128 + SIGINT; SIGTERM (a cancel): 128 + 15
-        from persia_core.train.launcher import Terminated
+        from persia_core.train.processes import Terminated
 
         if isinstance(e, Terminated):
             print(f"persia {args.command}: terminated (SIGTERM)", file=sys.stderr)

@@ -54,6 +54,7 @@ from persia_core import io
 from persia_core.checkpoints import checkpoint_settings
 from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
+from persia_core.train.processes import die_with_parent
 
 PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
 POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER}
@@ -430,15 +431,13 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
 
 def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> int:
     """Run this replica's ranks as child processes; the first failure stops the others. Returns an exit code."""
-    from persia_core.train.launcher import _die_with_parent
-
     procs = []
     for j in range(place.local_ranks):
         env = dict(os.environ, **place.env(j), **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
         env.pop(TOKEN_SECRET_ENV, None)
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "persia_core.train.worker", *worker_args], env=env, preexec_fn=_die_with_parent
+                [sys.executable, "-m", "persia_core.train.worker", *worker_args], env=env, preexec_fn=die_with_parent
             )
         )
     try:
@@ -459,8 +458,6 @@ def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> in
 
 
 def _run_parameter_server(args, place: Placement, config, token: str) -> int:
-    from persia_core.train.launcher import _die_with_parent
-
     n = len(place.ps_addresses)
     env = dict(os.environ, **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
     env.pop(TOKEN_SECRET_ENV, None)
@@ -510,7 +507,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
         elif init and io.exists(init):
             cmd += ["--init", init]
         log.info("parameter server: shard %d/%d on %s:%d", shard, n, args.host, port)
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
     done = io.join(args.control, DONE_MARKER) if args.control else ""
     try:
         while True:

@@ -152,7 +152,7 @@ def _this_run(root: str, before: set[str], output: str) -> str:
 def terminate_descendants(sig: int = signal.SIGTERM) -> list[int]:
     """Send ``sig`` to every process below this one: the running task's shell, its Python executor and, where
     they are still there, the processes it started. Returns the pids signalled."""
-    from persia_core.train.launcher import descendants
+    from persia_core.train.processes import descendants
 
     found = descendants(os.getpid())
     for pid in found:
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             args.data = resolve_data_path(args.data, "")
             print(f"data: {args.data}")
         cfg = load_config(args.config)
-        from persia_core.train.launcher import check_local_process_count
+        from persia_core.train.local_cluster import check_local_process_count
 
         check_local_process_count(
             args.parameter_servers or cfg.embedding.num_shards, args.nn_workers or cfg.trainer.num_workers

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_grpc:
         from persia_core.config import RunConfig
         from persia_core.ps.client import EmbeddingClient
-        from persia_core.train.launcher import LocalCluster
+        from persia_core.train.local_cluster import LocalCluster
 
         cfg = RunConfig.from_dict(
             {

@@ -222,12 +222,12 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_pa
 
 def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_path):
     from persia_core.hashing import shard_of
-    from persia_core.train.launcher import _checkpoint_inits
+    from persia_core.train.resume import checkpoint_inits
 
     folder, (newest, *_) = _two_checkpoints(tmp_path)
     manifest = ckpt.verify(newest)
     cfg = tiny_config(epochs=1).with_overrides({"embedding.num_shards": 3})
-    inits = _checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
+    inits = checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
     assert len(inits) == 3
     before = _restore(tiny_config(epochs=1), newest, manifest).state_dicts()
     rows = {

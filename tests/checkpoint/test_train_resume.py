@@ -22,7 +22,8 @@ from persia_core.embedding.sharded import load_shard_file, make_tables
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
 from persia_core.train.hybrid import make_schedule
-from persia_core.train.launcher import TrainingFailed, train
+from persia_core.train.launcher import train
+from persia_core.train.local_cluster import TrainingFailed
 
 EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
 SETTINGS = CheckpointSettings(every_steps=20, keep=3)
@@ -321,9 +322,9 @@ def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_lea
     # retries (a server); the launcher sees the stopped state and fails the job after STOPPED_FAIL_S.
     import signal
 
-    from persia_core.train import launcher
+    from persia_core.train import local_cluster
 
-    monkeypatch.setattr(launcher, "STOPPED_FAIL_S", 3.0)
+    monkeypatch.setattr(local_cluster, "STOPPED_FAIL_S", 3.0)
     root = runs["root"]
     model, work = str(root / f"stopped-{role}"), str(root / f"stopped-{role}-work")
     box = {}
