@@ -19,7 +19,7 @@ go out as uint64 (8 B) and come back as float32 rows (4 D B; the wire carries fp
 gradient push sends both again; the dense all-reduce (ring) moves 2 (W - 1) / W x 4 B per dense parameter.
 
 The plan prints as a table whose last line is ``parameter_servers=N``; ``--json`` also writes it with the
-worker-pool specs (Vertex AI REST shape, ``persia_core.cluster.worker_pool_specs``).
+worker-pool specs (Vertex AI REST shape, ``persia_core.cluster_spec.worker_pool_specs``).
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def _servers_needed(rows: int, k: int, cap: int) -> int:
 def plan(inp: PlanInputs) -> Plan:
     """The capacity plan for ``inp`` (see module docstring): the fewest servers, then the fewest shard
     processes per server."""
-    from persia_core.cluster import Machine, worker_pool_specs
+    from persia_core.cluster_spec import Machine, worker_pool_specs
 
     servers, k, cap, budget, slots = min(
         (_servers_needed(inp.rows, k, cap), k, cap, budget, slots) for k, cap, budget, slots in _layouts(inp)

@@ -215,7 +215,7 @@ class VertexSettings:
 
     def worker_pool_specs(self) -> list[dict]:
         """The CustomJob's ``workerPoolSpecs`` template (see module docstring)."""
-        from persia_core.cluster import Machine, worker_pool_specs
+        from persia_core.cluster_spec import Machine, worker_pool_specs
 
         nn = Machine(
             self.nn_machine_type, self.accelerator_type, self.accelerator_count, boot_disk_gb=self.boot_disk_gb
