@@ -37,9 +37,11 @@ import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 
 from persia_core import io
 from persia_core.config import RunConfig
+from persia_core.data.schema import SCHEMA_FILE
 from persia_core.embedding.sharded import crc32c, file_crc32c
 from persia_core.model_store import shard_file_name
 
@@ -384,8 +386,6 @@ def code_version() -> str:
         except (OSError, subprocess.TimeoutExpired):
             pass
     try:
-        from importlib.metadata import version
-
         return "persia-kfp " + version("persia-kfp")
     except Exception:  # not installed
         return "unknown"
@@ -411,9 +411,7 @@ def _remote_fingerprint(path: str) -> dict | None:
 def data_fingerprint(data_dir: str) -> dict:
     """Fingerprints of the preprocessed input: ``schema.json`` (its SHA-256 and row counts) and every train shard's
     size and CRC-32C (on Cloud Storage from the object's metadata, without reading it)."""
-    from persia_core.data import schema as S
-
-    raw = io.read_bytes(io.join(data_dir, S.SCHEMA_FILE))
+    raw = io.read_bytes(io.join(data_dir, SCHEMA_FILE))
     schema = json.loads(raw)
     files = {}
     for rel in schema.get("train_files", []):

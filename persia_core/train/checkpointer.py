@@ -16,9 +16,11 @@ import json
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from persia_core import io
 from persia_core.checkpoints import (
@@ -115,8 +117,6 @@ class Checkpointer:
     def save(self, steps_done: int, pipe, model, optimizer, state: dict) -> str | None:
         """Write the checkpoint of the state after ``steps_done`` steps (every rank calls this at the same
         boundary). ``state``: this rank's data position and history (JSON-able). Returns the path on rank 0."""
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
         path = checkpoint_path(self.settings.dir, steps_done)
         if pipe is not None:
@@ -127,8 +127,6 @@ class Checkpointer:
             dist.barrier()
         futs = None
         if self.rank == 0:
-            from concurrent.futures import ThreadPoolExecutor
-
             ex = ThreadPoolExecutor(max_workers=1)
             futs = ex.submit(self.backend.dump, [io.join(path, shard_file_name(s)) for s in range(self.num_shards)])
             ex.shutdown(wait=False)

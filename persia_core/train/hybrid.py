@@ -34,7 +34,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -335,8 +336,6 @@ class HybridTrainPipeline:
         return StepResult(item.step, b, float(loss_sum.detach()), item.staleness, wait_s)
 
     def _track(self, step: int, futs: list) -> None:
-        from concurrent.futures import Future
-
         combined: Future = Future()
         left = [len(futs)]
         lock = threading.Lock()
@@ -361,8 +360,6 @@ class HybridTrainPipeline:
 
     def drain(self, timeout_s: float = 120.0) -> None:
         """Wait until every push issued so far is applied. Raises the first push error, or ``TimeoutError``."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         deadline = time.monotonic() + timeout_s
         for f in list(self.inflight):
             try:

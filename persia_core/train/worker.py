@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,9 @@ from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.pooling import model_slot_order, table_layouts
-from persia_core.logging_utils import PROGRESS_FORMAT
+from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
+from persia_core.ps.client import EmbeddingClient
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
 from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
 
@@ -125,8 +127,6 @@ def run_worker(
     if world > 1:
         # the model's buffers (dense-feature normalization, index tables) are constants built identically on every
         # rank, so DDP need not broadcast them before each forward (one collective and sync point less per step)
-        import warnings
-
         with warnings.catch_warnings():  # torch's own advice: keep broadcast_buffers=False until init_sync_buffers
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             net = torch.nn.parallel.DistributedDataParallel(
@@ -327,8 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lineage", default="", help="JSON file with the run's lineage (default: computed here)")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    from persia_core.logging_utils import setup_logging
-
     setup_logging("nn_worker", rank)
     config = load_config(args.config)
     torch.set_num_threads(config.trainer.threads_per_worker)
@@ -345,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(
             backend, rank=rank, world_size=world, store=store, timeout=datetime.timedelta(seconds=timeout)
         )
-    from persia_core.ps.client import EmbeddingClient
-
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
     tc = config.trainer
     client = EmbeddingClient(
