@@ -178,13 +178,13 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{mpath}: malformed manifest (each file needs path, bytes and crc32c)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
-    if "manifest_crc32c" in manifest and _manifest_crc(manifest) != manifest["manifest_crc32c"]:
+    if "manifest_crc32c" in manifest and manifest_crc(manifest) != manifest["manifest_crc32c"]:
         raise CheckpointError(f"{mpath}: its CRC-32C does not match its content (edited or corrupt manifest)")
     _check_complete(path, manifest)
     return manifest
 
 
-def _manifest_crc(manifest: dict) -> int:
+def manifest_crc(manifest: dict) -> int:
     """CRC-32C of the manifest's canonical JSON without its own ``manifest_crc32c`` field."""
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
     return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
@@ -214,11 +214,11 @@ def _check_complete(path: str, manifest: dict) -> None:
 
 
 def _size(path: str) -> int | None:
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         from google.api_core.exceptions import NotFound
 
-        bucket, key = io.split_gcs(io.to_uri(path)) if hasattr(io, "split_gcs") else io._split_gcs(path)
-        blob = io._client().bucket(bucket).blob(key)
+        bucket, key = io.split_gcs(path)
+        blob = io.gcs_client().bucket(bucket).blob(key)
         try:
             blob.reload()
         except NotFound:
@@ -305,7 +305,7 @@ def read_file_checked(ckpt: str, manifest: dict, rel: str) -> bytes:
 def write_durable(path: str, data: bytes) -> tuple[int, int]:
     """Write a whole file, durable before it is visible (local: temporary name, fsync, rename, fsync of the
     folder; Cloud Storage: one upload). Returns ``(bytes, CRC-32C)``."""
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         io.write_bytes(path, data)
         return len(data), crc32c(data)
     folder = os.path.dirname(os.path.abspath(path))
@@ -324,7 +324,7 @@ def remove_manifest(path: str) -> None:
     """Make a checkpoint folder incomplete (before its files are overwritten)."""
     mpath = io.join(path, MANIFEST)
     if io.exists(mpath):
-        if io.is_gcs(mpath) or (hasattr(io, "is_remote") and io.is_remote(mpath)):
+        if io.is_remote(mpath):
             io.remove(mpath)
         else:
             os.remove(mpath)
@@ -340,13 +340,13 @@ def write_manifest(path: str, step: int, files: list[dict], lineage: dict, extra
         "lineage": lineage,
         **(extra or {}),
     }
-    manifest["manifest_crc32c"] = _manifest_crc(manifest)
+    manifest["manifest_crc32c"] = manifest_crc(manifest)
     write_durable(io.join(path, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
     return manifest
 
 
 def _rmtree(path: str) -> None:
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         for rel in io.walk_files(path):
             io.remove(io.join(path, rel))
     else:
@@ -397,11 +397,11 @@ def config_sha256(config: RunConfig) -> str:
 
 def _remote_fingerprint(path: str) -> dict | None:
     try:
-        uri = io.to_uri(path) if hasattr(io, "to_uri") else path
+        uri = io.to_uri(path)
         if not io.is_gcs(uri):
             return None
-        bucket, key = io.split_gcs(uri) if hasattr(io, "split_gcs") else io._split_gcs(uri)
-        blob = io._client().bucket(bucket).blob(key)
+        bucket, key = io.split_gcs(uri)
+        blob = io.gcs_client().bucket(bucket).blob(key)
         blob.reload()
         return {"bytes": int(blob.size), "crc32c": int.from_bytes(base64.b64decode(blob.crc32c), "big")}
     except Exception:  # no credentials or no metadata: fall back to reading the file

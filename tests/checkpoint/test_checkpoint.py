@@ -61,12 +61,8 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
         for k in ("keys", "weights", "m", "v", "steps"):
             np.testing.assert_allclose(sa["default"][k], sb["default"][k], atol=1e-6, rtol=0, err_msg=k)
     # the final checkpoints hold the same dense optimizer (Adam) state
-    da, oa = load_dense(
-        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read()
-    )
-    db, ob = load_dense(
-        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read()
-    )
+    da, oa = load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read())
+    db, ob = load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read())
     for i, st in oa["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             np.testing.assert_allclose(st[k].numpy(), ob["state"][i][k].numpy(), atol=1e-6, rtol=0)
@@ -116,7 +112,7 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
     # other shard's trained rows were lost silently
     manifest["files"] = [e for e in manifest["files"] if e["path"] != shard_file_name(1)]
     os.remove(os.path.join(newest, shard_file_name(1)))
-    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)  # even with its checksum made to match
+    manifest["manifest_crc32c"] = ckpt.manifest_crc(manifest)  # even with its checksum made to match
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(ckpt.CheckpointError, match=r"lists no shards/shard-00001\.npz .*incomplete"):
         ckpt.verify(newest)

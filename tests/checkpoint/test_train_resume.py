@@ -225,7 +225,7 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
     mpath = os.path.join(copy, ckpt.MANIFEST)
     manifest = json.load(open(mpath))
     manifest["files"] = [e for e in manifest["files"] if e["path"] != shard_file_name(1)]
-    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)
+    manifest["manifest_crc32c"] = ckpt.manifest_crc(manifest)
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(WarmStartError, match=r"refused: .*lists no shards/shard-00001\.npz"):
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=copy)
