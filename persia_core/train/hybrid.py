@@ -13,9 +13,10 @@ Trillion Parameters", KDD 2022, Sec. 4 and Alg. 1), per NN worker r of M:
 What overlaps with what: batch preparation and lookups of the next batches (as many as there are preparation
 threads, ``trainer.prefetch_threads``, never more than K) run during the dense compute of batch t, and gradient
 pushes run in the background. Running lookups no further ahead than overlap needs keeps the observed staleness
-low (1-3 with K = 4 on a CPU), which is what keeps the AUC of K = 4 within 0.001 of K = 0. The bound is exact: no lookup of batch t starts before every
-push of this worker's batches <= t-K-1 is applied (K = ``embedding_staleness``); the observed staleness of a
-lookup is the number of this worker's earlier pushes not yet applied, and is <= K.
+low, which is what keeps the AUC of K > 0 close to that of K = 0 (figures: ``docs/notes-train.md``). The bound is
+exact: no lookup of batch t starts before every push of this worker's batches <= t-K-1 is applied
+(K = ``embedding_staleness``); the observed staleness of a lookup is the number of this worker's earlier pushes
+not yet applied, and is <= K.
 
 K = 0 is fully synchronous training on the same code path: pushes carry ``sync_workers = M``, so each shard
 combines the M workers' gradients of a step per ID and applies them once, and the next lookup waits for it.
@@ -26,7 +27,8 @@ gradient of the mean loss over the step's global batch; M workers therefore equa
 concatenated, also when ranks hold uneven data (a rank out of data runs empty steps). With K > 0 each worker's
 push is applied on its own and carries ``step_fraction = 1/M``: the scale-invariant optimizers (Adagrad, row-wise
 Adagrad, Adam) normalize the 1/M gradient scale away, so they take 1/M of their step instead, and the M pushes of
-a step move a row about as far as one synchronous update (on MovieLens, without it K = 4 lost ~0.004 AUC to K = 0).
+a step move a row about as far as one synchronous update (without it, K > 0 loses AUC to K = 0: see
+``docs/notes-train.md``).
 """
 
 from __future__ import annotations
