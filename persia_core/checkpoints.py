@@ -267,7 +267,7 @@ def find_latest(
     starting afresh would silently throw their training away (to do so on purpose: resume_from '')."""
     complete_refused: list[str] = []
     refusals = refusals if refusals is not None else []
-    for step, path in list_checkpoints(ckpt_dir):
+    for _step, path in list_checkpoints(ckpt_dir):
         if path in skip:
             complete_refused.append(path)
             continue

@@ -276,10 +276,12 @@ class HybridTrainPipeline:
                 item = self.queue.get(timeout=0.5)
                 break
             except queue.Empty:
-                if self.error is not None:
-                    raise self.error
-                if not self.thread.is_alive() and self.queue.empty():
-                    raise RuntimeError("prefetch thread ended without a result")
+                pass
+            # raised outside the except clause: an empty queue is no cause of either error
+            if self.error is not None:
+                raise self.error
+            if not self.thread.is_alive() and self.queue.empty():
+                raise RuntimeError("prefetch thread ended without a result")
         if item is None:
             if self.error is not None:
                 raise self.error

@@ -2,7 +2,8 @@
 
 Started by ``persia_core.train.launcher`` (or by a Vertex AI worker pool) with the torch.distributed environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or, on one machine, ``PERSIA_DIST_FILE_STORE``: a
-file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
+file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard
+0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
 
 Checkpoints (``persia_core.train.checkpointer``): every N steps and/or T seconds and at the end, all ranks stop at
 the same step boundary and write one. Resuming (``--resume``) restores the dense model, its Adam state, the RNG
@@ -167,7 +168,8 @@ def run_worker(
     loss_sync_s = 0.0
     done = start
 
-    def state(steps_done: int) -> dict:
+    def state(steps_done: int, pipe: HybridTrainPipeline) -> dict:
+        """This rank's data position and history after ``steps_done`` steps (a checkpoint's rank file)."""
         return {
             "step": steps_done,
             "samples": samples,
@@ -240,7 +242,7 @@ def run_worker(
                     )
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()
-                checkpointer.save(done, pipe, model, opt, state(done))
+                checkpointer.save(done, pipe, model, opt, state(done, pipe))
         flush()
         pipe.drain()
         if (
@@ -249,7 +251,7 @@ def run_worker(
             and checkpointer.last_step != done
             and not (resume is not None and done == start)
         ):
-            checkpointer.save(done, pipe, model, opt, state(done))
+            checkpointer.save(done, pipe, model, opt, state(done, pipe))
     finally:
         pipe.close()
         gc.unfreeze()
