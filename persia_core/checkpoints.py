@@ -114,7 +114,9 @@ class CheckpointSettings:
         return cls(**json.loads(text)) if text else cls()
 
 
-def checkpoint_settings(config: RunConfig, model_dir: str, settings=None):
+def checkpoint_settings(
+    config: RunConfig, model_dir: str, settings: CheckpointSettings | None = None
+) -> CheckpointSettings:
     """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
     fields; an empty folder means ``<model_dir>/checkpoints``."""
     if settings is None:
@@ -356,7 +358,8 @@ def _rmtree(path: str) -> None:
 def prune(ckpt_dir: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest
     complete one (leftovers of interrupted writes). Returns the deleted paths."""
-    complete, removed = [], []
+    complete: list[int] = []
+    removed: list[str] = []
     for step, path in list_checkpoints(ckpt_dir):
         has = io.exists(io.join(path, MANIFEST))
         if has and len(complete) < keep:

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 from persia_core import checkpoints as ckpt
 from persia_core import io
@@ -45,7 +46,7 @@ DONE_MARKER = "TRAINING_DONE"
 log = logging.getLogger("persia.cluster")
 
 
-def resolve_token(environ: dict | None = None) -> str:
+def resolve_token(environ: Mapping[str, str] | None = None) -> str:
     """The parameter servers' shared token: ``$PERSIA_PS_TOKEN``, else the Secret Manager version named by
     ``$PERSIA_PS_TOKEN_SECRET``. Raises ``ValueError`` when neither is set (servers bound beyond loopback must
     not run without one)."""
@@ -227,8 +228,10 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
     env.pop(TOKEN_SECRET_ENV, None)
     plan = io.join(args.init, "shard_plan.json") if args.init else ""
     resume = resume_point(args, config)
-    from_ckpt = {}
+    from_ckpt: dict[int, dict] = {}
+    resume_dir = ""
     if resume is not None:
+        resume_dir = resume[0]
         for e in resume[1]["files"]:
             if e.get("role") == "shard":
                 from_ckpt[int(e["shard"])] = e
@@ -262,7 +265,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
             e = from_ckpt[shard]
             cmd += [
                 "--init",
-                io.join(resume[0], e["path"]),
+                io.join(resume_dir, e["path"]),
                 "--init-size",
                 str(e["bytes"]),
                 "--init-crc32c",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
 POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER}
@@ -167,7 +168,7 @@ class Machine:
             raise ValueError(f"{self.machine_type}: give both accelerator_type and accelerator_count > 0, or neither")
 
     def machine_spec(self) -> dict:
-        m = {"machineType": self.machine_type}
+        m: dict[str, str | int] = {"machineType": self.machine_type}
         if self.accelerator_type:
             m.update(acceleratorType=self.accelerator_type, acceleratorCount=self.accelerator_count)
         return m
@@ -197,7 +198,7 @@ def worker_pool_specs(
     env_list = [{"name": k, "value": str(v)} for k, v in sorted((env or {}).items())]
 
     def pool(machine: Machine, count: int, img: str) -> dict:
-        container = {"imageUri": img, "command": list(ENTRY_COMMAND), "args": list(args)}
+        container: dict[str, Any] = {"imageUri": img, "command": list(ENTRY_COMMAND), "args": list(args)}
         if env_list:
             container["env"] = [dict(e) for e in env_list]
         return {
@@ -238,7 +239,9 @@ def placement(spec: ClusterSpec, shards_per_server: int = 1, ranks_per_replica: 
     master_addr, master_port = _host_port(spec.pools[0][0], "cluster.workerpool0")
     g = ranks_per_replica
     world = g * (1 + len(spec.pools.get(1, [])))
-    common = dict(world_size=world, master_addr=master_addr, master_port=master_port, ps_addresses=addresses)
+    common: dict[str, Any] = dict(
+        world_size=world, master_addr=master_addr, master_port=master_port, ps_addresses=addresses
+    )
     if spec.pool == 0:
         return Placement(PRIMARY, rank=0, local_ranks=g, **common)
     if spec.pool == 1:

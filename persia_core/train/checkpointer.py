@@ -16,7 +16,8 @@ import json
 import logging
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +60,8 @@ def load_dense(data: bytes) -> tuple[dict, dict]:
 def rng_state() -> dict:
     """Python, NumPy and torch global RNG states, JSON-able."""
     py = random.getstate()
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    # the legacy form of the state (numpy's stubs also allow the dict form)
+    name, keys, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
@@ -125,18 +127,19 @@ class Checkpointer:
             remove_manifest(path)
         if self.world > 1:
             dist.barrier()
-        futs = None
+        futs: Future | None = None
         if self.rank == 0:
             ex = ThreadPoolExecutor(max_workers=1)
             futs = ex.submit(self.backend.dump, [io.join(path, shard_file_name(s)) for s in range(self.num_shards)])
             ex.shutdown(wait=False)
-        files = []
+        files: list[dict[str, Any]] = []
         rel = rank_file(self.rank)
         n, c = write_durable(io.join(path, rel), json.dumps({**state, "rng": rng_state()}).encode("utf-8"))
         files.append({"path": rel, "bytes": n, "crc32c": c, "role": "worker", "rank": self.rank})
         if self.rank == 0:
             n, c = write_durable(io.join(path, DENSE_FILE), dense_bytes(model, optimizer))
             files.append({"path": DENSE_FILE, "bytes": n, "crc32c": c, "role": "dense"})
+            assert futs is not None
             for s, (n, c) in enumerate(futs.result()):
                 files.append({"path": shard_file_name(s), "bytes": n, "crc32c": c, "role": "shard", "shard": s})
         if self.world > 1:

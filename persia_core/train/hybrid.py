@@ -213,6 +213,7 @@ class HybridTrainPipeline:
             ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
         prepared = prepare_ids(ids, self.layouts)
         with self.cond:
+            assert self.applied_upto is not None  # set by the feeder before it hands the first batch over
             while self.applied_upto < step - self.K - 1 and self.error is None and not self._stop.is_set():
                 self.cond.wait(0.5)
             if self.error is not None:
@@ -232,7 +233,7 @@ class HybridTrainPipeline:
                 t = t.half()
             return t.pin_memory() if self.cuda else t
 
-        tensors = {}
+        tensors: dict[str, tuple[torch.Tensor, ...]] = {}
         for name, p in item.prepared.items():
             tensors[name] = (host(item.rows[name], self.fp16), host(p.inverse), host(p.offsets))
         dense, labels = host(item.batch.dense), host(item.batch.labels)
@@ -401,7 +402,7 @@ def make_schedule(rows_per_worker: list[int], batch_size: int, epochs: int, seed
     """Every worker's batches for all epochs: each epoch permutes a worker's own rows (seeded by seed, epoch,
     rank) and cuts them into batches; all workers run ``max_r ceil(n_r / batch)`` steps per epoch."""
     steps = max((n + batch_size - 1) // batch_size for n in rows_per_worker) if rows_per_worker else 0
-    out = [[] for _ in rows_per_worker]
+    out: list[list[np.ndarray]] = [[] for _ in rows_per_worker]
     gbs = []
     for epoch in range(epochs):
         perms = []

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from persia_core import io
@@ -203,7 +204,7 @@ class LocalCluster:
         f.close()
         return _Proc(name, popen, log_path)
 
-    def start_servers(self, timeout_s: float = 120.0, inits: list[dict | None] | None = None) -> list[str]:
+    def start_servers(self, timeout_s: float = 120.0, inits: Sequence[dict | None] | None = None) -> list[str]:
         """Start the N servers and wait until each reports its port. Returns their addresses.
 
         ``inits[s]``: the state shard s starts from, ``{"path", "bytes"?, "crc32c"?}`` (checked by the server);

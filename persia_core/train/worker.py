@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,25 +100,25 @@ def run_worker(
     examples = ParquetExamples(files, slots, num_dense=len(schema["dense"]))
     counts = [len(examples)]
     if world > 1:
-        gathered = [None] * world
+        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, len(examples))
         counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
-    history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
+    history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     if resume is not None:
         path, manifest = resume
-        state = load_rank_state(path, manifest, rank, world)
+        saved = load_rank_state(path, manifest, rank, world)
         model_sd, opt_sd = load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
         model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
-        set_rng_state(state["rng"])
-        start, samples = int(state["step"]), int(state["samples"])
-        elapsed0, max_stal0 = float(state.get("elapsed_s", 0.0)), int(state.get("max_staleness", 0))
-        history = state.get("history") or history
+        set_rng_state(saved["rng"])
+        start, samples = int(saved["step"]), int(saved["samples"])
+        elapsed0, max_stal0 = float(saved.get("elapsed_s", 0.0)), int(saved.get("max_staleness", 0))
+        history = saved.get("history") or history
         if len(schedule.global_batch) < start:
             raise ckpt.CheckpointError(f"{path} is at step {start}, beyond this run's {len(schedule.global_batch)}")
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
@@ -125,6 +126,7 @@ def run_worker(
     if resume is None and init_dense:
         model.load_state_dict(io.read_state_dict(init_dense))
         log.info("dense weights warm-started from %s", init_dense)
+    net: torch.nn.Module = model
     if world > 1:
         # the model's buffers (dense-feature normalization, index tables) are constants built identically on every
         # rank, so DDP need not broadcast them before each forward (one collective and sync point less per step)
@@ -133,8 +135,6 @@ def run_worker(
             net = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
-    else:
-        net = model
     dropout = {s.name: s.id_dropout for s in config.slots}
     batches = (
         (t, examples.batch(rows), schedule.global_batch[t])
