@@ -26,9 +26,9 @@ def train(
     under ``<model>/deltas``."""
     import os
 
+    from persia_core.checkpoints import CheckpointSettings
     from persia_core.config import load_config
     from persia_core.logging_utils import setup_logging
-    from persia_core.train.checkpoint import CheckpointSettings
     from persia_core.train.launcher import train as run
 
     setup_logging("train")  # the launcher's progress lines (NN worker 0's step, loss, samples/s) in the task log

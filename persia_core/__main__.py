@@ -11,7 +11,7 @@ Commands call the same ``persia_core`` functions as the KFP components (each gro
     evaluate      metrics + HTML report (+ model gate)           persia_core.evaluate.run.evaluate, report, gate
     predict       score Parquet / raw rows with a Model          persia_core.evaluate.predict.predict
     plan          capacity planning                              persia_core.planner.main
-    serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.launcher.LocalCluster
+    serve-shards  N parameter-server shards until Ctrl-C         persia_core.train.local_cluster.LocalCluster
 
 Exit codes: 0 success; 2 bad input (a usage error, an invalid config or argument: ``ValueError``, a missing
 file: ``FileNotFoundError``); 1 any other failure (e.g. a training process died); 130 interrupted (Ctrl-C); 143
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"persia {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:  # Ctrl-C: the shell's convention, 128 + SIGINT; SIGTERM (a cancel): 128 + 15
-        from persia_core.train.launcher import Terminated
+        from persia_core.train.processes import Terminated
 
         if isinstance(e, Terminated):
             print(f"persia {args.command}: terminated (SIGTERM)", file=sys.stderr)

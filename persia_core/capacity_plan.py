@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from persia_core import memory as M
-from persia_core.cluster import Machine, worker_pool_specs
+from persia_core.cluster_spec import Machine, worker_pool_specs
 from persia_core.config import OPTIMIZERS
 
 WEIGHT_BYTES = {k: v for k, v in M.STORAGE_BYTES.items()}

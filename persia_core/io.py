@@ -100,10 +100,7 @@ def split_gcs(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-_split_gcs = split_gcs  # older name
-
-
-def _client():
+def gcs_client():
     """A cached ``google.cloud.storage.Client`` (anonymous against ``STORAGE_EMULATOR_HOST``)."""
     from google.cloud import storage  # type: ignore[attr-defined]  # google-cloud-storage ships no types
 
@@ -128,7 +125,7 @@ def _blob(uri: str):
     bucket, key = split_gcs(uri)
     if not key or key.endswith("/"):
         raise IsADirectoryError(f"{uri!r} names a folder, not an object")
-    return _client().bucket(bucket).blob(key)
+    return gcs_client().bucket(bucket).blob(key)
 
 
 def _folder_prefix(key: str) -> str:
@@ -139,7 +136,7 @@ def _has_prefix(bucket: str, prefix: str) -> bool:
     from google.api_core.exceptions import NotFound
 
     try:
-        return any(True for _ in _client().list_blobs(bucket, prefix=prefix, max_results=1))
+        return any(True for _ in gcs_client().list_blobs(bucket, prefix=prefix, max_results=1))
     except NotFound:  # no such bucket
         return False
 
@@ -149,7 +146,7 @@ def _blobs(bucket: str, prefix: str, **kw) -> list:
     from google.api_core.exceptions import NotFound
 
     try:
-        return list(_client().list_blobs(bucket, prefix=prefix, **kw))
+        return list(gcs_client().list_blobs(bucket, prefix=prefix, **kw))
     except NotFound:
         return []
 
@@ -169,7 +166,7 @@ def isdir(path: str) -> bool:
         return os.path.isdir(path)
     bucket, key = split_gcs(uri)
     if not key.strip("/"):
-        return _client().bucket(bucket).exists()
+        return gcs_client().bucket(bucket).exists()
     return _has_prefix(bucket, _folder_prefix(key))
 
 
@@ -179,7 +176,7 @@ def isfile(path: str) -> bool:
     if uri is None:
         return os.path.isfile(path)
     bucket, key = split_gcs(uri)
-    return bool(key) and not key.endswith("/") and _client().bucket(bucket).blob(key).exists()
+    return bool(key) and not key.endswith("/") and gcs_client().bucket(bucket).blob(key).exists()
 
 
 def read_bytes(path: str) -> bytes:
@@ -264,7 +261,7 @@ def copy(src: str, dst: str) -> None:
     if s is not None and d is not None:
         sb, sk = split_gcs(s)
         db, dk = split_gcs(d)
-        client = _client()
+        client = gcs_client()
         client.bucket(sb).copy_blob(client.bucket(sb).blob(sk), client.bucket(db), dk)
         return
     write_bytes(dst, read_bytes(src))
@@ -302,7 +299,7 @@ def listdir(path: str) -> list[str]:
     from google.api_core.exceptions import NotFound
 
     names = set()
-    it = _client().list_blobs(bucket, prefix=prefix, delimiter="/")
+    it = gcs_client().list_blobs(bucket, prefix=prefix, delimiter="/")
     try:
         for b in it:
             name = b.name[len(prefix) :]

@@ -32,7 +32,7 @@ log = logging.getLogger("persia.progress")
 
 PROGRESS_FORMAT = "step %d/%d loss %.4f samples/s %.0f staleness %d"
 """An NN worker's progress line (step, steps, loss, samples/s, staleness), which the launcher repeats in its own
-log (``train.launcher.ProgressRelay``) and ``pipelines.run_local`` on the terminal."""
+log (``train.local_cluster.ProgressRelay``) and ``pipelines.run_local`` on the terminal."""
 PROGRESS_PATTERN = r"step (\d+)/(\d+) loss \S+ samples/s \S+ staleness \d+"
 """A regular expression matching a ``PROGRESS_FORMAT`` line (groups: the step and the number of steps)."""
 

@@ -64,7 +64,7 @@ class ModelManifest:
     summary: dict[str, Any] = field(default_factory=dict)
     """samples_per_s, max_staleness, final_loss, wall_seconds, rows (per shard)."""
     lineage: dict[str, Any] | None = None
-    """code_version, config_sha256, config, data fingerprints (``persia_core.train.checkpoint.lineage``)."""
+    """code_version, config_sha256, config, data fingerprints (``persia_core.checkpoints.lineage``)."""
     dense_file: str = DENSE_FILE
     resumed_from: str | None = None
     checkpoints_refused: list[str] = field(default_factory=list)

@@ -4,7 +4,7 @@
         --vm-ram-tb 12 --usable 0.9          (also: python -m persia_core plan ...)
 
 The plan prints as a table whose last line is ``parameter_servers=N``; ``--json`` also writes it with the
-worker-pool specs (Vertex AI REST shape, ``persia_core.cluster.worker_pool_specs``).
+worker-pool specs (Vertex AI REST shape, ``persia_core.cluster_spec.worker_pool_specs``).
 """
 
 from __future__ import annotations

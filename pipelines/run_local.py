@@ -32,7 +32,8 @@ from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.model_store import latest_blessed_model
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
-from persia_core.train.launcher import check_local_process_count, descendants
+from persia_core.train.local_cluster import check_local_process_count
+from persia_core.train.processes import descendants
 from pipelines.persia_pipeline import persia_pipeline
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from persia_core.cluster import Machine, worker_pool_specs
+from persia_core.cluster_spec import Machine, worker_pool_specs
 
 GPU_MACHINE_FAMILIES = (
     ("NVIDIA_TESLA_A100", "a2-"),

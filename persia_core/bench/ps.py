@@ -202,7 +202,7 @@ def _grpc_figure(live, batches: list, grads, dim: int, batch: int, repeats: int)
     from persia_core.config import RunConfig
     from persia_core.embedding.kernels import dedup
     from persia_core.ps.client import EmbeddingClient
-    from persia_core.train.launcher import LocalCluster
+    from persia_core.train.local_cluster import LocalCluster
 
     cfg = RunConfig.from_dict(
         {

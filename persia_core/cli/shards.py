@@ -30,7 +30,7 @@ def cmd_plan(args, extra: list[str]) -> int:
 
 
 def cmd_serve_shards(args, _extra) -> int:
-    from persia_core.train.launcher import LocalCluster
+    from persia_core.train.local_cluster import LocalCluster
 
     config = run_config(args.config, [], args.set)
     n = args.num_shards or config.embedding.num_shards

@@ -30,6 +30,7 @@ import math
 import numpy as np
 
 from persia_core import io
+from persia_core.checkpoints import CheckpointError, verify
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
 from persia_core.embedding.sharded import (
@@ -256,8 +257,6 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         shards = [{"path": rel, "bytes": None, "crc32c": c} for rel, c in zip(model.shard_files, crcs, strict=True)]
         dense_rel = model.dense_file
     elif fmt.startswith("persia-checkpoint/"):
-        from persia_core.train.checkpoint import CheckpointError, verify
-
         try:  # the checks a resume makes: the manifest's own CRC, every shard listed, sizes and CRCs
             manifest = verify(source, deep=True, deep_roles=("dense",))
         except CheckpointError as e:

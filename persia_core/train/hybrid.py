@@ -13,9 +13,10 @@ Trillion Parameters", KDD 2022, Sec. 4 and Alg. 1), per NN worker r of M:
 What overlaps with what: batch preparation and lookups of the next batches (as many as there are preparation
 threads, ``trainer.prefetch_threads``, never more than K) run during the dense compute of batch t, and gradient
 pushes run in the background. Running lookups no further ahead than overlap needs keeps the observed staleness
-low (1-3 with K = 4 on a CPU), which is what keeps the AUC of K = 4 within 0.001 of K = 0. The bound is exact: no lookup of batch t starts before every
-push of this worker's batches <= t-K-1 is applied (K = ``embedding_staleness``); the observed staleness of a
-lookup is the number of this worker's earlier pushes not yet applied, and is <= K.
+low, which is what keeps the AUC of K > 0 close to that of K = 0 (figures: ``docs/notes-train.md``). The bound is
+exact: no lookup of batch t starts before every push of this worker's batches <= t-K-1 is applied
+(K = ``embedding_staleness``); the observed staleness of a lookup is the number of this worker's earlier pushes
+not yet applied, and is <= K.
 
 K = 0 is fully synchronous training on the same code path: pushes carry ``sync_workers = M``, so each shard
 combines the M workers' gradients of a step per ID and applies them once, and the next lookup waits for it.
@@ -26,7 +27,8 @@ gradient of the mean loss over the step's global batch; M workers therefore equa
 concatenated, also when ranks hold uneven data (a rank out of data runs empty steps). With K > 0 each worker's
 push is applied on its own and carries ``step_fraction = 1/M``: the scale-invariant optimizers (Adagrad, row-wise
 Adagrad, Adam) normalize the 1/M gradient scale away, so they take 1/M of their step instead, and the M pushes of
-a step move a row about as far as one synchronous update (on MovieLens, without it K = 4 lost ~0.004 AUC to K = 0).
+a step move a row about as far as one synchronous update (without it, K > 0 loses AUC to K = 0: see
+``docs/notes-train.md``).
 """
 
 from __future__ import annotations
@@ -34,56 +36,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from persia_core.config import RunConfig
-from persia_core.embedding.kernels import dedup
+from persia_core.embedding.pooling import PreparedIds, TableLayout, pool_bags, prepare_ids
 from persia_core.sparse import Batch, IdBatch
-
-
-@dataclass
-class TableLayout:
-    """The slots of one embedding table, in model order."""
-
-    name: str
-    dim: int
-    slots: list[str]
-
-
-def table_layouts(config: RunConfig) -> list[TableLayout]:
-    """Tables in config order, each with its slots in config order; slot order fed to the model is the
-    concatenation. Raises ``ValueError`` if tables have different dims (the models need one D)."""
-    out = [
-        TableLayout(t.name, t.dim, [s.name for s in config.slots if s.table == t.name]) for t in config.embedding.tables
-    ]
-    out = [t for t in out if t.slots]
-    if len({t.dim for t in out}) > 1:
-        raise ValueError("embedding.tables: the dense models need one embedding dim across tables used by slots")
-    return out
-
-
-def model_slot_order(config: RunConfig) -> list[str]:
-    """Slot names in the order the model sees them ([B, S, D] axis 1)."""
-    return [s for t in table_layouts(config) for s in t.slots]
-
-
-@dataclass
-class PreparedIds:
-    """The IDs of one table for one batch, deduplicated.
-
-    uniq: ``uint64[U]`` unique IDs; inverse: ``int64[N]`` position of each ID in ``uniq``;
-    offsets: ``int64[S_t*B + 1]`` bag offsets over the ``N`` IDs (bag ``s*B + b``)."""
-
-    uniq: np.ndarray
-    inverse: np.ndarray
-    offsets: np.ndarray
-    one_per_bag: bool = False
-    """Every bag holds exactly one ID (Criteo's categorical slots): pooling is then a plain row gather."""
 
 
 def drop_ids(ids: IdBatch, rates: dict[str, float], rng: np.random.Generator) -> IdBatch:
@@ -102,46 +64,6 @@ def drop_ids(ids: IdBatch, rates: dict[str, float], rng: np.random.Generator) ->
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths * keep, out=offsets[1:])
     return IdBatch(ids.keys, values, offsets, b)
-
-
-def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedIds]:
-    """Split a batch's IDs by table and deduplicate each (compiled O(N) hash dedup, releases the GIL)."""
-    out = {}
-    for t in layouts:
-        sub = ids.select_slots(t.slots) if len(layouts) > 1 or ids.keys != t.slots else ids
-        uniq, inverse = dedup(sub.values)
-        bags = len(sub.offsets) - 1
-        one = len(sub.values) == bags and bool((sub.offsets[1:] > sub.offsets[:-1]).all())
-        out[t.name] = PreparedIds(uniq, inverse, sub.offsets, one)
-    return out
-
-
-def pool_bags(
-    rows: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    num_slots: int,
-    batch_size: int,
-    one_per_bag: bool = False,
-) -> torch.Tensor:
-    """Sum-pool the rows of each bag: ``rows: float32[U, D]``, ``inverse: int64[N]`` (row of each ID),
-    ``offsets: int64[S_t*B + 1]`` -> ``float32[B, S_t, D]``, on the tensors' device.
-
-    An empty bag pools to exact zeros and sends zero gradient; the gradient reaching ``rows`` is summed per
-    unique ID (``embedding_bag``'s backward). ``one_per_bag``: the caller knows every bag holds exactly one ID
-    (N = S_t*B), so the sum is a gather (``index_select``, whose backward sums per unique ID too; ~3x faster)."""
-    if one_per_bag:
-        out = rows.index_select(0, inverse)
-        return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
-    out = F.embedding_bag(inverse, rows, offsets, mode="sum", include_last_offset=True)
-    return out.view(num_slots, batch_size, rows.shape[1]).transpose(0, 1)
-
-
-def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int) -> torch.Tensor:
-    """``pool_bags`` over a host-side ``PreparedIds``."""
-    return pool_bags(
-        rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size, prep.one_per_bag
-    )
 
 
 def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
@@ -291,6 +213,7 @@ class HybridTrainPipeline:
             ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
         prepared = prepare_ids(ids, self.layouts)
         with self.cond:
+            assert self.applied_upto is not None  # set by the feeder before it hands the first batch over
             while self.applied_upto < step - self.K - 1 and self.error is None and not self._stop.is_set():
                 self.cond.wait(0.5)
             if self.error is not None:
@@ -310,7 +233,7 @@ class HybridTrainPipeline:
                 t = t.half()
             return t.pin_memory() if self.cuda else t
 
-        tensors = {}
+        tensors: dict[str, tuple[torch.Tensor, ...]] = {}
         for name, p in item.prepared.items():
             tensors[name] = (host(item.rows[name], self.fp16), host(p.inverse), host(p.offsets))
         dense, labels = host(item.batch.dense), host(item.batch.labels)
@@ -354,10 +277,12 @@ class HybridTrainPipeline:
                 item = self.queue.get(timeout=0.5)
                 break
             except queue.Empty:
-                if self.error is not None:
-                    raise self.error
-                if not self.thread.is_alive() and self.queue.empty():
-                    raise RuntimeError("prefetch thread ended without a result")
+                pass
+            # raised outside the except clause: an empty queue is no cause of either error
+            if self.error is not None:
+                raise self.error
+            if not self.thread.is_alive() and self.queue.empty():
+                raise RuntimeError("prefetch thread ended without a result")
         if item is None:
             if self.error is not None:
                 raise self.error
@@ -416,8 +341,6 @@ class HybridTrainPipeline:
         return StepResult(item.step, b, float(loss_sum.detach()), item.staleness, wait_s)
 
     def _track(self, step: int, futs: list) -> None:
-        from concurrent.futures import Future
-
         combined: Future = Future()
         left = [len(futs)]
         lock = threading.Lock()
@@ -442,8 +365,6 @@ class HybridTrainPipeline:
 
     def drain(self, timeout_s: float = 120.0) -> None:
         """Wait until every push issued so far is applied. Raises the first push error, or ``TimeoutError``."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
         deadline = time.monotonic() + timeout_s
         for f in list(self.inflight):
             try:
@@ -481,7 +402,7 @@ def make_schedule(rows_per_worker: list[int], batch_size: int, epochs: int, seed
     """Every worker's batches for all epochs: each epoch permutes a worker's own rows (seeded by seed, epoch,
     rank) and cuts them into batches; all workers run ``max_r ceil(n_r / batch)`` steps per epoch."""
     steps = max((n + batch_size - 1) // batch_size for n in rows_per_worker) if rows_per_worker else 0
-    out = [[] for _ in rows_per_worker]
+    out: list[list[np.ndarray]] = [[] for _ in rows_per_worker]
     gbs = []
     for epoch in range(epochs):
         perms = []

@@ -28,7 +28,7 @@ def finish_model(
     """Write the Model manifest of a finished run whose servers have dumped their shards into ``model_dir``.
 
     ``dumped``: ``(bytes, CRC-32C)`` of each shard file as its server wrote it; ``stats``: each server's
-    ``Stats`` answer; ``lineage``: ``persia_core.train.checkpoint.lineage(config, data_dir)``; ``provenance``:
+    ``Stats`` answer; ``lineage``: ``persia_core.checkpoints.lineage(config, data_dir)``; ``provenance``:
     the ``ModelManifest`` fields of a resumed or warm-started run (``resumed_from``, ``checkpoints_refused``,
     ``last_checkpoint``, ``warm_start``). Returns the manifest's JSON object. Raises ``IncompleteModelError``
     naming a file the manifest would list but that is missing."""

@@ -2,9 +2,10 @@
 
 Started by ``persia_core.train.launcher`` (or by a Vertex AI worker pool) with the torch.distributed environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; or, on one machine, ``PERSIA_DIST_FILE_STORE``: a
-file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard 0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
+file rendezvous that listens nowhere) and ``PERSIA_PS_ADDRESSES`` (comma-separated ``host:port`` of shard
+0..N-1). Rank 0 writes the dense weights (``dense.pt``) and ``train_metrics.json``.
 
-Checkpoints (``persia_core.train.checkpoint``): every N steps and/or T seconds and at the end, all ranks stop at
+Checkpoints (``persia_core.train.checkpointer``): every N steps and/or T seconds and at the end, all ranks stop at
 the same step boundary and write one. Resuming (``--resume``) restores the dense model, its Adam state, the RNG
 states, the loss history and the data position (the next step: the schedule is a function of seed, epoch and
 rank, so the same batches follow). A warm start (``--init-dense``) loads only the dense weights.
@@ -26,17 +27,22 @@ import os
 import sys
 import time
 import uuid
+import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
-from persia_core.logging_utils import PROGRESS_FORMAT
+from persia_core.embedding.pooling import model_slot_order, table_layouts
+from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
-from persia_core.train import checkpoint as ckpt
-from persia_core.train.hybrid import HybridTrainPipeline, make_schedule, model_slot_order, table_layouts
+from persia_core.ps.client import EmbeddingClient
+from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
+from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
 
 log = logging.getLogger("persia.worker")
 
@@ -76,14 +82,14 @@ def run_worker(
     world: int,
     progress_every: int = 20,
     on_step=None,
-    checkpointer: ckpt.Checkpointer | None = None,
+    checkpointer: Checkpointer | None = None,
     resume: tuple[str, dict] | None = None,
     init_dense: str = "",
 ) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
 
-    ``checkpointer``: writes checkpoints when due and at the end (see ``checkpoint.Checkpointer``).
+    ``checkpointer``: writes checkpoints when due and at the end (see ``persia_core.train.checkpointer.Checkpointer``).
     ``resume``: ``(checkpoint path, manifest)`` to continue from (the servers must hold that checkpoint's
     shards). ``init_dense``: a ``dense.pt`` whose weights start the model (warm start).
     Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
@@ -94,25 +100,25 @@ def run_worker(
     examples = ParquetExamples(files, slots, num_dense=len(schema["dense"]))
     counts = [len(examples)]
     if world > 1:
-        gathered = [None] * world
+        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, len(examples))
         counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
-    history = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
+    history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     if resume is not None:
         path, manifest = resume
-        state = ckpt.load_rank_state(path, manifest, rank, world)
-        model_sd, opt_sd = ckpt.load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
+        saved = load_rank_state(path, manifest, rank, world)
+        model_sd, opt_sd = load_dense(ckpt.read_file_checked(path, manifest, ckpt.DENSE_FILE))
         model.load_state_dict(model_sd)
         opt.load_state_dict(opt_sd)
-        ckpt.set_rng_state(state["rng"])
-        start, samples = int(state["step"]), int(state["samples"])
-        elapsed0, max_stal0 = float(state.get("elapsed_s", 0.0)), int(state.get("max_staleness", 0))
-        history = state.get("history") or history
+        set_rng_state(saved["rng"])
+        start, samples = int(saved["step"]), int(saved["samples"])
+        elapsed0, max_stal0 = float(saved.get("elapsed_s", 0.0)), int(saved.get("max_staleness", 0))
+        history = saved.get("history") or history
         if len(schedule.global_batch) < start:
             raise ckpt.CheckpointError(f"{path} is at step {start}, beyond this run's {len(schedule.global_batch)}")
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
@@ -120,18 +126,15 @@ def run_worker(
     if resume is None and init_dense:
         model.load_state_dict(io.read_state_dict(init_dense))
         log.info("dense weights warm-started from %s", init_dense)
+    net: torch.nn.Module = model
     if world > 1:
         # the model's buffers (dense-feature normalization, index tables) are constants built identically on every
         # rank, so DDP need not broadcast them before each forward (one collective and sync point less per step)
-        import warnings
-
         with warnings.catch_warnings():  # torch's own advice: keep broadcast_buffers=False until init_sync_buffers
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             net = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
-    else:
-        net = model
     dropout = {s.name: s.id_dropout for s in config.slots}
     batches = (
         (t, examples.batch(rows), schedule.global_batch[t])
@@ -165,7 +168,8 @@ def run_worker(
     loss_sync_s = 0.0
     done = start
 
-    def state(steps_done: int) -> dict:
+    def state(steps_done: int, pipe: HybridTrainPipeline) -> dict:
+        """This rank's data position and history after ``steps_done`` steps (a checkpoint's rank file)."""
         return {
             "step": steps_done,
             "samples": samples,
@@ -238,7 +242,7 @@ def run_worker(
                     )
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()
-                checkpointer.save(done, pipe, model, opt, state(done))
+                checkpointer.save(done, pipe, model, opt, state(done, pipe))
         flush()
         pipe.drain()
         if (
@@ -247,7 +251,7 @@ def run_worker(
             and checkpointer.last_step != done
             and not (resume is not None and done == start)
         ):
-            checkpointer.save(done, pipe, model, opt, state(done))
+            checkpointer.save(done, pipe, model, opt, state(done, pipe))
     finally:
         pipe.close()
         gc.unfreeze()
@@ -306,9 +310,7 @@ def settings_from(config: RunConfig, args, out_dir: str) -> ckpt.CheckpointSetti
             keep=num(args.checkpoint_keep, 2),
             at_end=not args.no_checkpoint_at_end,
         )
-    from persia_core.train.launcher import checkpoint_settings
-
-    settings = checkpoint_settings(config, out_dir)
+    settings = ckpt.checkpoint_settings(config, out_dir)
     return settings if settings.periodic or settings.at_end else None
 
 
@@ -327,8 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lineage", default="", help="JSON file with the run's lineage (default: computed here)")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    from persia_core.logging_utils import setup_logging
-
     setup_logging("nn_worker", rank)
     config = load_config(args.config)
     torch.set_num_threads(config.trainer.threads_per_worker)
@@ -345,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(
             backend, rank=rank, world_size=world, store=store, timeout=datetime.timedelta(seconds=timeout)
         )
-    from persia_core.ps.client import EmbeddingClient
-
     addresses = [a for a in os.environ["PERSIA_PS_ADDRESSES"].split(",") if a]
     tc = config.trainer
     client = EmbeddingClient(
@@ -370,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.lineage
                 else (ckpt.lineage(config, args.data) if rank == 0 else {})
             )
-            checkpointer = ckpt.Checkpointer(settings, rank, world, client, len(addresses), info)
+            checkpointer = Checkpointer(settings, rank, world, client, len(addresses), info)
         run_worker(
             config,
             args.data,

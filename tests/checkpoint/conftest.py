@@ -27,7 +27,7 @@ def gcs_bucket():
         from persia_core import io
 
         name = f"ckpt-{uuid.uuid4().hex[:10]}"
-        io._client().create_bucket(name)
+        io.gcs_client().create_bucket(name)
         yield name
     finally:
         server.stop()

@@ -7,10 +7,11 @@ import pytest
 import torch
 from support import tiny_config, write_dataset
 
+from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
 from persia_core.model_store import shard_file_name
-from persia_core.train import checkpoint as ckpt
+from persia_core.train.checkpointer import Checkpointer, load_dense
 from persia_core.train.worker import run_worker
 
 
@@ -18,7 +19,7 @@ def _run(cfg, data, out, ckpt_dir, every, resume=None, backend=None):
     os.makedirs(out, exist_ok=True)
     backend = backend or LocalEmbedding(cfg.embedding, seed=cfg.trainer.seed)
     settings = ckpt.CheckpointSettings(dir=ckpt_dir, every_steps=every, keep=10)
-    cp = ckpt.Checkpointer(settings, 0, 1, backend, backend.num_shards, {"note": "test"})
+    cp = Checkpointer(settings, 0, 1, backend, backend.num_shards, {"note": "test"})
     hist = run_worker(cfg, data, out, backend, 0, 1, checkpointer=cp, resume=resume)
     return hist, backend
 
@@ -60,12 +61,8 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
         for k in ("keys", "weights", "m", "v", "steps"):
             np.testing.assert_allclose(sa["default"][k], sb["default"][k], atol=1e-6, rtol=0, err_msg=k)
     # the final checkpoints hold the same dense optimizer (Adam) state
-    da, oa = ckpt.load_dense(
-        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read()
-    )
-    db, ob = ckpt.load_dense(
-        open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read()
-    )
+    da, oa = load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 20), "dense.pt"), "rb").read())
+    db, ob = load_dense(open(os.path.join(ckpt.checkpoint_path(str(tmp_path / "b-ckpt"), 20), "dense.pt"), "rb").read())
     for i, st in oa["state"].items():
         for k in ("exp_avg", "exp_avg_sq"):
             np.testing.assert_allclose(st[k].numpy(), ob["state"][i][k].numpy(), atol=1e-6, rtol=0)
@@ -115,7 +112,7 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
     # other shard's trained rows were lost silently
     manifest["files"] = [e for e in manifest["files"] if e["path"] != shard_file_name(1)]
     os.remove(os.path.join(newest, shard_file_name(1)))
-    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)  # even with its checksum made to match
+    manifest["manifest_crc32c"] = ckpt.manifest_crc(manifest)  # even with its checksum made to match
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(ckpt.CheckpointError, match=r"lists no shards/shard-00001\.npz .*incomplete"):
         ckpt.verify(newest)
@@ -222,12 +219,12 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_pa
 
 def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_path):
     from persia_core.hashing import shard_of
-    from persia_core.train.launcher import _checkpoint_inits
+    from persia_core.train.resume import checkpoint_inits
 
     folder, (newest, *_) = _two_checkpoints(tmp_path)
     manifest = ckpt.verify(newest)
     cfg = tiny_config(epochs=1).with_overrides({"embedding.num_shards": 3})
-    inits = _checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
+    inits = checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
     assert len(inits) == 3
     before = _restore(tiny_config(epochs=1), newest, manifest).state_dicts()
     rows = {

@@ -14,14 +14,16 @@ import torch
 import torch.nn.functional as F
 from support import tiny_config, write_dataset
 
+from persia_core.checkpoints import CheckpointSettings, list_checkpoints
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import WarmStartError, init_shards
+from persia_core.embedding.pooling import pool, prepare_ids
 from persia_core.embedding.sharded import load_shard_file, make_tables
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
-from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
-from persia_core.train.hybrid import make_schedule, pool, prepare_ids
-from persia_core.train.launcher import TrainingFailed, train
+from persia_core.train.hybrid import make_schedule
+from persia_core.train.launcher import train
+from persia_core.train.local_cluster import TrainingFailed
 
 EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
 SETTINGS = CheckpointSettings(every_steps=20, keep=3)
@@ -217,7 +219,7 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
     # before: a manifest that had lost a shard entry (its CRC recomputed) warm-started from half the rows
     import shutil
 
-    from persia_core.train import checkpoint as ckpt
+    from persia_core import checkpoints as ckpt
 
     newest = [p for _, p in list_checkpoints(os.path.join(runs["reference"], "checkpoints"))][0]
     copy = str(tmp_path / os.path.basename(newest))
@@ -228,7 +230,7 @@ def test_a_warm_start_from_a_checkpoint_makes_the_checks_a_resume_makes(runs, tm
     mpath = os.path.join(copy, ckpt.MANIFEST)
     manifest = json.load(open(mpath))
     manifest["files"] = [e for e in manifest["files"] if e["path"] != shard_file_name(1)]
-    manifest["manifest_crc32c"] = ckpt._manifest_crc(manifest)
+    manifest["manifest_crc32c"] = ckpt.manifest_crc(manifest)
     json.dump(manifest, open(mpath, "w"))
     with pytest.raises(WarmStartError, match=r"refused: .*lists no shards/shard-00001\.npz"):
         init_shards(cfg, runs["data"], str(tmp_path / "refused"), warm_start_from=copy)
@@ -329,9 +331,9 @@ def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_lea
     # retries (a server); the launcher sees the stopped state and fails the job after STOPPED_FAIL_S.
     import signal
 
-    from persia_core.train import launcher
+    from persia_core.train import local_cluster
 
-    monkeypatch.setattr(launcher, "STOPPED_FAIL_S", 3.0)
+    monkeypatch.setattr(local_cluster, "STOPPED_FAIL_S", 3.0)
     root = runs["root"]
     model, work = str(root / f"stopped-{role}"), str(root / f"stopped-{role}-work")
     box = {}

@@ -208,7 +208,7 @@ def test_cli_train_on_sigterm_stops_its_processes_removes_its_shared_memory_and_
     import glob
     import time
 
-    from persia_core.train.launcher import descendants, process_state
+    from persia_core.train.processes import descendants, process_state
 
     data = write_dataset(str(tmp_path / "data"), rows=256)
     cfg = tmp_path / "cfg.yaml"
@@ -461,7 +461,7 @@ def test_config_file_with_a_key_twice_is_refused_naming_the_key_and_line(tmp_pat
 
 
 def test_a_local_job_of_more_processes_than_the_machine_allows_is_refused_before_any_starts(tmp_path):
-    from persia_core.train.launcher import LocalCluster, max_local_processes
+    from persia_core.train.local_cluster import LocalCluster, max_local_processes
 
     with pytest.raises(ValueError, match=r"embedding.num_shards=100000 .*python -m pipelines\.submit"):
         LocalCluster(str(tmp_path / "cfg.yaml"), 100000, 2, str(tmp_path / "work"))

@@ -15,11 +15,11 @@ from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
+from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.embedding.sharded import LocalEmbedding, shard_file_bytes
 from persia_core.hashing import feature_ids
 from persia_core.model_store import ModelManifest, shard_file_name, write_manifest
 from persia_core.models import build_model
-from persia_core.train.hybrid import model_slot_order, table_layouts
 
 
 def make_model(model_dir: str, config: RunConfig, seen: dict[str, list[str]], num_dense: int = 1) -> str:

@@ -19,7 +19,7 @@ def gcs_bucket(gcs_emulator):
     from persia_core import io
 
     name = f"b-{uuid.uuid4().hex[:12]}"
-    client = io._client()
+    client = io.gcs_client()
     bucket = client.create_bucket(name)
     yield name
     for blob in client.list_blobs(name):

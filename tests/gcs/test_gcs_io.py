@@ -66,7 +66,7 @@ def test_gcs_listdir_shows_files_and_folders_one_level_deep(gcs_bucket):
     b = f"gs://{gcs_bucket}"
     for k in ("d/a.csv", "d/b.csv", "d/sub/c.csv", "d/sub/deeper/e.csv", "other/x"):
         io.write_text(f"{b}/{k}", k)
-    io._client().bucket(gcs_bucket).blob("d/").upload_from_string(b"")  # a console-made "folder" object
+    io.gcs_client().bucket(gcs_bucket).blob("d/").upload_from_string(b"")  # a console-made "folder" object
     with pytest.raises(IsADirectoryError):
         io.write_bytes(f"{b}/d/", b"")
     assert io.listdir(f"{b}/d") == ["a.csv", "b.csv", "sub"]

@@ -197,7 +197,7 @@ def test_tfrecord_on_gcs_converts_into_a_bucket(data):
     from persia_core import io
 
     with running_emulator():
-        io._client().create_bucket("tfr")
+        io.gcs_client().create_bucket("tfr")
         for name in sorted(os.listdir(data["tfrecord"])):
             io.copy(os.path.join(data["tfrecord"], name), f"gs://tfr/in/{name}")
         written = tfrecord.convert("gs://tfr/in", "gs://tfr/text", data["config"])

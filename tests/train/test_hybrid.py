@@ -11,17 +11,12 @@ from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
+from persia_core.embedding.pooling import model_slot_order, pool, prepare_ids, table_layouts
 from persia_core.embedding.sharded import LocalEmbedding, load_shard_file, make_tables
 from persia_core.sparse import IdBatch
-from persia_core.train.hybrid import (
-    HybridTrainPipeline,
-    make_schedule,
-    model_slot_order,
-    pool,
-    prepare_ids,
-    table_layouts,
-)
-from persia_core.train.launcher import LocalCluster, train
+from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
+from persia_core.train.launcher import train
+from persia_core.train.local_cluster import LocalCluster
 from persia_core.train.worker import build_dense, run_worker
 
 
@@ -122,7 +117,7 @@ def _rank_main(rank, world, port, addrs, token, cfg_dict, data, out_dir):
 
 
 def _run_two_ranks(tmp_path, cfg: RunConfig, data: str, name: str):
-    from persia_core.train.launcher import free_port
+    from persia_core.train.processes import free_port
 
     out = str(tmp_path / name)
     os.makedirs(out, exist_ok=True)
@@ -234,13 +229,13 @@ def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interv
 ):
     import logging
 
-    from persia_core.train import launcher
+    from persia_core.train import local_cluster
 
     caplog.set_level(logging.INFO, logger="persia.launcher")
     now = [100.0]
-    monkeypatch.setattr(launcher.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(local_cluster.time, "monotonic", lambda: now[0])
     path = tmp_path / "nn_worker-0.log"
-    relay = launcher.ProgressRelay(str(path), interval_s=10.0)
+    relay = local_cluster.ProgressRelay(str(path), interval_s=10.0)
     relay.poll()  # no file yet: nothing, no error
     line = "2026-01-01 INFO nn_worker[0] persia.worker: step {}/9 loss 0.6{} samples/s 100 staleness 1\n"
     with open(path, "a") as f:

@@ -1,4 +1,5 @@
-"""persia_core.cluster: roles and peers from Vertex AI's CLUSTER_SPEC, and a whole CustomJob on 127.0.0.1."""
+"""persia_core.cluster_spec and persia_core.cluster: roles and peers from Vertex AI's CLUSTER_SPEC, and a whole
+CustomJob on 127.0.0.1."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from persia_core import cluster
+from persia_core import cluster, cluster_spec
 
 # The shape Vertex AI sets in every replica of a CustomJob (job spec abridged; it is a JSON string there).
 VERTEX_CLUSTER_SPEC = {
@@ -37,19 +38,19 @@ def _spec(task_type: str, index: int, **changes) -> str:
 
 
 def test_vertex_cluster_spec_parses_pools_and_this_replicas_task():
-    spec = cluster.parse_cluster_spec(json.dumps(VERTEX_CLUSTER_SPEC))
-    assert spec.pool == 1 and spec.index == 2 and spec.role == cluster.NN_WORKER
+    spec = cluster_spec.parse_cluster_spec(json.dumps(VERTEX_CLUSTER_SPEC))
+    assert spec.pool == 1 and spec.index == 2 and spec.role == cluster_spec.NN_WORKER
     assert sorted(spec.pools) == [0, 1, 2] and len(spec.pools[1]) == 3
     assert spec.environment == "cloud"
 
 
 def test_vertex_cluster_spec_ranks_world_size_and_rendezvous_of_nn_workers():
-    primary = cluster.placement(cluster.parse_cluster_spec(_spec("workerpool0", 0)))
-    assert (primary.role, primary.rank, primary.world_size) == (cluster.PRIMARY, 0, 4)
+    primary = cluster_spec.placement(cluster_spec.parse_cluster_spec(_spec("workerpool0", 0)))
+    assert (primary.role, primary.rank, primary.world_size) == (cluster_spec.PRIMARY, 0, 4)
     assert (primary.master_addr, primary.master_port) == ("cmle-training-workerpool0-8c1e3f0a7b-0", 2222)
-    ranks = [cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", i))).rank for i in range(3)]
+    ranks = [cluster_spec.placement(cluster_spec.parse_cluster_spec(_spec("workerpool1", i))).rank for i in range(3)]
     assert ranks == [1, 2, 3]
-    env = cluster.placement(cluster.parse_cluster_spec(_spec("workerpool1", 2))).env()
+    env = cluster_spec.placement(cluster_spec.parse_cluster_spec(_spec("workerpool1", 2))).env()
     assert env == {
         "RANK": "3",
         "WORLD_SIZE": "4",
@@ -62,10 +63,10 @@ def test_vertex_cluster_spec_ranks_world_size_and_rendezvous_of_nn_workers():
 
 
 def test_vertex_cluster_spec_parameter_server_shards_and_addresses_with_several_shards_per_replica():
-    spec = cluster.parse_cluster_spec(_spec("workerpool2", 1))
-    one = cluster.placement(spec)
-    assert one.role == cluster.PARAMETER_SERVER and one.shards == [1] and one.ports == [2222]
-    three = cluster.placement(spec, shards_per_server=3)
+    spec = cluster_spec.parse_cluster_spec(_spec("workerpool2", 1))
+    one = cluster_spec.placement(spec)
+    assert one.role == cluster_spec.PARAMETER_SERVER and one.shards == [1] and one.ports == [2222]
+    three = cluster_spec.placement(spec, shards_per_server=3)
     assert three.shards == [3, 4, 5] and three.ports == [2222, 2223, 2224]
     assert three.ps_addresses == [
         f"cmle-training-workerpool2-8c1e3f0a7b-{r}:{2222 + j}" for r in range(2) for j in range(3)
@@ -75,7 +76,7 @@ def test_vertex_cluster_spec_parameter_server_shards_and_addresses_with_several_
 def test_vertex_cluster_spec_without_pool_1_is_a_single_nn_worker():
     d = json.loads(_spec("workerpool0", 0))
     del d["cluster"]["workerpool1"]
-    place = cluster.placement(cluster.parse_cluster_spec(d))
+    place = cluster_spec.placement(cluster_spec.parse_cluster_spec(d))
     assert place.world_size == 1 and place.rank == 0
 
 
@@ -98,16 +99,16 @@ def test_vertex_cluster_spec_errors_name_the_field(mutate, message):
     d = json.loads(json.dumps(VERTEX_CLUSTER_SPEC))
     mutate(d)
     with pytest.raises(ValueError, match=message):
-        cluster.parse_cluster_spec(json.dumps(d))
+        cluster_spec.parse_cluster_spec(json.dumps(d))
     with pytest.raises(ValueError, match="not JSON"):
-        cluster.parse_cluster_spec("{nope")
+        cluster_spec.parse_cluster_spec("{nope")
 
 
 def test_vertex_cluster_spec_without_parameter_servers_is_refused():
     d = json.loads(_spec("workerpool0", 0))
     del d["cluster"]["workerpool2"]
     with pytest.raises(ValueError, match="workerpool2"):
-        cluster.placement(cluster.parse_cluster_spec(d))
+        cluster_spec.placement(cluster_spec.parse_cluster_spec(d))
 
 
 def test_vertex_replica_token_comes_from_env_or_secret_manager(monkeypatch):
@@ -204,11 +205,11 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     a whole Model and the parameter servers exit on its done marker."""
     from support import tiny_config
 
+    from persia_core.checkpoints import config_sha256
     from persia_core.embedding.plan import init_shards
     from persia_core.embedding.sharded import LocalEmbedding, ShardFileError, shard_file_bytes
     from persia_core.evaluate.run import evaluate
     from persia_core.model_store import shard_file_name
-    from persia_core.train.checkpoint import config_sha256
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2)
     init = str(tmp_path / "shards")
@@ -290,8 +291,8 @@ def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint
     attempt does not stop the new servers."""
     from support import tiny_config
 
+    from persia_core import checkpoints as ckpt
     from persia_core.embedding.plan import init_shards
-    from persia_core.train import checkpoint as ckpt
 
     cfg = tiny_config(num_workers=2, embedding_staleness=2, epochs=2)
     init = str(tmp_path / "shards")

@@ -1,5 +1,8 @@
-"""Checkpoints of a whole training run: every shard's tables, the dense model and optimizer, every NN worker's
-data position and RNG states, with a manifest that makes a checkpoint whole or ignored.
+"""The checkpoint format of a training run: layout, manifest (write, read, verify), finding the newest complete
+checkpoint, and the lineage that ties a checkpoint (and a Model) to its config, code and input data.
+
+A checkpoint holds every shard's tables, the dense model and optimizer, every NN worker's data position and RNG
+states, with a manifest that makes it whole or ignored.
 
 Layout (local, ``/gcs/`` or ``gs://``)::
 
@@ -11,12 +14,11 @@ Layout (local, ``/gcs/`` or ``gs://``)::
         workers/rank-RRRRR.json        data position (next step, samples seen), RNG states, loss history (rank 0)
         manifest.json                  written last: every file with its size and CRC-32C, the step, lineage
 
-A consistent cut (``Checkpointer.save``, run by every NN worker at the same step boundary): each worker drains
-its in-flight gradient pushes; a barrier; rank 0 has every shard dump concurrently while each rank writes its own
-state; a second collective releases the workers once every file is durable; rank 0 then writes the manifest by an
-atomic rename (``os.replace``; on Cloud Storage the manifest object is uploaded last, and an object appears
-whole). A folder without a manifest, or whose files differ from it in size or CRC-32C, is refused with a message
-naming the file and check, and the previous checkpoint is used (``find_latest``).
+The manifest is written last, by an atomic rename (``os.replace``; on Cloud Storage the manifest object is
+uploaded last, and an object appears whole), so a checkpoint is whole or ignored: a folder without a manifest, or
+whose files differ from it in size or CRC-32C, is refused with a message naming the file and check, and the
+previous checkpoint is used (``find_latest``). The NN workers write checkpoints from their loop
+(``persia_core.train.checkpointer``).
 
 Lineage in every manifest: the code version (``git describe`` or the package version), the SHA-256 of the run
 config's YAML, the config itself (so a mismatch can be named), and fingerprints of the input data (``schema.json``
@@ -27,22 +29,19 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io as _io
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import subprocess
 import time
 from dataclasses import asdict, dataclass
-
-import numpy as np
-import torch
+from importlib.metadata import version
 
 from persia_core import io
 from persia_core.config import RunConfig
+from persia_core.data.schema import SCHEMA_FILE
 from persia_core.embedding.sharded import crc32c, file_crc32c
 from persia_core.model_store import shard_file_name
 
@@ -115,6 +114,25 @@ class CheckpointSettings:
         return cls(**json.loads(text)) if text else cls()
 
 
+def checkpoint_settings(
+    config: RunConfig, model_dir: str, settings: CheckpointSettings | None = None
+) -> CheckpointSettings:
+    """The checkpoint settings of a run: ``settings`` if given, else the ``trainer.checkpoint_*`` config
+    fields; an empty folder means ``<model_dir>/checkpoints``."""
+    if settings is None:
+        tc = config.trainer
+        settings = CheckpointSettings(
+            dir=tc.checkpoint_dir,
+            every_steps=tc.checkpoint_every_steps,
+            every_s=tc.checkpoint_every_s,
+            keep=tc.checkpoint_keep,
+            at_end=tc.checkpoint_at_end,
+        )
+    if not settings.dir:
+        settings = type(settings)(**{**settings.__dict__, "dir": io.join(model_dir, "checkpoints")})
+    return settings
+
+
 # ---- names, manifests, verification -------------------------------------------------------------------------
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return io.join(ckpt_dir, f"ckpt-{int(step):010d}")
@@ -162,13 +180,13 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{mpath}: malformed manifest (each file needs path, bytes and crc32c)")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
-    if "manifest_crc32c" in manifest and _manifest_crc(manifest) != manifest["manifest_crc32c"]:
+    if "manifest_crc32c" in manifest and manifest_crc(manifest) != manifest["manifest_crc32c"]:
         raise CheckpointError(f"{mpath}: its CRC-32C does not match its content (edited or corrupt manifest)")
     _check_complete(path, manifest)
     return manifest
 
 
-def _manifest_crc(manifest: dict) -> int:
+def manifest_crc(manifest: dict) -> int:
     """CRC-32C of the manifest's canonical JSON without its own ``manifest_crc32c`` field."""
     body = {k: v for k, v in manifest.items() if k != "manifest_crc32c"}
     return crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
@@ -198,11 +216,11 @@ def _check_complete(path: str, manifest: dict) -> None:
 
 
 def _size(path: str) -> int | None:
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         from google.api_core.exceptions import NotFound
 
-        bucket, key = io.split_gcs(io.to_uri(path)) if hasattr(io, "split_gcs") else io._split_gcs(path)
-        blob = io._client().bucket(bucket).blob(key)
+        bucket, key = io.split_gcs(path)
+        blob = io.gcs_client().bucket(bucket).blob(key)
         try:
             blob.reload()
         except NotFound:
@@ -251,7 +269,7 @@ def find_latest(
     starting afresh would silently throw their training away (to do so on purpose: resume_from '')."""
     complete_refused: list[str] = []
     refusals = refusals if refusals is not None else []
-    for step, path in list_checkpoints(ckpt_dir):
+    for _step, path in list_checkpoints(ckpt_dir):
         if path in skip:
             complete_refused.append(path)
             continue
@@ -289,7 +307,7 @@ def read_file_checked(ckpt: str, manifest: dict, rel: str) -> bytes:
 def write_durable(path: str, data: bytes) -> tuple[int, int]:
     """Write a whole file, durable before it is visible (local: temporary name, fsync, rename, fsync of the
     folder; Cloud Storage: one upload). Returns ``(bytes, CRC-32C)``."""
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         io.write_bytes(path, data)
         return len(data), crc32c(data)
     folder = os.path.dirname(os.path.abspath(path))
@@ -308,7 +326,7 @@ def remove_manifest(path: str) -> None:
     """Make a checkpoint folder incomplete (before its files are overwritten)."""
     mpath = io.join(path, MANIFEST)
     if io.exists(mpath):
-        if io.is_gcs(mpath) or (hasattr(io, "is_remote") and io.is_remote(mpath)):
+        if io.is_remote(mpath):
             io.remove(mpath)
         else:
             os.remove(mpath)
@@ -324,13 +342,13 @@ def write_manifest(path: str, step: int, files: list[dict], lineage: dict, extra
         "lineage": lineage,
         **(extra or {}),
     }
-    manifest["manifest_crc32c"] = _manifest_crc(manifest)
+    manifest["manifest_crc32c"] = manifest_crc(manifest)
     write_durable(io.join(path, MANIFEST), json.dumps(manifest, indent=1).encode("utf-8"))
     return manifest
 
 
 def _rmtree(path: str) -> None:
-    if io.is_gcs(path) or (hasattr(io, "is_remote") and io.is_remote(path)):
+    if io.is_remote(path):
         for rel in io.walk_files(path):
             io.remove(io.join(path, rel))
     else:
@@ -340,7 +358,8 @@ def _rmtree(path: str) -> None:
 def prune(ckpt_dir: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest
     complete one (leftovers of interrupted writes). Returns the deleted paths."""
-    complete, removed = [], []
+    complete: list[int] = []
+    removed: list[str] = []
     for step, path in list_checkpoints(ckpt_dir):
         has = io.exists(io.join(path, MANIFEST))
         if has and len(complete) < keep:
@@ -356,7 +375,7 @@ def prune(ckpt_dir: str, keep: int) -> list[str]:
 # ---- lineage ------------------------------------------------------------------------------------------------
 def code_version() -> str:
     """``git describe --always --dirty --tags`` of the source tree, else the installed package version."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.exists(os.path.join(root, ".git")):
         try:
             out = subprocess.run(
@@ -370,8 +389,6 @@ def code_version() -> str:
         except (OSError, subprocess.TimeoutExpired):
             pass
     try:
-        from importlib.metadata import version
-
         return "persia-kfp " + version("persia-kfp")
     except Exception:  # not installed
         return "unknown"
@@ -383,11 +400,11 @@ def config_sha256(config: RunConfig) -> str:
 
 def _remote_fingerprint(path: str) -> dict | None:
     try:
-        uri = io.to_uri(path) if hasattr(io, "to_uri") else path
+        uri = io.to_uri(path)
         if not io.is_gcs(uri):
             return None
-        bucket, key = io.split_gcs(uri) if hasattr(io, "split_gcs") else io._split_gcs(uri)
-        blob = io._client().bucket(bucket).blob(key)
+        bucket, key = io.split_gcs(uri)
+        blob = io.gcs_client().bucket(bucket).blob(key)
         blob.reload()
         return {"bytes": int(blob.size), "crc32c": int.from_bytes(base64.b64decode(blob.crc32c), "big")}
     except Exception:  # no credentials or no metadata: fall back to reading the file
@@ -397,9 +414,7 @@ def _remote_fingerprint(path: str) -> dict | None:
 def data_fingerprint(data_dir: str) -> dict:
     """Fingerprints of the preprocessed input: ``schema.json`` (its SHA-256 and row counts) and every train shard's
     size and CRC-32C (on Cloud Storage from the object's metadata, without reading it)."""
-    from persia_core.data import schema as S
-
-    raw = io.read_bytes(io.join(data_dir, S.SCHEMA_FILE))
+    raw = io.read_bytes(io.join(data_dir, SCHEMA_FILE))
     schema = json.loads(raw)
     files = {}
     for rel in schema.get("train_files", []):
@@ -476,152 +491,3 @@ def check_lineage(manifest: dict, current: dict, where: str) -> None:
             + ("" if len(problems) <= 10 else " ...")
             + " (to start afresh: a new output folder, or remove the checkpoints)"
         )
-
-
-# ---- the dense model, RNG states ------------------------------------------------------------------------------
-def dense_bytes(model: torch.nn.Module, optimizer) -> bytes:
-    buf = _io.BytesIO()
-    torch.save(
-        {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict()},
-        buf,
-    )
-    return buf.getvalue()
-
-
-def load_dense(data: bytes) -> tuple[dict, dict]:
-    """``(model state_dict, optimizer state_dict)`` from ``dense.pt`` bytes (no pickles executed)."""
-    d = torch.load(_io.BytesIO(data), weights_only=True, map_location="cpu")
-    return d["model"], d["optimizer"]
-
-
-def rng_state() -> dict:
-    """Python, NumPy and torch global RNG states, JSON-able."""
-    py = random.getstate()
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)],
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
-    torch.set_rng_state(torch.from_numpy(raw))
-
-
-# ---- the consistent cut, from the NN workers ----------------------------------------------------------------
-class Checkpointer:
-    """Writes checkpoints from inside the NN workers' loop (``persia_core.train.worker.run_worker``).
-
-    Every rank calls ``due`` after each step with the same arguments (the time rule is decided by rank 0 and
-    shared through the step's loss all-reduce), and ``save`` when it says so; see the module docstring for the
-    protocol. ``lineage`` goes into every manifest."""
-
-    def __init__(
-        self,
-        settings: CheckpointSettings,
-        rank: int,
-        world: int,
-        backend,
-        num_shards: int,
-        lineage_info: dict,
-        extra: dict | None = None,
-    ):
-        self.settings = settings
-        self.rank = rank
-        self.world = world
-        self.backend = backend
-        self.num_shards = num_shards
-        self.lineage = lineage_info
-        self.extra = extra or {}
-        self.last_time = time.monotonic()
-        self.last_step: int | None = None
-        self.written: list[str] = []
-
-    def time_due(self) -> bool:
-        """Rank 0's clock says a checkpoint is due (``every_s``)."""
-        s = self.settings
-        return self.rank == 0 and s.every_s > 0 and time.monotonic() - self.last_time >= s.every_s
-
-    def due(self, steps_done: int, time_flag: bool) -> bool:
-        s = self.settings
-        return (s.every_steps > 0 and steps_done % s.every_steps == 0) or time_flag
-
-    def save(self, steps_done: int, pipe, model, optimizer, state: dict) -> str | None:
-        """Write the checkpoint of the state after ``steps_done`` steps (every rank calls this at the same
-        boundary). ``state``: this rank's data position and history (JSON-able). Returns the path on rank 0."""
-        import torch.distributed as dist
-
-        t0 = time.perf_counter()
-        path = checkpoint_path(self.settings.dir, steps_done)
-        if pipe is not None:
-            pipe.drain()
-        if self.rank == 0:
-            remove_manifest(path)
-        if self.world > 1:
-            dist.barrier()
-        futs = None
-        if self.rank == 0:
-            from concurrent.futures import ThreadPoolExecutor
-
-            ex = ThreadPoolExecutor(max_workers=1)
-            futs = ex.submit(self.backend.dump, [io.join(path, shard_file_name(s)) for s in range(self.num_shards)])
-            ex.shutdown(wait=False)
-        files = []
-        rel = rank_file(self.rank)
-        n, c = write_durable(io.join(path, rel), json.dumps({**state, "rng": rng_state()}).encode("utf-8"))
-        files.append({"path": rel, "bytes": n, "crc32c": c, "role": "worker", "rank": self.rank})
-        if self.rank == 0:
-            n, c = write_durable(io.join(path, DENSE_FILE), dense_bytes(model, optimizer))
-            files.append({"path": DENSE_FILE, "bytes": n, "crc32c": c, "role": "dense"})
-            for s, (n, c) in enumerate(futs.result()):
-                files.append({"path": shard_file_name(s), "bytes": n, "crc32c": c, "role": "shard", "shard": s})
-        if self.world > 1:
-            gathered: list = [None] * self.world
-            dist.all_gather_object(gathered, files)
-            files = [f for part in gathered for f in part]
-        self.last_time = time.monotonic()
-        self.last_step = steps_done
-        if self.rank != 0:
-            return None
-        files.sort(key=lambda e: e["path"])
-        write_manifest(
-            path,
-            steps_done,
-            files,
-            self.lineage,
-            {
-                "num_shards": self.num_shards,
-                "num_workers": self.world,
-                "seconds_to_write": time.perf_counter() - t0,
-                **self.extra,
-            },
-        )
-        self.written.append(path)
-        removed = prune(self.settings.dir, self.settings.keep)
-        log.info(
-            "checkpoint %s written in %.2f s (%d files, %.1f MB)%s",
-            path,
-            time.perf_counter() - t0,
-            len(files),
-            sum(f["bytes"] for f in files) / 1e6,
-            f"; removed {len(removed)} older" if removed else "",
-        )
-        return path
-
-
-def load_rank_state(ckpt: str, manifest: dict, rank: int, world: int) -> dict:
-    """Rank ``rank``'s saved state (checked). Raises ``CheckpointError`` when the checkpoint was written by a
-    different number of NN workers (the data position is per worker)."""
-    if int(manifest.get("num_workers", world)) != world:
-        raise CheckpointError(
-            f"{ckpt} was written by {manifest.get('num_workers')} NN workers, this run has "
-            f"{world}: the data position is per worker, so resume with the same "
-            f"trainer.num_workers"
-        )
-    return json.loads(read_file_checked(ckpt, manifest, rank_file(rank)))

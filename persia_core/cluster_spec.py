@@ -1,0 +1,251 @@
+"""The worker-pool layout of a Vertex AI CustomJob: the pools a job is submitted with (``worker_pool_specs``) and
+where one replica stands in them, read back from ``CLUSTER_SPEC`` (``parse_cluster_spec``, ``placement``).
+
+Vertex AI starts every replica of every worker pool with the same container command and sets ``CLUSTER_SPEC``::
+
+    {"cluster": {"workerpool0": ["cmle-training-workerpool0-<id>-0:2222"],
+                 "workerpool1": ["cmle-training-workerpool1-<id>-0:2222", ...],
+                 "workerpool2": ["cmle-training-workerpool2-<id>-0:2222", ...]},
+     "environment": "cloud",
+     "task": {"type": "workerpool1", "index": 0, "trial": ""},
+     "job": "<the CustomJobSpec as JSON>"}
+
+Pools and roles (Vertex numbers pools by their place in ``workerPoolSpecs``)::
+
+    pool 0  primary            exactly one: NN worker of DDP rank 0, the rendezvous host (MASTER_ADDR); after
+                               training it has the servers dump their shards and writes the Model's manifest
+    pool 1  NN workers         the other DDP ranks (replica i is rank i + 1); absent when M = 1
+    pool 2  parameter servers  replica r serves shards r*k .. r*k+k-1 (k = --shards-per-server) on ports
+                               p .. p+k-1, p = the port CLUSTER_SPEC gives it, bound on 0.0.0.0
+    pool 3  unused             (refused)
+
+So WORLD_SIZE = 1 + len(workerpool1), RANK as above, MASTER_ADDR:MASTER_PORT = workerpool0[0], and the
+parameter-server address of shard s is ``host(workerpool2[s // k]):(port + s % k)``. With g ranks per replica
+(``--ranks-per-replica``, e.g. one per GPU of an 8-GPU machine) every NN replica runs g worker processes:
+replica j of the NN replicas (primary first) holds ranks j*g .. j*g+g-1 (``LOCAL_RANK`` 0..g-1) and
+WORLD_SIZE = g * (1 + len(workerpool1)).
+
+The replica entry point that runs a role is ``persia_core.cluster``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
+POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER}
+"""Worker-pool index -> role."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``CLUSTER_SPEC`` parsed: the pools' ``host:port`` lists and this replica's pool and index."""
+
+    pools: dict[int, list[str]]
+    """pool index -> ``host:port`` of each replica, in replica order."""
+    pool: int
+    """This replica's pool index (``task.type`` = ``workerpool<pool>``)."""
+    index: int
+    """This replica's index within its pool (``task.index``)."""
+    environment: str = "cloud"
+
+    @property
+    def role(self) -> str:
+        return POOL_ROLES[self.pool]
+
+
+def _host_port(address: str, where: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"CLUSTER_SPEC {where}: expected 'host:port', got {address!r}")
+    return host, int(port)
+
+
+def parse_cluster_spec(spec: str | dict) -> ClusterSpec:
+    """Parse and validate ``CLUSTER_SPEC`` (a JSON string or its dict).
+
+    Raises ``ValueError`` naming the offending field: not JSON, no ``cluster``/``task``, a pool name other than
+    ``workerpool0..3``, pool 3 present (unused by this design), pool 0 without exactly one replica, a task
+    outside the cluster, an address without a port."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"CLUSTER_SPEC is not JSON: {e}") from e
+    if not isinstance(spec, dict):
+        raise ValueError("CLUSTER_SPEC: expected a JSON object")
+    cluster, task = spec.get("cluster"), spec.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError("CLUSTER_SPEC.cluster: missing or empty")
+    if not isinstance(task, dict):
+        raise ValueError("CLUSTER_SPEC.task: missing")
+    pools: dict[int, list[str]] = {}
+    for name, addresses in cluster.items():
+        if not (name.startswith("workerpool") and name[len("workerpool") :].isdigit()):
+            raise ValueError(f"CLUSTER_SPEC.cluster: unknown pool {name!r} (expected workerpool0..workerpool3)")
+        idx = int(name[len("workerpool") :])
+        if idx not in POOL_ROLES:
+            raise ValueError(
+                f"CLUSTER_SPEC.cluster.{name}: pool {idx} has no role here (pools 0, 1, 2: primary, "
+                f"NN workers, parameter servers)"
+            )
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise ValueError(f"CLUSTER_SPEC.cluster.{name}: expected a list of 'host:port'")
+        for a in addresses:
+            _host_port(a, f"cluster.{name}")
+        pools[idx] = list(addresses)
+    if len(pools.get(0, [])) != 1:
+        raise ValueError(
+            f"CLUSTER_SPEC.cluster.workerpool0: the primary pool needs exactly 1 replica, got {len(pools.get(0, []))}"
+        )
+    ttype, index = task.get("type"), task.get("index")
+    if not isinstance(ttype, str) or not ttype.startswith("workerpool") or not ttype[10:].isdigit():
+        raise ValueError(f"CLUSTER_SPEC.task.type: expected 'workerpool<N>', got {ttype!r}")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ValueError(f"CLUSTER_SPEC.task.index: expected an integer, got {index!r}")
+    pool = int(ttype[10:])
+    if pool not in pools or not 0 <= index < len(pools[pool]):
+        raise ValueError(f"CLUSTER_SPEC.task: {ttype}[{index}] is not in the cluster")
+    return ClusterSpec(pools, pool, index, str(spec.get("environment", "cloud")))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one replica runs and where its peers are (from ``placement``)."""
+
+    role: str
+    rank: int = -1
+    """DDP rank (NN roles), -1 for a parameter server."""
+    world_size: int = 1
+    """NN workers (DDP ranks) in the job."""
+    master_addr: str = ""
+    master_port: int = 0
+    ps_addresses: list[str] = field(default_factory=list)
+    """``host:port`` of shard 0..N-1."""
+    shards: list[int] = field(default_factory=list)
+    """Parameter server: the shards this replica serves."""
+    ports: list[int] = field(default_factory=list)
+    """Parameter server: the port of each of ``shards``."""
+    local_ranks: int = 1
+    """NN roles: worker processes (DDP ranks ``rank .. rank + local_ranks - 1``) on this replica."""
+
+    def env(self, local_rank: int = 0) -> dict[str, str]:
+        """torch.distributed and persia environment of one NN worker process of this replica (``RANK``,
+        ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``)."""
+        if not 0 <= local_rank < self.local_ranks:
+            raise ValueError(f"local_rank {local_rank} outside 0..{self.local_ranks - 1}")
+        return {
+            "RANK": str(self.rank + local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(local_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "PERSIA_PS_ADDRESSES": ",".join(self.ps_addresses),
+        }
+
+
+ENTRY_COMMAND = ["python", "-m", "persia_core.cluster"]
+"""The container command of every pool (the role comes from CLUSTER_SPEC)."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A worker pool's machine (Vertex AI ``MachineSpec`` + ``DiskSpec``)."""
+
+    machine_type: str
+    accelerator_type: str = ""
+    """e.g. ``NVIDIA_TESLA_A100``; empty: none."""
+    accelerator_count: int = 0
+    boot_disk_type: str = "pd-ssd"
+    boot_disk_gb: int = 100
+
+    def __post_init__(self) -> None:
+        if not self.machine_type:
+            raise ValueError("machine_type must not be empty")
+        if bool(self.accelerator_type) != (self.accelerator_count > 0):
+            raise ValueError(f"{self.machine_type}: give both accelerator_type and accelerator_count > 0, or neither")
+
+    def machine_spec(self) -> dict:
+        m: dict[str, str | int] = {"machineType": self.machine_type}
+        if self.accelerator_type:
+            m.update(acceleratorType=self.accelerator_type, acceleratorCount=self.accelerator_count)
+        return m
+
+
+def worker_pool_specs(
+    nn_machine: Machine,
+    ps_machine: Machine,
+    nn_replicas: int,
+    ps_replicas: int,
+    image: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    nn_image: str = "",
+) -> list[dict]:
+    """``workerPoolSpecs`` of a CustomJob (Vertex AI REST shape) running ``ENTRY_COMMAND`` + ``args`` everywhere:
+
+        [0] primary: 1 x nn_machine     [1] NN workers: nn_replicas - 1 x nn_machine ({} when none)
+        [2] parameter servers: ps_replicas x ps_machine
+
+    ``nn_image`` (default ``image``) runs pools 0 and 1, e.g. a CUDA build. Raises ``ValueError`` for fewer
+    than one NN or parameter-server replica or an empty image."""
+    if nn_replicas < 1 or ps_replicas < 1:
+        raise ValueError(f"need >= 1 NN replica and >= 1 parameter-server replica, got {nn_replicas} and {ps_replicas}")
+    if not image:
+        raise ValueError("image must not be empty")
+    env_list = [{"name": k, "value": str(v)} for k, v in sorted((env or {}).items())]
+
+    def pool(machine: Machine, count: int, img: str) -> dict:
+        container: dict[str, Any] = {"imageUri": img, "command": list(ENTRY_COMMAND), "args": list(args)}
+        if env_list:
+            container["env"] = [dict(e) for e in env_list]
+        return {
+            "machineSpec": machine.machine_spec(),
+            "replicaCount": count,
+            "diskSpec": {"bootDiskType": machine.boot_disk_type, "bootDiskSizeGb": machine.boot_disk_gb},
+            "containerSpec": container,
+        }
+
+    return [
+        pool(nn_machine, 1, nn_image or image),
+        pool(nn_machine, nn_replicas - 1, nn_image or image) if nn_replicas > 1 else {},
+        pool(ps_machine, ps_replicas, image),
+    ]
+
+
+def ps_addresses(spec: ClusterSpec, shards_per_server: int = 1) -> list[str]:
+    """``host:port`` of every shard: shard s on replica s // k of pool 2, port = its port + s % k."""
+    out = []
+    for address in spec.pools.get(2, []):
+        host, port = _host_port(address, "cluster.workerpool2")
+        out += [f"{host}:{port + j}" for j in range(shards_per_server)]
+    return out
+
+
+def placement(spec: ClusterSpec, shards_per_server: int = 1, ranks_per_replica: int = 1) -> Placement:
+    """This replica's role, DDP ranks and world size, rendezvous address and the shard addresses.
+
+    Raises ``ValueError`` when there is no parameter-server pool, or ``shards_per_server`` or
+    ``ranks_per_replica`` is < 1."""
+    if shards_per_server < 1:
+        raise ValueError(f"shards_per_server must be >= 1, got {shards_per_server}")
+    if ranks_per_replica < 1:
+        raise ValueError(f"ranks_per_replica must be >= 1, got {ranks_per_replica}")
+    if not spec.pools.get(2):
+        raise ValueError("CLUSTER_SPEC.cluster.workerpool2: no parameter-server replicas (pool 2)")
+    addresses = ps_addresses(spec, shards_per_server)
+    master_addr, master_port = _host_port(spec.pools[0][0], "cluster.workerpool0")
+    g = ranks_per_replica
+    world = g * (1 + len(spec.pools.get(1, [])))
+    common: dict[str, Any] = dict(
+        world_size=world, master_addr=master_addr, master_port=master_port, ps_addresses=addresses
+    )
+    if spec.pool == 0:
+        return Placement(PRIMARY, rank=0, local_ranks=g, **common)
+    if spec.pool == 1:
+        return Placement(NN_WORKER, rank=g * (1 + spec.index), local_ranks=g, **common)
+    _, port = _host_port(spec.pools[2][spec.index], "cluster.workerpool2")
+    shards = list(range(spec.index * shards_per_server, (spec.index + 1) * shards_per_server))
+    return Placement(PARAMETER_SERVER, shards=shards, ports=[port + j for j in range(shards_per_server)], **common)

@@ -1,0 +1,101 @@
+"""What the local launcher needs from the operating system for its child processes: dying with the parent,
+reading process states and trees from ``/proc``, signalling process groups, SIGTERM as an interrupt, free ports.
+
+Linux-only parts (``PR_SET_PDEATHSIG``, ``/proc``) degrade to no effect where they are missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import threading
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``; for a child's
+    ``preexec_fn``). No effect where libc has no ``prctl``."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of process ``pid`` from ``/proc/<pid>/stat`` (state: ``R``, ``S``, ``D``, ``T``,
+    ``t``, ``Z``...), or None where it cannot be read (no ``/proc``, the process gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()  # the command name, in parentheses, may hold ' ' or ')'
+        return fields[0].decode("ascii", "replace"), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of process ``pid`` (``proc_stat``), or ``""`` where it cannot be read."""
+    st = proc_stat(pid)
+    return st[0] if st else ""
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every live process below ``pid`` (children, their children...), from ``/proc``; [] without it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        st = proc_stat(int(entry)) if entry.isdigit() else None
+        if st is not None and st[0] != "Z":
+            children.setdefault(st[1], []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_group(popen: subprocess.Popen, sig: int) -> None:
+    """Signal the process group a child leads (not yet reaped, so the id is still its own)."""
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            popen.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, the way Kubernetes, KFP and Vertex AI cancel a task, raised where Ctrl-C's KeyboardInterrupt is,
+    so that the same cleanup runs (children stopped and reaped, shared-memory segments removed)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises ``Terminated`` in the main thread instead of ending the process at once
+    (Python's default), leaving no children and no ``/dev/shm`` segments behind. No effect off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
