@@ -4,7 +4,7 @@ While training runs, a shard records the IDs it creates (lookups) and updates (g
 ``delta_every_s`` seconds it writes the current rows of those IDs, with their optimizer state, as a *delta file*,
 numbered per shard::
 
-    <delta_dir>/shard-SSSSS/delta-NNNNNNNN.npz     a shard file (``persia_core.embedding.sharded``) whose tables
+    <delta_dir>/shard-SSSSS/delta-NNNNNNNN.npz     a shard file (``persia_core.embedding.shard_file``) whose tables
                                                    have layout "delta": keys, weights, optimizer state, last_used
                                                    of every row changed since delta N-1, plus ``live_keys`` (every
                                                    key the table holds) when rows were evicted since delta N-1
@@ -30,13 +30,8 @@ import numpy as np
 
 from persia_core import io
 from persia_core.embedding import kernels as K
-from persia_core.embedding.sharded import (
-    TableArrays,
-    _has_internals,
-    lru_state_dict,
-    read_shard_file,
-    write_shard_arrays,
-)
+from persia_core.embedding.shard_file import TableArrays, read_shard_file, write_shard_arrays
+from persia_core.embedding.shard_tables import _has_internals, lru_state_dict
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
 log = logging.getLogger("persia.delta")

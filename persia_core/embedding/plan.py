@@ -32,14 +32,8 @@ import numpy as np
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
-from persia_core.embedding.sharded import (
-    TableArrays,
-    lru_state_dict,
-    make_tables,
-    read_shard_file,
-    shard_file_bytes,
-    write_shard_arrays,
-)
+from persia_core.embedding.shard_file import TableArrays, read_shard_file, write_shard_arrays
+from persia_core.embedding.shard_tables import lru_state_dict, make_tables, shard_file_bytes
 from persia_core.hashing import shard_of
 from persia_core.memory import bytes_per_row, capacity_for_budget
 from persia_core.model_store import (

@@ -1,6 +1,6 @@
 """Embedding-worker side of the parameter servers: route IDs to shards, call them concurrently, reassemble.
 
-Same interface as ``persia_core.embedding.sharded.LocalEmbedding`` (see there). IDs passed in are expected to be
+Same interface as ``persia_core.embedding.reference.LocalEmbedding`` (see there). IDs passed in are expected to be
 unique already (the trainer deduplicates a batch once); gradients are per unique ID.
 """
 
@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from persia_core.config import EmbeddingConfig
-from persia_core.embedding.sharded import positions_by_shard
+from persia_core.embedding.routing import positions_by_shard
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
@@ -183,7 +183,7 @@ class EmbeddingClient:
 
     # ---- routed batch calls ---------------------------------------------------------------------------
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions of ``ids`` owned by each shard (``sharded.positions_by_shard``)."""
+        """Positions of ``ids`` owned by each shard (``routing.positions_by_shard``)."""
         return positions_by_shard(ids, self.num_shards)
 
     def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:

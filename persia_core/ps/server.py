@@ -55,10 +55,10 @@ import numpy as np
 from persia_core import io
 from persia_core.argchecks import storage_root
 from persia_core.config import RunConfig, load_config
-from persia_core.embedding.sharded import (
+from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_tables import (
     check_shard_contents,
     make_tables,
-    read_shard_file,
     restore_shard_contents,
     write_shard_file,
 )
@@ -425,8 +425,6 @@ def warm_up(config: RunConfig) -> None:
     """Run each table's lookup, read-only lookup and gradient apply once on a throwaway 1024-row table of the same
     dim, optimizer and storage, so that the compiled kernels are compiled (or loaded from numba's cache) before
     the server takes calls: on a fresh container the first call would otherwise spend its deadline compiling."""
-    from persia_core.embedding.sharded import make_tables
-
     tables = make_tables(
         config.embedding.tables,
         0,

@@ -43,7 +43,7 @@ import torch
 
 from persia_core import io
 from persia_core.config import RunConfig
-from persia_core.embedding.sharded import crc32c, file_crc32c
+from persia_core.embedding.checksums import crc32c, file_crc32c
 from persia_core.model_store import shard_file_name
 
 FORMAT = "persia-checkpoint/1"

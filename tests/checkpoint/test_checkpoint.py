@@ -8,7 +8,8 @@ import torch
 from support import tiny_config, write_dataset
 
 from persia_core import io
-from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
+from persia_core.embedding.reference import LocalEmbedding
+from persia_core.embedding.shard_tables import load_shard_file
 from persia_core.model_store import shard_file_name
 from persia_core.train import checkpoint as ckpt
 from persia_core.train.worker import run_worker

@@ -16,7 +16,7 @@ from support import tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import WarmStartError, init_shards
-from persia_core.embedding.sharded import load_shard_file, make_tables
+from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
 from persia_core.train.checkpoint import CheckpointSettings, list_checkpoints
