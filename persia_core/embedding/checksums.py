@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from persia_core import io
+
 
 def _native_crc32c():
     """``crc32c_extend(crc, ptr, n)`` of the library bundled with ``google-crc32c`` (hardware CRC32C), or None."""
@@ -58,17 +60,9 @@ def crc32c(data, crc: int = 0) -> int:
     return crc
 
 
-def _remote(path: str) -> bool:
-    from persia_core import io
-
-    return bool(getattr(io, "is_remote", io.is_gcs)(path))
-
-
 def file_crc32c(path: str, chunk: int = 1 << 24) -> tuple[int, int]:
     """``(size in bytes, CRC-32C)`` of a whole file (local, ``/gcs/`` or ``gs://``)."""
-    from persia_core import io
-
-    if _remote(path):
+    if io.is_remote(path):
         data = io.read_bytes(path)
         return len(data), crc32c(data)
     crc, size = 0, 0

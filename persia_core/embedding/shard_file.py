@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib import format as npy
 
+from persia_core import io
 from persia_core.embedding import kernels as K
 from persia_core.embedding import table as table_mod
 from persia_core.embedding.checksums import crc32c
@@ -60,12 +61,6 @@ admitted, tables with ``admit_after_sightings``), so a restarted shard keeps cou
 
 class ShardFileError(ValueError):
     """A shard file is missing, truncated, corrupt or does not fit the tables; the message names the file."""
-
-
-def _remote(path: str) -> bool:
-    from persia_core import io
-
-    return bool(getattr(io, "is_remote", io.is_gcs)(path))
 
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
@@ -149,10 +144,8 @@ def write_shard_arrays(
 ) -> tuple[int, int]:
     """Write a shard file (see module docstring) from arrays. Local files go to a temporary name, are fsynced
     and renamed into place. Returns ``(bytes written, CRC-32C of the file)``."""
-    from persia_core import io
-
     members = _members_of(tables, server)
-    if _remote(path):
+    if io.is_remote(path):
         buf = _io.BytesIO()
         w = _CrcWriter(buf)
         _write_npz(w, members)
@@ -252,9 +245,7 @@ def read_shard_file(
     Members stream straight from the file into their arrays; checksums and the hash index of every ``storage``
     table (``build_index``) are computed on a helper thread while the rest of the file is read.
     Raises ``FileNotFoundError`` for a missing file, ``ShardFileError`` naming the file and the problem."""
-    from persia_core import io
-
-    if _remote(path):
+    if io.is_remote(path):
         if not io.exists(path):
             raise FileNotFoundError(f"shard file not found: {path}")
         data = io.read_bytes(path)
