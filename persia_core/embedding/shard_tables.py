@@ -61,58 +61,34 @@ def make_tables(
     return out
 
 
-def _has_internals(t) -> bool:
-    need = (
-        "keys",
-        "weights",
-        "last_used",
-        "qrow",
-        "qstep",
-        "qht",
-        "state",
-        "index",
-        "counters",
-        "step",
-        "lock",
-        "capacity",
-        "dim",
-    )
-    return all(hasattr(t, a) for a in need) and isinstance(t.state, dict)
-
-
 def table_arrays(t: EmbeddingTable) -> TableArrays:
     """The arrays of a table to write, as views of the table's own arrays (layout ``storage``); call with
-    ``t.lock`` held until they are written. A table without those arrays gives a copy in recency order
-    (``state_dict()``, layout ``lru``; do not hold its lock then)."""
-    base = {"dim": t.dim, "optimizer": t.optimizer.name, "dropped_gradients": int(getattr(t, "dropped_gradients", 0))}
-    if _has_internals(t):
-        n = int(t.counters[0])
-        arrays = {"keys": t.keys[:n], "weights": t.weights[:n]}
-        arrays.update({k: v[:n] for k, v in t.state.items()})
-        arrays.update(
-            {
-                "last_used": t.last_used[:n],
-                "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
-                "counters": t.counters,
-                "index": t.index,
-            }
-        )
-        _add_sketch(t, arrays)
-        return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
-    sd = t.state_dict()
-    _add_sketch(t, sd)
-    return TableArrays(sd, {**base, "layout": "lru", "rows": len(sd["keys"]), "step": int(getattr(t, "step", 0))})
+    ``t.lock`` held until they are written."""
+    base = {"dim": t.dim, "optimizer": t.optimizer.name, "dropped_gradients": int(t.dropped_gradients)}
+    n = int(t.counters[0])
+    arrays = {"keys": t.keys[:n], "weights": t.weights[:n]}
+    arrays.update({k: v[:n] for k, v in t.state.items()})
+    arrays.update(
+        {
+            "last_used": t.last_used[:n],
+            "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
+            "counters": t.counters,
+            "index": t.index,
+        }
+    )
+    _add_sketch(t, arrays)
+    return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
 
 
-def _add_sketch(t, arrays: dict) -> None:
-    if getattr(t, "admit_after", 0) > 0:
+def _add_sketch(t: EmbeddingTable, arrays: dict[str, np.ndarray]) -> None:
+    if t.admit_after > 0:
         arrays["sketch"] = t.sketch
 
 
-def _restore_sketch(t, arrays: dict) -> None:
+def _restore_sketch(t: EmbeddingTable, arrays: dict[str, np.ndarray]) -> None:
     """Take back the admission sketch when both the file and the table count sightings (same size)."""
     sketch = arrays.get("sketch")
-    if sketch is not None and getattr(t, "admit_after", 0) > 0 and sketch.shape == t.sketch.shape:
+    if sketch is not None and t.admit_after > 0 and sketch.shape == t.sketch.shape:
         t.sketch[:] = sketch
 
 
@@ -121,9 +97,8 @@ def snapshot(tables: dict[str, EmbeddingTable]):
     """A consistent view of a shard's tables to write: every table's lock is held until the block ends (no
     lookup or update runs meanwhile). Yields ``{name: TableArrays}``."""
     with contextlib.ExitStack() as stack:
-        if all(_has_internals(t) for t in tables.values()):
-            for name in sorted(tables):
-                stack.enter_context(tables[name].lock)
+        for name in sorted(tables):
+            stack.enter_context(tables[name].lock)
         yield {name: table_arrays(tables[name]) for name in tables}
 
 
@@ -198,10 +173,11 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     expected = set(state_shapes(t.optimizer.name, t.dim))
     fast = (
         ta.meta.get("layout") == "storage"
-        and _has_internals(t)
         and n <= t.capacity
         and n >= 1024
-        and all(a[k].dtype == getattr(t, k).dtype for k in ("keys", "weights", "last_used"))
+        and all(
+            a[k].dtype == own.dtype for k, own in (("keys", t.keys), ("weights", t.weights), ("last_used", t.last_used))
+        )
         and all(a[k].dtype == t.state[k].dtype for k in expected)
     )
     if fast:
