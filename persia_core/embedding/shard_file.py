@@ -42,7 +42,7 @@ from numpy.lib import format as npy
 
 from persia_core import io
 from persia_core.embedding import kernels as K
-from persia_core.embedding import table as table_mod
+from persia_core.embedding.buffers import aligned_array
 from persia_core.embedding.checksums import crc32c
 from persia_core.memory import index_slots
 
@@ -222,7 +222,7 @@ def _read_exact(f, mv: memoryview, where: str) -> None:
 def build_key_index(keys: np.ndarray) -> np.ndarray:
     """A fresh hash index of ``keys: uint64[R]`` whose row of key i is i: ``int32[memory.index_slots(R)]``,
     64-byte aligned, -1 in empty slots."""
-    index = table_mod.aligned_array(index_slots(len(keys)), np.int32, -1)
+    index = aligned_array(index_slots(len(keys)), np.int32, -1)
     K.rebuild_index(index, keys, K.shift_of(index), len(keys))
     return index
 
@@ -290,7 +290,7 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
             _read_exact(f, memoryview(gap), where)
             header = bytes(gap[m.start - pos :])
             futs.append(helper.submit(crc_part, memoryview(gap), None, None))
-            arr = table_mod.aligned_array(m.shape, m.dtype)  # may become a table's own array (restore_table)
+            arr = aligned_array(m.shape, m.dtype)  # may become a table's own array (restore_table)
             _read_exact(f, _flat_bytes(arr), where)
             futs.append(helper.submit(crc_part, _flat_bytes(arr), m, header))
             pos = m.data + m.nbytes

@@ -14,7 +14,7 @@ import numpy as np
 
 from persia_core.config import TableConfig
 from persia_core.embedding import kernels as K
-from persia_core.embedding import table as table_mod
+from persia_core.embedding.buffers import aligned_array
 from persia_core.embedding.shard_file import (
     EXTRA_ARRAYS,
     RECENCY_ARRAYS,
@@ -190,8 +190,8 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         with t.lock:
             t.keys, t.weights, t.last_used, t.index = a["keys"], a["weights"], a["last_used"], index
             t.state = {k: a[k] for k in t.state}
-            t.qrow = table_mod.aligned_array(K.queue_size(n), np.int32, 0)
-            t.qstep = table_mod.aligned_array(K.queue_size(n), np.int32, 0)
+            t.qrow = aligned_array(K.queue_size(n), np.int32, 0)
+            t.qstep = aligned_array(K.queue_size(n), np.int32, 0)
             K.queue_from_order(np.ascontiguousarray(order, dtype=np.int32), t.last_used, t.qrow, t.qstep, t.qht)
             t.counters[:] = a["counters"]
             t.counters[0] = n
