@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     config_name = os.path.splitext(os.path.basename(args.config))[0]
     blessed_dir = absolute(args.blessed_dir) or os.path.join(root, "blessed", config_name)
     try:
-        from persia_core.embedding.plan import check_warm_start_location
+        from persia_core.embedding.warm_start import check_warm_start_location
 
         check_warm_start_location(absolute(args.warm_start_from), blessed_dir)
     except FileNotFoundError as e:

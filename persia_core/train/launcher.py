@@ -479,7 +479,7 @@ def _checkpoint_inits(
 ) -> list[dict]:
     """The state each of the ``n`` servers starts from: the checkpoint's shard files (checked by the servers as
     they load them), or, for a checkpoint of another shard count, its rows re-sharded into ``work_dir``."""
-    from persia_core.embedding.plan import reshard
+    from persia_core.embedding.reshard import reshard
     from persia_core.embedding.shard_file import read_shard_file, write_shard_arrays
     from persia_core.train.checkpoint import CheckpointError
 

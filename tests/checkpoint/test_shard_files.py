@@ -11,7 +11,7 @@ from persia_core.embedding import shard_file as F
 from persia_core.embedding import shard_tables as T
 from persia_core.embedding.checksums import file_crc32c
 from persia_core.embedding.delta import load_with_deltas
-from persia_core.embedding.plan import reshard
+from persia_core.embedding.reshard import reshard
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.hashing import shard_of
 from persia_core.ps.server import ParameterServerShard
