@@ -180,7 +180,7 @@ def test_checkpoint_on_cloud_storage_is_whole_or_ignored(tmp_path, gcs_bucket):
     manifest = ckpt.verify(newest)
     assert {e["role"] for e in manifest["files"]} == {"shard", "dense", "worker"}
     backend = _restore(cfg, newest, manifest)
-    assert sum(t["default"]["rows"] for t in backend.stats()) > 0
+    assert sum(t["tables"]["default"]["rows"] for t in backend.stats()) > 0
     # overwrite one object of the newest checkpoint: refused, the previous one is used
     shard = io.join(newest, "shards/shard-00000.npz")
     raw = bytearray(io.read_bytes(shard))
