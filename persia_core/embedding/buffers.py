@@ -21,8 +21,7 @@ def aligned_array(shape, dtype, fill=None) -> np.ndarray:
     """A C-contiguous array whose first byte is on a 64-byte cache-line boundary (filled with ``fill``, if given).
 
     numpy aligns large arrays to 16 bytes only, so a 64-byte row (dim 16, fp32) would straddle two cache lines and
-    every random row access would cost two misses: measured here, a gather of 1M Zipf-drawn rows of a 10M-row
-    table took 10.7 ms from a 16-byte-aligned array and 5.0 ms from a 64-byte-aligned one."""
+    every random row access would cost two misses."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -38,9 +37,7 @@ class OutputPool:
     """Reuses the memory of large lookup outputs once nothing refers to them any more.
 
     A fresh output of 1M rows at dim 16 is 64 MB of newly mapped pages, which the kernel zeroes on first touch just
-    before the lookup overwrites them. How much that costs varies with the machine's memory state: measured here,
-    a lookup of 1M Zipf-drawn IDs took 12.2-12.8 ms into reused memory and 12.2-16.2 ms into fresh memory, and
-    ``make bench-ps`` measured 76-80M lookups/s with reuse (11 runs) but 65-83M without (7 runs). A parameter
+    before the lookup overwrites them, at a cost that varies with the machine's memory state. A parameter
     server answers one lookup after another and drops each output once it is serialized, so the next output can
     take those pages, already mapped, as a caching allocator does (PyTorch's CUDA allocator; glibc returns blocks
     above 32 MiB to the kernel on every free).

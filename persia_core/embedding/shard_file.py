@@ -75,9 +75,8 @@ class _CrcWriter:
     """Write-only, non-seekable stream that counts bytes and keeps the CRC-32C of everything written.
 
     Having no ``seek`` makes ``zipfile`` stream (sizes in data descriptors after each member) instead of seeking
-    back to patch headers, so the running CRC-32C is the CRC of the finished file. (Starting write-back early
-    with ``sync_file_range`` was measured slower on a shared virtual disk: the kernel's own write-back and one
-    fsync at the end do better.)"""
+    back to patch headers, so the running CRC-32C is the CRC of the finished file. (Write-back is left to the
+    kernel, with one fsync at the end: see docs/notes-embedding.md.)"""
 
     def __init__(self, raw):
         self.raw = raw
