@@ -36,7 +36,7 @@ def reshard(
     Server bookkeeping (applied pushes) is not carried: it belongs to the old shards' clients."""
     names = sorted({n for s in sources for n in s})
     out: list[dict[str, TableArrays]] = [{} for _ in range(num_shards)]
-    report = {"rows": {}, "dropped": {}}
+    report: dict[str, dict[str, int]] = {"rows": {}, "dropped": {}}
     for name in names:
         parts = [lru_state_dict(s[name]) for s in sources if name in s]
         metas = [s[name].meta for s in sources if name in s]

@@ -64,7 +64,7 @@ class ShardFileError(ValueError):
 
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1)).cast("B") if arr.size else memoryview(b"")
+    return arr.reshape(-1).data.cast("B") if arr.size else memoryview(b"")
 
 
 # ---- writing ------------------------------------------------------------------------------------------------
@@ -95,6 +95,9 @@ class _CrcWriter:
 
     def flush(self) -> None:
         self.raw.flush()
+
+    def close(self) -> None:
+        """Nothing to close: ``raw`` is the caller's (``zipfile`` never closes a stream it was given)."""
 
 
 def _npy_header(arr: np.ndarray) -> bytes:
@@ -148,7 +151,7 @@ def write_shard_arrays(
         buf = _io.BytesIO()
         w = _CrcWriter(buf)
         _write_npz(w, members)
-        io.write_bytes(path, buf.getbuffer())
+        io.write_bytes(path, buf.getvalue())
         return w.pos, w.crc
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with io.atomic_local_file(path, fsync) as raw:
@@ -244,6 +247,7 @@ def read_shard_file(
     Members stream straight from the file into their arrays; checksums and the hash index of every ``storage``
     table (``build_index``) are computed on a helper thread while the rest of the file is read.
     Raises ``FileNotFoundError`` for a missing file, ``ShardFileError`` naming the file and the problem."""
+    f: _io.BytesIO | _io.FileIO
     if io.is_remote(path):
         if not io.exists(path):
             raise FileNotFoundError(f"shard file not found: {path}")
@@ -266,15 +270,16 @@ def read_shard_file(
 def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_index: bool) -> ShardContents:
     members = _members(f, size, where)
     check_zip = expect_crc32c is None
-    state = {"crc": 0, "bad": []}
+    crc = [0]  # the running CRC-32C of the whole file (checked against the manifest's)
+    bad: list[str] = []  # members whose zip CRC-32 differs (checked without a manifest)
     helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read")
     futs: list[Future] = []
 
     def crc_part(mv, member: _Member | None, header: bytes | None) -> None:
         if not check_zip:
-            state["crc"] = crc32c(mv, state["crc"])
-        elif member is not None and zlib.crc32(mv, zlib.crc32(header)) != member.zip_crc:
-            state["bad"].append(member.name)
+            crc[0] = crc32c(mv, crc[0])
+        elif member is not None and header is not None and zlib.crc32(mv, zlib.crc32(header)) != member.zip_crc:
+            bad.append(member.name)
 
     arrays: dict[str, np.ndarray] = {}
     names = {m.name for m in members}
@@ -309,13 +314,13 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
         built = {t: fu.result() for t, fu in indexes.items()}
     finally:
         helper.shutdown(wait=True)
-    if not check_zip and state["crc"] != int(expect_crc32c):
+    if expect_crc32c is not None and crc[0] != int(expect_crc32c):
         raise ShardFileError(
-            f"{where}: CRC-32C {state['crc']:08x} does not match the manifest's {int(expect_crc32c):08x} (corrupt file)"
+            f"{where}: CRC-32C {crc[0]:08x} does not match the manifest's {int(expect_crc32c):08x} (corrupt file)"
         )
-    if state["bad"]:
-        raise ShardFileError(f"{where}: zip CRC-32 mismatch in {state['bad']} (corrupt file)")
-    out = ShardContents(server=meta.get("server", {}), size=size, crc32c=state["crc"] if not check_zip else None)
+    if bad:
+        raise ShardFileError(f"{where}: zip CRC-32 mismatch in {bad} (corrupt file)")
+    out = ShardContents(server=meta.get("server", {}), size=size, crc32c=crc[0] if not check_zip else None)
     by_table: dict[str, dict[str, np.ndarray]] = {}
     for key, arr in arrays.items():
         table, _, name = key.partition(".")

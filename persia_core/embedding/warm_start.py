@@ -10,8 +10,10 @@ this plan (``persia_core.embedding.reshard``) and its dense weights are passed o
 
 from __future__ import annotations
 
+import io as _io
 import json
 import logging
+from typing import Any
 
 from persia_core import io
 from persia_core.config import RunConfig
@@ -118,8 +120,8 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
     checkpoint), re-sharded to ``config.embedding.num_shards``, and its dense weights to ``WARM_DENSE``.
     Returns what was carried over. Raises ``WarmStartError`` naming the differences when the config no longer
     matches, ``ShardFileError`` for a corrupt shard file."""
-    import io as _io
-
+    # lazy: torch is needed for the dense weights only; the pipeline compilers import this module for
+    # check_warm_start_location
     import torch
 
     manifest = json.loads(io.read_text(io.join(source, MANIFEST)))
@@ -128,7 +130,9 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         model = ModelManifest.from_dict(manifest, io.join(source, MANIFEST))
         old_config, old_dense = model.config, model.dense
         crcs: list[int | None] = list(model.shard_crc32c) if model.shard_crc32c else [None] * model.num_shards
-        shards = [{"path": rel, "bytes": None, "crc32c": c} for rel, c in zip(model.shard_files, crcs, strict=True)]
+        shards: list[dict[str, Any]] = [
+            {"path": rel, "bytes": None, "crc32c": c} for rel, c in zip(model.shard_files, crcs, strict=True)
+        ]
         dense_rel = model.dense_file
     elif fmt.startswith("persia-checkpoint/"):
         from persia_core.train.checkpoint import CheckpointError, verify

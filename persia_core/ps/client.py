@@ -77,7 +77,7 @@ class EmbeddingClient:
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._seq = [itertools.count() for _ in self.addresses]  # per shard: each shard sees 0, 1, 2, ...
         self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
-        self.calls = {
+        self.calls: dict[str, list[grpc.UnaryUnaryMultiCallable]] = {
             name: [ch.unary_unary(f"/{SERVICE}/{name}") for ch in self.channels]
             for name in ("Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Load", "Stats", "Health")
         }
@@ -118,7 +118,7 @@ class EmbeddingClient:
             if seg is not None:  # a retry: the failed attempt may still be answered into the old segment
                 pool.discard(seg)
             seg = pool.acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
-            entries, off = seg.put(arrays)
+            entries, off = seg.put(arrays or {})  # (use_shm: arrays were given)
             return wire.encode(
                 {
                     **(meta or {}),
@@ -154,6 +154,7 @@ class EmbeddingClient:
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
                     if "shm_out" in out_meta:
+                        assert seg is not None  # the server answers into a segment only when sent one
                         out_arrays = shm_mod.views(seg.buf, out_meta.pop("shm_out"))
                         if consume is None:
                             out_arrays = {k: v.copy() for k, v in out_arrays.items()}
@@ -180,6 +181,7 @@ class EmbeddingClient:
         if seg is not None and last is not None and last.code() == grpc.StatusCode.FAILED_PRECONDITION:
             self.use_shm[shard] = False
             return self.call(method, shard, meta, arrays, timeout_s, reply_bytes, consume)
+        assert last is not None  # every attempt returns or records its error
         raise ParameterServerError(
             f"{method} to shard {shard} at {self.addresses[shard]} failed: {last.code().name}: {last.details()}"
         )
