@@ -16,7 +16,7 @@ def resolve_data(template: str, schedule_time: str, blessed_dir: str = "", warm_
     from components.data_path import check_cloud_folders, resolve_data_path
 
     check_cloud_folders(blessed_dir, warm_start_from)
-    from persia_core.embedding.plan import check_warm_start_location
+    from persia_core.embedding.warm_start import check_warm_start_location
 
     check_warm_start_location(warm_start_from, blessed_dir)
     path = resolve_data_path(template, schedule_time)

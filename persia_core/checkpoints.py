@@ -7,7 +7,7 @@ states, with a manifest that makes it whole or ignored.
 Layout (local, ``/gcs/`` or ``gs://``)::
 
     <ckpt_dir>/ckpt-SSSSSSSSSS/        S = steps done (the next step to train)
-        shards/shard-NNNNN.npz         one per parameter-server shard (``persia_core.embedding.sharded``): rows,
+        shards/shard-NNNNN.npz         one per parameter-server shard (``persia_core.embedding.shard_file``): rows,
                                        optimizer state, recency list, hash index, applied-push records
         dense.pt                       {"model": state_dict, "optimizer": Adam state_dict} (torch.save, no pickles
                                        needed to load: ``torch.load(..., weights_only=True)``)
@@ -42,7 +42,7 @@ from importlib.metadata import version
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.schema import SCHEMA_FILE
-from persia_core.embedding.sharded import crc32c, file_crc32c
+from persia_core.embedding.checksums import crc32c, file_crc32c
 from persia_core.model_store import shard_file_name
 
 FORMAT = "persia-checkpoint/1"

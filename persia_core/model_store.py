@@ -6,7 +6,7 @@ A Model artifact (a local, ``/gcs/...`` or ``gs://`` folder)::
                            shard files and their CRC-32C, dense file, slots, dense-feature statistics, summary,
                            lineage (code version, config hash, input fingerprints)
     dense.pt               the dense model's state dict (torch, weights only)
-    shards/shard-SSSSS.npz one shard file per parameter-server shard (``persia_core.embedding.sharded``)
+    shards/shard-SSSSS.npz one shard file per parameter-server shard (``persia_core.embedding.shard_file``)
     train_metrics.json     loss, throughput and staleness curves, per-shard rows
 
 A blessed-model location (the gate's output, ``persia_core.evaluate.gate``)::

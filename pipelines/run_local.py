@@ -27,7 +27,7 @@ from kfp import local
 
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
-from persia_core.embedding.plan import check_warm_start_location
+from persia_core.embedding.warm_start import check_warm_start_location
 from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.model_store import latest_blessed_model

@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from persia_core.config import OptimizerConfig
-from persia_core.embedding.sharded import load_shard_file, read_shard_file, restore_table, write_shard_file
+from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_tables import load_shard_file, restore_table, write_shard_file
 from persia_core.embedding.table import EmbeddingTable
 
 

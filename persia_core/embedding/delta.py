@@ -4,7 +4,7 @@ While training runs, a shard records the IDs it creates (lookups) and updates (g
 ``delta_every_s`` seconds it writes the current rows of those IDs, with their optimizer state, as a *delta file*,
 numbered per shard::
 
-    <delta_dir>/shard-SSSSS/delta-NNNNNNNN.npz     a shard file (``persia_core.embedding.sharded``) whose tables
+    <delta_dir>/shard-SSSSS/delta-NNNNNNNN.npz     a shard file (``persia_core.embedding.shard_file``) whose tables
                                                    have layout "delta": keys, weights, optimizer state, last_used
                                                    of every row changed since delta N-1, plus ``live_keys`` (every
                                                    key the table holds) when rows were evicted since delta N-1
@@ -30,13 +30,9 @@ import numpy as np
 
 from persia_core import io
 from persia_core.embedding import kernels as K
-from persia_core.embedding.sharded import (
-    TableArrays,
-    _has_internals,
-    lru_state_dict,
-    read_shard_file,
-    write_shard_arrays,
-)
+from persia_core.embedding.shard_file import TableArrays, read_shard_file, write_shard_arrays
+from persia_core.embedding.shard_tables import lru_state_dict
+from persia_core.embedding.table import EmbeddingTable
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
 log = logging.getLogger("persia.delta")
@@ -44,7 +40,7 @@ log = logging.getLogger("persia.delta")
 
 def sorted_unique(ids: np.ndarray) -> np.ndarray:
     """Sorted distinct values of ``ids: uint64[N]`` (sort-based; ``np.unique`` without ``return_inverse`` takes
-    a hash path that is ~100x slower on uint64 in numpy 2.4)."""
+    a hash path that is much slower on uint64 in numpy 2.4)."""
     s = np.sort(np.asarray(ids, dtype=np.uint64))
     if len(s) == 0:
         return s
@@ -76,7 +72,7 @@ def deltas_after(delta_dir: str, shard: int, delta_seq: int) -> list[str]:
 class DeltaTracker:
     """IDs created or updated per table since the last export (thread-safe; a few array appends per call)."""
 
-    def __init__(self, tables: dict):
+    def __init__(self, tables: dict[str, EmbeddingTable]):
         self.tables = tables
         self.lock = threading.Lock()
         self.pending: dict[str, list[np.ndarray]] = {name: [] for name in tables}
@@ -84,8 +80,7 @@ class DeltaTracker:
         self.evictions = {name: self._evictions(name) for name in tables}
 
     def _evictions(self, name: str) -> int:
-        t = self.tables[name]
-        return int(t.counters[1]) if hasattr(t, "counters") else int(t.stats()["evictions"])
+        return int(self.tables[name].counters[1])
 
     def record(self, table: str, ids: np.ndarray) -> None:
         """Note that the rows of ``ids: uint64[N]`` of ``table`` changed (or were created)."""
@@ -113,25 +108,18 @@ class DeltaTracker:
         return ids, evicted
 
 
-def rows_of(t, ids: np.ndarray, live_keys: bool) -> TableArrays:
+def rows_of(t: EmbeddingTable, ids: np.ndarray, live_keys: bool) -> TableArrays:
     """The current rows of ``ids`` in table ``t`` (IDs without a row are left out), as a "delta" table; with
     ``live_keys``, also every key the table holds."""
     meta = {"dim": t.dim, "optimizer": t.optimizer.name, "layout": "delta"}
-    if _has_internals(t):
-        with t.lock:
-            rows = K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), t.index, t.keys)
-            rows = rows[rows >= 0]
-            arrays = {"keys": t.keys[rows], "weights": t.weights[rows], "last_used": t.last_used[rows]}
-            arrays.update({k: v[rows] for k, v in t.state.items()})
-            if live_keys:
-                arrays["live_keys"] = t.keys[: int(t.counters[0])].copy()
-            meta["step"] = int(t.step)
-    else:  # no access to the table's arrays: select from a full copy
-        sd = t.state_dict()
-        sel = np.isin(sd["keys"], ids)
-        arrays = {k: v[sel] for k, v in sd.items()}
+    with t.lock:
+        rows = K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), t.index, t.keys)
+        rows = rows[rows >= 0]
+        arrays = {"keys": t.keys[rows], "weights": t.weights[rows], "last_used": t.last_used[rows]}
+        arrays.update({k: v[rows] for k, v in t.state.items()})
         if live_keys:
-            arrays["live_keys"] = sd["keys"]
+            arrays["live_keys"] = t.keys[: int(t.counters[0])].copy()
+        meta["step"] = int(t.step)
     meta["rows"] = len(arrays["keys"])
     return TableArrays(arrays, meta)
 

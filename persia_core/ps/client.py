@@ -1,7 +1,8 @@
 """Embedding-worker side of the parameter servers: route IDs to shards, call them concurrently, reassemble.
 
-Same interface as ``persia_core.embedding.sharded.LocalEmbedding`` (see there). IDs passed in are expected to be
-unique already (the trainer deduplicates a batch once); gradients are per unique ID.
+An ``EmbeddingBackend`` (``persia_core.embedding.backend``), as the in-process
+``persia_core.embedding.reference.LocalEmbedding`` is. IDs passed in are expected to be unique already (the
+trainer deduplicates a batch once); gradients are per unique ID.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
 from persia_core.config import EmbeddingConfig
-from persia_core.embedding.sharded import positions_by_shard
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.routing import positions_by_shard
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
 from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
@@ -74,7 +77,7 @@ class EmbeddingClient:
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._seq = [itertools.count() for _ in self.addresses]  # per shard: each shard sees 0, 1, 2, ...
         self.channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
-        self.calls = {
+        self.calls: dict[str, list[grpc.UnaryUnaryMultiCallable]] = {
             name: [ch.unary_unary(f"/{SERVICE}/{name}") for ch in self.channels]
             for name in ("Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Load", "Stats", "Health")
         }
@@ -115,7 +118,7 @@ class EmbeddingClient:
             if seg is not None:  # a retry: the failed attempt may still be answered into the old segment
                 pool.discard(seg)
             seg = pool.acquire(nbytes + reply_bytes + 4 * shm_mod.ALIGN)
-            entries, off = seg.put(arrays)
+            entries, off = seg.put(arrays or {})  # (use_shm: arrays were given)
             return wire.encode(
                 {
                     **(meta or {}),
@@ -151,6 +154,7 @@ class EmbeddingClient:
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
                     if "shm_out" in out_meta:
+                        assert seg is not None  # the server answers into a segment only when sent one
                         out_arrays = shm_mod.views(seg.buf, out_meta.pop("shm_out"))
                         if consume is None:
                             out_arrays = {k: v.copy() for k, v in out_arrays.items()}
@@ -177,13 +181,14 @@ class EmbeddingClient:
         if seg is not None and last is not None and last.code() == grpc.StatusCode.FAILED_PRECONDITION:
             self.use_shm[shard] = False
             return self.call(method, shard, meta, arrays, timeout_s, reply_bytes, consume)
+        assert last is not None  # every attempt returns or records its error
         raise ParameterServerError(
             f"{method} to shard {shard} at {self.addresses[shard]} failed: {last.code().name}: {last.details()}"
         )
 
     # ---- routed batch calls ---------------------------------------------------------------------------
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions of ``ids`` owned by each shard (``sharded.positions_by_shard``)."""
+        """Positions of ``ids`` owned by each shard (``routing.positions_by_shard``)."""
         return positions_by_shard(ids, self.num_shards)
 
     def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:
@@ -225,11 +230,11 @@ class EmbeddingClient:
         step: int = 0,
         sync_workers: int = 0,
         step_fraction: float = 1.0,
-    ) -> Future:
+    ) -> Future[int]:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
         when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
-        out: Future = Future()
+        out: Future[int] = Future()
         # routing and sending happen off the caller's thread, on one dispatcher thread, in call order
         self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction)
         return out
@@ -279,6 +284,7 @@ class EmbeddingClient:
             f.add_done_callback(done)
 
     def contains(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """``bool[U]``: whether each of ``ids: uint64[U]`` has a row on its shard."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.zeros(len(ids), dtype=bool)
         for s, pos in enumerate(self._route(ids)):
@@ -292,14 +298,33 @@ class EmbeddingClient:
         futs = [self.pool.submit(self.call, "Dump", s, {"path": p}, None, timeout_s) for s, p in enumerate(paths)]
         return [(int(f.result()[0]["bytes"]), int(f.result()[0]["crc32c"])) for f in futs]
 
-    def stats(self) -> list[dict]:
+    def load(self, paths: list[str], expected: list[tuple[int, int]] | None = None, timeout_s: float = 1800.0) -> None:
+        """Each shard replaces its state with ``paths[shard]`` (concurrently), refused unless its size and
+        CRC-32C equal ``expected[shard]`` (``(bytes, CRC-32C)``) when given. ``timeout_s``: per shard (seconds).
+        Raises ``ValueError`` unless one path (and one expected pair) per shard, ``ParameterServerError``
+        naming the shard whose server refused its file."""
+        if len(paths) != self.num_shards:
+            raise ValueError(f"{len(paths)} shard files for {self.num_shards} shards")
+        if expected is not None and len(expected) != self.num_shards:
+            raise ValueError(f"{len(expected)} expected (bytes, CRC-32C) for {self.num_shards} shards")
+        metas = [
+            {"path": p, **({"size": expected[s][0], "crc32c": expected[s][1]} if expected is not None else {})}
+            for s, p in enumerate(paths)
+        ]
+        futs = [self.pool.submit(self.call, "Load", s, meta, None, timeout_s) for s, meta in enumerate(metas)]
+        for f in futs:
+            f.result()
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each server's ``Stats`` answer: ``{"shard", "num_shards", "tables": {name: EmbeddingTable.stats()},
+        "pushes", "duplicate_pushes", "table_cpu_s", "process_cpu_s"}``."""
         return [self.call("Stats", s)[0] for s in range(self.num_shards)]
 
     def health(self, timeout_s: float = 5.0) -> list[dict]:
         return [self.call("Health", s, timeout_s=timeout_s)[0] for s in range(self.num_shards)]
 
     def flush(self) -> None:
-        pass
+        """Nothing buffered: each push is sent when made (its future says when it is applied)."""
 
     def close(self) -> None:
         self.dispatcher.shutdown(wait=True)
@@ -308,3 +333,9 @@ class EmbeddingClient:
             ch.close()
         for pool in self.segments:
             pool.close()
+
+
+if TYPE_CHECKING:  # mypy checks here that EmbeddingClient satisfies the EmbeddingBackend Protocol
+
+    def _is_backend(backend: EmbeddingClient) -> EmbeddingBackend:
+        return backend

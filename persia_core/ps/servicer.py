@@ -6,7 +6,7 @@ Service ``persia.ParameterServer`` (unary calls, ``persia_core.ps.wire`` message
     LookupReadonly  meta {table}            ids uint64[U]           -> rows float32[U, D] (unseen -> zeros)
     Push            meta {table, client, seq, step, sync_workers}  ids, grads float32[U, D] -> {applied, dropped}
     Dump            meta {path}                       -> {bytes, crc32c}  (shard file: rows, optimizer state,
-                                                         recency list, applied-push records; see embedding.sharded)
+                                                         recency list, applied-push records; see embedding.shard_file)
     Load            meta {path, size?, crc32c?}       -> {ok}   (refused unless size and CRC-32C match, if given)
     Contains, Stats, Health
 

@@ -26,10 +26,10 @@ import numpy as np
 
 from persia_core.config import RunConfig
 from persia_core.embedding.delta import DeltaExporter, DeltaTracker
-from persia_core.embedding.sharded import (
+from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_tables import (
     check_shard_contents,
     make_tables,
-    read_shard_file,
     restore_shard_contents,
     write_shard_file,
 )

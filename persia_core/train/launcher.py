@@ -16,7 +16,7 @@ Model folder::
     manifest.json          format, config, tables, shard files, dense file, slots, dense feature stats, summary,
                            lineage, the checkpoint the run resumed from
     dense.pt               dense model state_dict (load with torch.load(..., weights_only=True))
-    shards/shard-SSSSS.npz one per parameter-server shard (``persia_core.embedding.sharded``; no pickles)
+    shards/shard-SSSSS.npz one per parameter-server shard (``persia_core.embedding.shard_file``; no pickles)
     train_metrics.json     loss curve, samples/s, observed staleness
     checkpoints/           the newest checkpoints (when enabled)
     deltas/                incremental exports (when enabled; ``persia_core.embedding.delta``)

@@ -11,8 +11,8 @@ import os
 from persia_core import io
 from persia_core.checkpoints import CheckpointError
 from persia_core.config import RunConfig
-from persia_core.embedding.plan import reshard
-from persia_core.embedding.sharded import read_shard_file, write_shard_arrays
+from persia_core.embedding.reshard import reshard
+from persia_core.embedding.shard_file import read_shard_file, write_shard_arrays
 from persia_core.memory import capacity_for_budget
 from persia_core.model_store import shard_file_name
 

@@ -9,7 +9,8 @@ from support import tiny_config, write_dataset
 
 from persia_core import checkpoints as ckpt
 from persia_core import io
-from persia_core.embedding.sharded import LocalEmbedding, load_shard_file
+from persia_core.embedding.reference import LocalEmbedding
+from persia_core.embedding.shard_tables import load_shard_file
 from persia_core.model_store import shard_file_name
 from persia_core.train.checkpointer import Checkpointer, load_dense
 from persia_core.train.worker import run_worker
@@ -176,7 +177,7 @@ def test_checkpoint_on_cloud_storage_is_whole_or_ignored(tmp_path, gcs_bucket):
     manifest = ckpt.verify(newest)
     assert {e["role"] for e in manifest["files"]} == {"shard", "dense", "worker"}
     backend = _restore(cfg, newest, manifest)
-    assert sum(t["default"]["rows"] for t in backend.stats()) > 0
+    assert sum(t["tables"]["default"]["rows"] for t in backend.stats()) > 0
     # overwrite one object of the newest checkpoint: refused, the previous one is used
     shard = io.join(newest, "shards/shard-00000.npz")
     raw = bytearray(io.read_bytes(shard))

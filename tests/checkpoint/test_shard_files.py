@@ -7,9 +7,11 @@ import pytest
 from support import tiny_config
 
 from persia_core.config import OptimizerConfig
-from persia_core.embedding import sharded as S
+from persia_core.embedding import shard_file as F
+from persia_core.embedding import shard_tables as T
+from persia_core.embedding.checksums import file_crc32c
 from persia_core.embedding.delta import load_with_deltas
-from persia_core.embedding.plan import reshard
+from persia_core.embedding.reshard import reshard
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.hashing import shard_of
 from persia_core.ps.shard import ParameterServerShard
@@ -38,12 +40,12 @@ def test_shard_file_round_trip_keeps_rows_optimizer_state_and_recency_and_traini
     t = _trained_table(opt)
     assert t.stats()["evictions"] > 0  # the recency list has been exercised
     path = str(tmp_path / "shard.npz")
-    nbytes, crc = S.write_shard_file(path, {"default": t}, server={"note": 1})
-    assert (nbytes, crc) == S.file_crc32c(path)
+    nbytes, crc = T.write_shard_file(path, {"default": t}, server={"note": 1})
+    assert (nbytes, crc) == file_crc32c(path)
     with np.load(path) as z:  # a standard npz, no pickles
         assert "default.keys" in z.files and "__meta__" in z.files
     u = EmbeddingTable(4, OptimizerConfig(name=opt, lr=0.05), 3000, 0.1, 0)
-    assert S.load_shard_file(path, {"default": u}, nbytes, crc) == {"note": 1}
+    assert T.load_shard_file(path, {"default": u}, nbytes, crc) == {"note": 1}
     _assert_same(t.state_dict(), u.state_dict())
     rng = np.random.default_rng(7)
     for _ in range(3):  # the same lookups (with evictions) and updates give the same tables
@@ -57,45 +59,45 @@ def test_shard_file_round_trip_keeps_rows_optimizer_state_and_recency_and_traini
 
 def test_array_data_is_64_byte_aligned_in_the_file(tmp_path):
     path = str(tmp_path / "s.npz")
-    S.write_shard_file(path, {"default": _trained_table("adam")})
+    T.write_shard_file(path, {"default": _trained_table("adam")})
     with open(path, "rb", buffering=0) as f:
-        members = S._members(f, os.path.getsize(path), path)
+        members = F._members(f, os.path.getsize(path), path)
     assert members and all(m.data % 64 == 0 for m in members)
 
 
 def test_corrupt_or_partial_shard_file_is_refused_naming_the_check(tmp_path):
     path = str(tmp_path / "s.npz")
-    nbytes, crc = S.write_shard_file(path, {"default": _trained_table("rowwise_adagrad")})
+    nbytes, crc = T.write_shard_file(path, {"default": _trained_table("rowwise_adagrad")})
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0x01
     bad = str(tmp_path / "bad.npz")
     open(bad, "wb").write(data)
     fresh = {"default": EmbeddingTable(4, OptimizerConfig(), 3000)}
-    with pytest.raises(S.ShardFileError, match="CRC-32C .* does not match"):
-        S.load_shard_file(bad, fresh, nbytes, crc)
-    with pytest.raises(S.ShardFileError, match="zip CRC-32 mismatch"):  # no manifest: the zip's own CRCs
-        S.load_shard_file(bad, fresh)
+    with pytest.raises(F.ShardFileError, match="CRC-32C .* does not match"):
+        T.load_shard_file(bad, fresh, nbytes, crc)
+    with pytest.raises(F.ShardFileError, match="zip CRC-32 mismatch"):  # no manifest: the zip's own CRCs
+        T.load_shard_file(bad, fresh)
     open(bad, "wb").write(data[: nbytes // 2])
-    with pytest.raises(S.ShardFileError, match="manifest says"):
-        S.load_shard_file(bad, fresh, nbytes, crc)
-    with pytest.raises(S.ShardFileError, match="not a complete shard file"):
-        S.load_shard_file(bad, fresh)
+    with pytest.raises(F.ShardFileError, match="manifest says"):
+        T.load_shard_file(bad, fresh, nbytes, crc)
+    with pytest.raises(F.ShardFileError, match="not a complete shard file"):
+        T.load_shard_file(bad, fresh)
     assert fresh["default"].size == 0  # nothing half-loaded
 
 
 def test_shard_file_of_another_dim_or_optimizer_is_refused_naming_the_table(tmp_path):
     path = str(tmp_path / "s.npz")
-    S.write_shard_file(path, {"default": _trained_table("adam")})
-    with pytest.raises(S.ShardFileError, match="table 'default'.*optimizer"):
-        S.load_shard_file(path, {"default": EmbeddingTable(4, OptimizerConfig(name="sgd"), 3000)})
-    with pytest.raises(S.ShardFileError, match="table 'default'.*dim"):
-        S.load_shard_file(path, {"default": EmbeddingTable(8, OptimizerConfig(name="adam"), 3000)})
+    T.write_shard_file(path, {"default": _trained_table("adam")})
+    with pytest.raises(F.ShardFileError, match="table 'default'.*optimizer"):
+        T.load_shard_file(path, {"default": EmbeddingTable(4, OptimizerConfig(name="sgd"), 3000)})
+    with pytest.raises(F.ShardFileError, match="table 'default'.*dim"):
+        T.load_shard_file(path, {"default": EmbeddingTable(8, OptimizerConfig(name="adam"), 3000)})
 
 
 def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state(tmp_path):
     cfg = tiny_config()
     emb = cfg.embedding
-    old = [S.make_tables(emb.tables, emb.shard_memory_bytes) for _ in range(2)]
+    old = [T.make_tables(emb.tables, emb.shard_memory_bytes) for _ in range(2)]
     rng = np.random.default_rng(0)
     for _ in range(5):
         ids = np.unique(rng.integers(0, 3000, 800).astype(np.uint64))
@@ -106,11 +108,11 @@ def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state
             old[s]["default"].apply_gradients(part, rng.normal(size=(len(part), 4)).astype(np.float32))
     paths = [str(tmp_path / f"old{s}.npz") for s in range(2)]
     for p, tables in zip(paths, old, strict=True):
-        S.write_shard_file(p, tables)
-    new, report = reshard([S.read_shard_file(p).tables for p in paths], 3)
+        T.write_shard_file(p, tables)
+    new, report = reshard([F.read_shard_file(p).tables for p in paths], 3)
     new_paths = [str(tmp_path / f"new{s}.npz") for s in range(3)]
     for p, tables in zip(new_paths, new, strict=True):
-        S.write_shard_arrays(p, tables)
+        F.write_shard_arrays(p, tables)
     before = {}
     for tables in old:
         sd = tables["default"].state_dict()
@@ -118,8 +120,8 @@ def test_reshard_two_to_three_shards_preserves_every_row_and_its_optimizer_state
     assert report["rows"]["default"] == len(before) and report["dropped"]["default"] == 0
     after = {}
     for s, p in enumerate(new_paths):
-        tables = S.make_tables(emb.tables, emb.shard_memory_bytes)
-        S.load_shard_file(p, tables)
+        tables = T.make_tables(emb.tables, emb.shard_memory_bytes)
+        T.load_shard_file(p, tables)
         sd = tables["default"].state_dict()
         assert (shard_of(sd["keys"], 3) == s).all()  # routed by the new plan
         after.update({int(k): (w, a) for k, w, a in zip(sd["keys"], sd["weights"], sd["acc"], strict=True)})
@@ -133,7 +135,7 @@ def test_reshard_beyond_capacity_keeps_the_most_recent_rows(tmp_path):
     t = _trained_table("rowwise_adagrad")
     recent = t.state_dict()["keys"]
     new, report = reshard(
-        [{"default": S.TableArrays(t.state_dict(), {"layout": "lru", "dim": 4})}], 1, {"default": 1000}
+        [{"default": F.TableArrays(t.state_dict(), {"layout": "lru", "dim": 4})}], 1, {"default": 1000}
     )
     assert report["dropped"]["default"] == len(recent) - 1000
     np.testing.assert_array_equal(np.sort(new[0]["default"].arrays["keys"]), np.sort(recent[:1000]))
@@ -216,9 +218,9 @@ def test_admission_sightings_survive_a_shard_file_round_trip(tmp_path, small):
     t.lookup(pending)
     assert not t.contains(pending).any()
     path = str(tmp_path / "shard.npz")
-    S.write_shard_file(path, {"default": t})
+    T.write_shard_file(path, {"default": t})
     back = table()
-    S.load_shard_file(path, {"default": back})
+    T.load_shard_file(path, {"default": back})
     np.testing.assert_array_equal(back.sketch, t.sketch)
     back.lookup(pending)
     assert back.contains(pending).all()
@@ -245,15 +247,15 @@ def test_shard_files_of_format_2_with_a_linked_recency_list_still_load(tmp_path,
     counters = np.zeros(4, np.int64)
     counters[0] = n
     arrays.update({"prev": prev, "nxt": nxt, "head_tail": np.array([pos[0], pos[-1]], np.int32), "counters": counters})
-    ta = S.TableArrays(arrays, {"dim": 4, "optimizer": "adagrad", "layout": "storage", "rows": n, "step": int(t.step)})
-    monkeypatch.setattr(S, "SHARD_FORMAT", "persia-shard/2")
+    ta = F.TableArrays(arrays, {"dim": 4, "optimizer": "adagrad", "layout": "storage", "rows": n, "step": int(t.step)})
+    monkeypatch.setattr(F, "SHARD_FORMAT", "persia-shard/2")
     path = str(tmp_path / "old.npz")
-    S.write_shard_arrays(path, {"default": ta})
+    F.write_shard_arrays(path, {"default": ta})
     monkeypatch.undo()
     with np.load(path) as z:
         assert "__meta__" in z.files and "default.nxt" in z.files
     u = EmbeddingTable(4, OptimizerConfig(name="adagrad", lr=0.05), 3000, 0.1, 0)
-    S.load_shard_file(path, {"default": u})
+    T.load_shard_file(path, {"default": u})
     _assert_same(sd, u.state_dict())
 
 
@@ -278,10 +280,10 @@ def test_table_arrays_start_on_a_cache_line_when_made_grown_and_loaded(tmp_path)
     t.apply_gradients(np.arange(10, dtype=np.uint64), np.ones((10, 16), np.float32))
     assert len(t.keys) > 1024 and _misaligned(t) == []
     path = str(tmp_path / "s.npz")
-    nbytes, crc = S.write_shard_file(path, {"default": t})
+    nbytes, crc = T.write_shard_file(path, {"default": t})
     for capacity in (50_000, 15_000):  # restored in place from the file; re-inserted (fewer rows fit)
         u = EmbeddingTable(16, OptimizerConfig(name="rowwise_adagrad", lr=0.05), capacity, 0.1, 0)
-        S.load_shard_file(path, {"default": u}, nbytes, crc)
+        T.load_shard_file(path, {"default": u}, nbytes, crc)
         assert u.size == min(capacity, 20_000) and _misaligned(u) == []
         ids = np.arange(19_990, 20_000, dtype=np.uint64)
         np.testing.assert_array_equal(u.lookup_readonly(ids), t.lookup_readonly(ids))

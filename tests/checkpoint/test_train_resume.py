@@ -16,9 +16,10 @@ from support import tiny_config, write_dataset
 
 from persia_core.checkpoints import CheckpointSettings, list_checkpoints
 from persia_core.data.reader import ParquetExamples, shard_files
-from persia_core.embedding.plan import WarmStartError, init_shards
+from persia_core.embedding.plan import init_shards
 from persia_core.embedding.pooling import pool, prepare_ids
-from persia_core.embedding.sharded import load_shard_file, make_tables
+from persia_core.embedding.shard_tables import load_shard_file, make_tables
+from persia_core.embedding.warm_start import WarmStartError
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
 from persia_core.train.hybrid import make_schedule
@@ -354,7 +355,7 @@ def test_a_stopped_child_fails_the_job_after_the_stopped_limit_naming_it_and_lea
 def test_warm_start_from_a_blessed_location_before_its_first_model_is_a_cold_start(tmp_path):
     """Day one of a daily schedule: warm_start_from names the blessed-model location, which does not exist yet
     (or is empty): a cold start. A location holding files but no model is still refused."""
-    from persia_core.embedding.plan import resolve_warm_start
+    from persia_core.embedding.warm_start import resolve_warm_start
 
     assert resolve_warm_start(str(tmp_path / "blessed" / "criteo")) == ""
     (tmp_path / "empty").mkdir()

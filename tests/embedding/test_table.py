@@ -227,7 +227,7 @@ def test_expiry_removes_rows_untouched_for_t_steps_and_keeps_the_rest_intact():
 
 @pytest.mark.parametrize("storage", ["fp16", "bf16"])
 def test_16_bit_storage_rounds_each_fp32_update_and_halves_the_weight_bytes(storage):
-    from persia_core.embedding.table import decode, encode
+    from persia_core.embedding.precision import decode, encode
     from persia_core.memory import row_bytes_without_index
 
     cfg = OptimizerConfig(name="rowwise_adagrad", lr=0.1)
@@ -256,7 +256,7 @@ def test_16_bit_storage_rounds_each_fp32_update_and_halves_the_weight_bytes(stor
 
 
 def test_bf16_encoding_rounds_to_nearest_even():
-    from persia_core.embedding.table import decode, encode
+    from persia_core.embedding.precision import decode, encode
 
     x = np.array([[1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 65504.0, 1e-40]], np.float32)
     got = decode(encode(x, "bf16"), "bf16")
@@ -327,7 +327,7 @@ def test_find_rows_at_full_index_load_matches_a_dict_for_present_absent_and_repe
     # at the index's highest load (0.75) long probe runs are common: every ID that is not in its home slot goes
     # through the kernel's round-by-round walk
     from persia_core.embedding import kernels as K
-    from persia_core.embedding.table import aligned_array
+    from persia_core.embedding.buffers import aligned_array
 
     rng = np.random.default_rng(3)
     keys = np.unique(rng.integers(0, 2**64 - 1, 12_288, dtype=np.uint64, endpoint=True))
@@ -348,7 +348,7 @@ def test_lookups_copy_each_ids_own_row_on_the_streaming_store_path(dim):
     # dims that are multiples of 16 are written with 64-byte non-temporal stores into a cache-line-aligned output;
     # the reference is the table's own rows, fetched by row number in numpy
     from persia_core.embedding import kernels as K
-    from persia_core.embedding.table import aligned_array
+    from persia_core.embedding.buffers import aligned_array
 
     t = EmbeddingTable(dim, OptimizerConfig(name="rowwise_adagrad", lr=0.1), 5_000, 0.5, 0)
     rng = np.random.default_rng(0)
@@ -380,7 +380,7 @@ def test_lookups_copy_each_ids_own_row_on_the_streaming_store_path(dim):
 
 
 def test_output_pool_reuses_memory_only_once_no_array_or_tensor_refers_to_it():
-    from persia_core.embedding.table import OutputPool
+    from persia_core.embedding.buffers import OutputPool
 
     pool = OutputPool(min_bytes=1 << 16)
     shape = (4096, 16)  # 256 KiB
@@ -416,7 +416,7 @@ def test_output_pool_takes_back_an_output_freed_while_its_own_lock_is_held():
     # on that lock. Freed here deterministically while the lock is held, in a thread, so a deadlock fails the test
     import threading
 
-    from persia_core.embedding.table import OutputPool
+    from persia_core.embedding.buffers import OutputPool
 
     pool = OutputPool(min_bytes=1 << 16)
     done = []

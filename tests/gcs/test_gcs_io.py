@@ -167,7 +167,7 @@ def test_gcs_missing_bucket_lists_nothing_and_reads_fail_clearly(gcs_emulator):
 
 def test_gcs_warm_start_from_a_blessed_location_before_its_first_model_is_a_cold_start(gcs_bucket):
     from persia_core import io
-    from persia_core.embedding.plan import resolve_warm_start
+    from persia_core.embedding.warm_start import resolve_warm_start
 
     assert resolve_warm_start(f"gs://{gcs_bucket}/blessed/criteo") == ""  # day one: no object under it yet
     io.write_text(f"gs://{gcs_bucket}/other/notes.txt", "x")

@@ -225,7 +225,7 @@ def test_a_warm_start_location_that_is_missing_and_not_the_blessed_dir_is_refuse
 ):
     """Day one of a schedule warm-starts from its own, still empty, blessed_dir: a cold start. Any other location
     where nothing exists is a typo that would cold-start every run: refused."""
-    from persia_core.embedding.plan import check_warm_start_location
+    from persia_core.embedding.warm_start import check_warm_start_location
 
     blessed = str(tmp_path / "blessed" / "movielens")
     check_warm_start_location(blessed + "/", blessed)  # nothing there yet: fine

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support import tiny_config
 
-from persia_core.embedding.sharded import LocalEmbedding
+from persia_core.embedding.reference import LocalEmbedding
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
 from persia_core.ps.shard import ParameterServerShard
 

@@ -101,7 +101,7 @@ def test_in_sync_mode_a_bad_push_is_refused_at_once_and_the_step_still_completes
         f.result(timeout=30)
     after = a.lookup_readonly("default", IDS)
     assert np.isfinite(after).all() and not np.array_equal(after, before)
-    from persia_core.embedding.sharded import LocalEmbedding
+    from persia_core.embedding.reference import LocalEmbedding
 
     ref = LocalEmbedding(cfg.embedding, 1)
     ref.lookup("default", IDS)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from support import tiny_config, write_dataset
 
-from persia_core.embedding.sharded import LocalEmbedding
+from persia_core.embedding.reference import LocalEmbedding
 from persia_core.train.worker import run_worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by make device-check)")

@@ -207,7 +207,9 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
 
     from persia_core.checkpoints import config_sha256
     from persia_core.embedding.plan import init_shards
-    from persia_core.embedding.sharded import LocalEmbedding, ShardFileError, shard_file_bytes
+    from persia_core.embedding.reference import LocalEmbedding
+    from persia_core.embedding.shard_file import ShardFileError
+    from persia_core.embedding.shard_tables import shard_file_bytes
     from persia_core.evaluate.run import evaluate
     from persia_core.model_store import shard_file_name
 

@@ -1,0 +1,129 @@
+"""The in-process embedding backend: every shard's tables in this process (the reference implementation).
+
+``LocalEmbedding`` routes feature IDs to shards exactly as the parameter-server client does
+(``persia_core.embedding.routing``) and offers the same calls (``persia_core.embedding.backend.EmbeddingBackend``),
+so the trainer runs unchanged on either and a test can run a batch through both and compare them.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from persia_core.config import EmbeddingConfig
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.routing import positions_by_shard
+from persia_core.embedding.shard_tables import load_shard_file, make_tables, write_shard_file
+
+
+def _done(value: int) -> Future[int]:
+    f: Future[int] = Future()
+    f.set_result(value)
+    return f
+
+
+class LocalEmbedding:
+    """All shards' tables in this process; routing as in the distributed case (``hashing.shard_of``). An
+    ``EmbeddingBackend`` (see ``persia_core.embedding.backend`` for every call's shapes).
+
+    Args:
+        config: the embedding config (tables, shard memory budget, storage precision).
+        num_shards: N (default: ``config.num_shards``).
+        seed: seed of the per-ID row initializer (the servers use ``trainer.seed``).
+
+    Pushes are applied at once, in the caller's thread: the returned future is already done, and a push that
+    is refused (shapes, non-finite gradients) raises ``ValueError`` from ``push`` itself."""
+
+    def __init__(self, config: EmbeddingConfig, num_shards: int | None = None, seed: int = 0):
+        self.config = config
+        self.num_shards = num_shards or config.num_shards
+        self.shards = [
+            make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
+            for _ in range(self.num_shards)
+        ]
+        self.dims = {t.name: t.dim for t in config.tables}
+
+    def load(self, paths: list[str], expected: list[tuple[int, int]] | None = None) -> None:
+        """Load one shard file per shard (``paths[i]`` into shard i), each checked against ``expected[i]``
+        (``(bytes, CRC-32C)``) when given."""
+        if len(paths) != self.num_shards:
+            raise ValueError(f"{len(paths)} shard files for {self.num_shards} shards")
+        if expected is not None and len(expected) != self.num_shards:
+            raise ValueError(f"{len(expected)} expected (bytes, CRC-32C) for {self.num_shards} shards")
+        for s, (p, tables) in enumerate(zip(paths, self.shards, strict=True)):
+            size, crc = expected[s] if expected is not None else (None, None)
+            load_shard_file(p, tables, size, crc)
+
+    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
+        return positions_by_shard(ids, self.num_shards)
+
+    def _gather(self, table: str, ids: np.ndarray, readonly: bool) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = np.empty((len(ids), self.dims[table]), dtype=np.float32)
+        for s, pos in enumerate(self._route(ids)):
+            if len(pos):
+                t = self.shards[s][table]
+                out[pos] = t.lookup_readonly(ids[pos]) if readonly else t.lookup(ids[pos])
+        return out
+
+    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen."""
+        return self._gather(table, ids, readonly=False)
+
+    def lookup_readonly(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``; unseen -> zero row, nothing inserted."""
+        return self._gather(table, ids, readonly=True)
+
+    def contains(self, table: str, ids: np.ndarray) -> np.ndarray:
+        """``bool[U]``: whether each of ``ids: uint64[U]`` has a row."""
+        out = np.zeros(len(ids), dtype=bool)
+        for s, pos in enumerate(self._route(ids)):
+            if len(pos):
+                out[pos] = self.shards[s][table].contains(ids[pos])
+        return out
+
+    def push(
+        self,
+        table: str,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        step: int = 0,
+        sync_workers: int = 0,
+        step_fraction: float = 1.0,
+    ) -> Future[int]:
+        """Apply ``grads: float32[U, D]`` to the rows of ``ids: uint64[U]`` now (``step`` and ``sync_workers``
+        are not needed in one process). Returns a done future of the number of gradients dropped."""
+        dropped = 0
+        for s, pos in enumerate(self._route(ids)):
+            if len(pos):
+                dropped += self.shards[s][table].apply_gradients(ids[pos], grads[pos], step_fraction)
+        return _done(dropped)
+
+    def flush(self) -> None:
+        """Nothing to send: pushes are applied when made."""
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per shard: ``{"shard", "num_shards", "tables": {name: EmbeddingTable.stats()}}``."""
+        return [
+            {"shard": s, "num_shards": self.num_shards, "tables": {name: t.stats() for name, t in tables.items()}}
+            for s, tables in enumerate(self.shards)
+        ]
+
+    def state_dicts(self) -> list[dict[str, dict[str, np.ndarray]]]:
+        """Per shard, per table: ``EmbeddingTable.state_dict()``."""
+        return [{name: t.state_dict() for name, t in tables.items()} for tables in self.shards]
+
+    def dump(self, paths: list[str]) -> list[tuple[int, int]]:
+        """Write shard i to ``paths[i]``; returns ``(bytes, CRC-32C)`` of each shard file."""
+        return [write_shard_file(p, tables) for p, tables in zip(paths, self.shards, strict=True)]
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+if TYPE_CHECKING:  # mypy checks here that LocalEmbedding satisfies the EmbeddingBackend Protocol
+
+    def _is_backend(backend: LocalEmbedding) -> EmbeddingBackend:
+        return backend
