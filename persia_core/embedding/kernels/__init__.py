@@ -9,18 +9,18 @@ module         holds
 ``rows``       lookup-or-create with eviction and admission, row gathers, initial rows, expiry, row moves
 ``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
 ``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
+``cache``      numba's on-disk cache checked against every file of the package, so that an edit of any module
+               recompiles the kernels of the others, which hold compiled copies of its code; imported first
 ============== ==============================================================================================
 
 The names below are the package's interface (``from persia_core.embedding.kernels import dedup``). Every kernel
 releases the GIL, so a parameter server's RPC threads keep (de)serializing while one runs.
-
-numba's on-disk cache (``__pycache__/*.nbi``, ``*.nbc`` next to each module) checks only the source of the
-module that defines a kernel, not of the modules it calls into: after editing one module, delete the package's
-``__pycache__`` so that the kernels of the other modules, which hold compiled copies of its code, recompile.
 """
 
 from __future__ import annotations
 
+# first, for its effect: each kernel below looks up its cache locator when it is defined
+from persia_core.embedding.kernels import cache as cache
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
