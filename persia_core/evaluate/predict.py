@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import tempfile
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -136,7 +137,7 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
         raise FileNotFoundError(
             f"predict: raw MovieLens ratings need {movies_path} beside them (or pass preprocessed Parquet rows)"
         )
-    movies = {}
+    movies: dict[str, Any] = {}
     for line_no, line in enumerate(_lines(movies_path), start=1):
         try:
             m = layouts.parse_movie(line)
@@ -184,8 +185,8 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
         lists = layouts.tags_before_each(
             events.get(movie, []), [ratings[i][0]["timestamp"] for i in idx], layout.max_tags
         )
-        for i, t in zip(idx, lists, strict=True):
-            tags[i] = t
+        for i, movie_tags in zip(idx, lists, strict=True):
+            tags[i] = movie_tags
     out = [
         (layouts.movielens_record(r, movies[r["movieId"]], t), src) for (r, src), t in zip(ratings, tags, strict=True)
     ]
@@ -282,7 +283,7 @@ def predict(
     if labelled:
         cols["label"] = pa.array(examples.labels, pa.float32())
     _write(output_path, pa.table(cols))
-    if dead_letter:
+    if dead_letter and bad is not None:
         io.write_text(dead_letter, "".join(json.dumps(b) + "\n" for b in bad))
         if bad:
             log.warning(

@@ -184,12 +184,12 @@ def evaluate(
     preds_all = score(model, examples, batch_size, desc="evaluate", stream=stream)
     metrics = stream.compute()
     labels = examples.labels
-    user_split = None
+    user_split: dict[str, Any] | None = None
     if use_user_slot:
         seen, user = user_seen_rows(model, examples, user_slot)
         has_user = np.diff(examples.ids[user_slot][1]) > 0
         metrics["gauc"] = _gauc(labels, preds_all, user, has_user)
-        user_split: dict[str, Any] = {"slot": user_slot}
+        user_split = {"slot": user_slot}
         for name, rows in (("seen", seen), ("unseen", ~seen)):
             m = subset_metrics(labels, preds_all, rows)
             m["gauc"] = _gauc(labels, preds_all, user, rows & has_user)
