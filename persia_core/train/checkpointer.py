@@ -36,6 +36,7 @@ from persia_core.checkpoints import (
     write_durable,
     write_manifest,
 )
+from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.model_store import shard_file_name
 
 log = logging.getLogger("persia.checkpoint")
@@ -91,7 +92,7 @@ class Checkpointer:
         settings: CheckpointSettings,
         rank: int,
         world: int,
-        backend,
+        backend: EmbeddingBackend,
         num_shards: int,
         lineage_info: dict,
         extra: dict | None = None,

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.pooling import PreparedIds, TableLayout, pool_bags, prepare_ids
 from persia_core.sparse import Batch, IdBatch
 
@@ -130,7 +131,7 @@ class HybridTrainPipeline:
         self,
         model,
         optimizer,
-        backend,
+        backend: EmbeddingBackend,
         layouts: list[TableLayout],
         batches,
         staleness: int,

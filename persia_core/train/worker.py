@@ -37,6 +37,7 @@ from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
@@ -77,7 +78,7 @@ def run_worker(
     config: RunConfig,
     data_dir: str,
     out_dir: str,
-    backend,
+    backend: EmbeddingBackend,
     rank: int,
     world: int,
     progress_every: int = 20,
