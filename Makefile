@@ -54,7 +54,7 @@ test: venv ## run the whole test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv ## every test that starts no process (servers, DDP ranks, kfp.local tasks, CLIs): under a minute
-	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" $(PYTEST_ARGS)
+	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" -n 2 $(PYTEST_ARGS)
 
 lint: venv ## ruff: lint (E, F, I, B, UP) and check the format of every Python file
 	$(VENV)/bin/ruff check .

@@ -29,12 +29,19 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "processes: starts processes (servers, DDP ranks, kfp.local tasks, CLIs); make test-fast skips it"
     )
-    if FAST:  # for the whole session: module-scoped fixtures start before any function-scoped patch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_in_fast_tests():
+    """With ``PERSIA_TEST_FAST=1``, starting a process raises, for the whole session: a session fixture starts before
+    any module-scoped one (which may start servers), and after pytest-xdist's own start-up of its workers."""
+    if FAST:
         subprocess.Popen.__init__ = _refuse  # type: ignore[method-assign]
         multiprocessing.process.BaseProcess.start = _refuse  # type: ignore[method-assign]
         os.fork = _refuse
         os.posix_spawn = _refuse
         os.posix_spawnp = _refuse
+    yield
 
 
 @pytest.fixture
