@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import apache_beam as beam
 import numpy as np
@@ -176,18 +175,24 @@ def test_ties_at_the_cutoff_all_go_to_eval_in_the_split_composite():
         )
 
 
-def test_full_movielens_preprocess_writes_every_rating_within_a_minute(movielens_dir, tmp_path, helpers):
-    started = time.monotonic()
-    result = pipeline.main(["--data", movielens_dir, "--output", str(tmp_path), "--config", "movielens"])
-    elapsed = time.monotonic() - started
-    assert result["rows"] == {"train": 84271, "eval": 21068, "malformed": 0, "read": 105339}
-    assert elapsed < 60
-    counts = [pq.read_metadata(os.path.join(str(tmp_path), f)).num_rows for f in result["train_files"]]
+@pytest.mark.processes
+def test_full_movielens_preprocess_from_the_command_line_writes_every_rating(movielens_dir, tmp_path, helpers):
+    # the time it takes is measured by make bench-preprocess, not here
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "persia_core", "preprocess", "--data", movielens_dir, "--output", out]
+    res = subprocess.run([*cmd, "--config", "movielens"], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    expected = {"train": 84271, "eval": 21068, "malformed": 0, "read": 105339}
+    assert json.loads(res.stdout.strip().splitlines()[-1])["rows"] == expected
+    with open(os.path.join(out, schema.SCHEMA_FILE)) as f:
+        result = json.load(f)
+    assert result["rows"] == expected
+    counts = [pq.read_metadata(os.path.join(out, f)).num_rows for f in result["train_files"]]
     assert sum(counts) == 84271 and max(counts) - min(counts) <= 1
-    assert pq.read_metadata(os.path.join(str(tmp_path), result["eval_files"][0])).num_rows == 21068
+    assert pq.read_metadata(os.path.join(out, result["eval_files"][0])).num_rows == 21068
     assert 640 <= result["distinct_ids"]["user"] <= 700  # 668 users; a HyperLogLog estimate
     assert 18 <= result["distinct_ids"]["genres"] <= 20  # 19 genres (+ none for "(no genres listed)")
-    assert helpers.read_dead_letters(str(tmp_path)) == []
+    assert helpers.read_dead_letters(out) == []
 
 
 # ----------------------------------------------------------------------------------------------- delimited
@@ -270,10 +275,15 @@ def test_folder_input_is_read_in_name_order_with_global_row_numbers_and_max_rows
     assert min(r["ts"] for r in helpers.read_split(out, "eval")) == 28
 
 
-def test_gzip_input_and_glob_are_read(tmp_path, helpers):
-    write_criteo_tsv(str(tmp_path / "a.tsv.gz"), 40, seed=5)
-    result = helpers.run(helpers.config_with("criteo"), str(tmp_path / "*.gz"), str(tmp_path / "out"))
-    assert result["rows"] == {"train": 32, "eval": 8, "malformed": 0, "read": 40}
+def test_gzip_input_and_glob_are_read(tmp_path, odd_files_run, helpers):
+    folder, _, out, _ = odd_files_run
+    rows = helpers.read_split(out)
+    assert len(_of(rows, folder / "d.tsv.gz")) == 40  # a .gz file in a folder, read with the others
+    assert {r["source"].rsplit(":", 1)[0] for r in rows} == {str(folder / f) for f in os.listdir(folder)}
+    for name in ("a.tsv.gz", "b.tsv.gz", "c.tsv"):
+        (tmp_path / name).write_bytes(b"")
+    got = pipeline.resolve_inputs(helpers.config_with("criteo"), str(tmp_path / "*.gz"))
+    assert got == {"files": [str(tmp_path / "a.tsv.gz"), str(tmp_path / "b.tsv.gz")]}  # a glob: its matches
 
 
 def test_parse_delimited_composite_routes_bad_lines_to_dead_letters():
@@ -365,47 +375,74 @@ def test_split_cutoff_and_shard_bounds_formulas():
     assert bounds == [2, 5, 7] and sizes.tolist() == [2, 3, 2, 3]
 
 
-def test_not_utf8_line_is_a_dead_letter(tmp_path, helpers):
-    path = tmp_path / "bad.tsv"
-    write_criteo_tsv(str(path), 300, seed=4)
-    data = path.read_bytes().split(b"\n")
-    data[9] = data[9].replace(b"\t", b"\t\xff", 1)
-    path.write_bytes(b"\n".join(data))
-    result = helpers.run(helpers.config_with("criteo"), str(path), str(tmp_path / "out"))
-    dead = helpers.read_dead_letters(str(tmp_path / "out"))
-    assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:10", "not utf-8")]
-    assert result["rows"]["malformed"] == 1 and result["rows"]["read"] == 300
+@pytest.fixture(scope="module")
+def odd_files_run(tmp_path_factory):
+    """One preprocess run over a folder of files with odd bytes, each file a case of its own test: a line that
+    is not UTF-8 (bad.tsv), classic-Mac CR-only line ends (cr.tsv), blank lines (blank.tsv), gzip (d.tsv.gz).
+    Returns ``(input folder, result, output folder, raw lines of bad.tsv)``."""
+    folder = tmp_path_factory.mktemp("odd_files")
+    bad = folder / "bad.tsv"
+    write_criteo_tsv(str(bad), 300, seed=4)
+    raw = bad.read_bytes().split(b"\n")
+    raw[9] = raw[9].replace(b"\t", b"\t\xff", 1)
+    bad.write_bytes(b"\n".join(raw))
+    cr = folder / "cr.tsv"
+    write_criteo_tsv(str(cr), 50, seed=5)
+    cr.write_bytes(b"\r".join(cr.read_bytes().split(b"\n")))
+    blank = folder / "blank.tsv"
+    write_criteo_tsv(str(blank), 60, seed=6)
+    lines = blank.read_text().splitlines()
+    lines[10:10] = ["", "  \t "]
+    lines[40] = "1\t2"  # line 41 of the file: malformed
+    blank.write_text("\n".join(lines) + "\n\n")
+    write_criteo_tsv(str(folder / "d.tsv.gz"), 40, seed=5)
+    out = str(tmp_path_factory.mktemp("odd_files_out"))
+    result = pipeline.run_preprocess(load_config("criteo", {"split.max_malformed_fraction": 0.05}), str(folder), out)
+    return folder, result, out, raw
+
+
+def _of(records: list[dict], path) -> list[dict]:
+    return [r for r in records if r["source"].rsplit(":", 1)[0] == str(path)]
+
+
+def test_not_utf8_line_is_a_dead_letter(odd_files_run, helpers):
+    folder, _, out, raw = odd_files_run
+    rows, dead = helpers.read_split(out), helpers.read_dead_letters(out)
+    path = folder / "bad.tsv"
+    assert [(d["source"], d["reason"]) for d in _of(dead, path)] == [(f"{path}:10", "not utf-8")]
+    assert len(_of(rows, path)) == 299
     # the line's exact bytes are kept (before: only the text with U+FFFD in place of the bad byte)
     import base64
 
-    assert base64.b64decode(dead[0]["raw_base64"]) == data[9] and "\ufffd" in dead[0]["raw"]
+    bad = _of(dead, path)[0]
+    assert base64.b64decode(bad["raw_base64"]) == raw[9] and "\ufffd" in bad["raw"]
 
 
-def test_cr_only_line_ends_give_one_row_per_line(tmp_path, helpers):
+def test_cr_only_line_ends_give_one_row_per_line(odd_files_run, helpers):
     # classic Mac files: before, the whole file was one line (1 row read, a dead letter "wrong field count: 201")
-    path = tmp_path / "cr.tsv"
-    write_criteo_tsv(str(path), 50, seed=5)
-    lines = path.read_bytes().split(b"\n")
-    path.write_bytes(b"\r".join(lines))
-    result = helpers.run(helpers.config_with("criteo"), str(path), str(tmp_path / "out"))
-    assert result["rows"]["read"] == 50 and result["rows"]["malformed"] == 0
+    folder, _, out, _ = odd_files_run
+    rows, dead = helpers.read_split(out), helpers.read_dead_letters(out)
+    path = folder / "cr.tsv"
+    assert sorted(int(r["source"].rsplit(":", 1)[1]) for r in _of(rows, path)) == list(range(1, 51))
+    assert _of(dead, path) == []
 
 
-def test_blank_lines_are_not_rows_and_keep_the_line_numbers(tmp_path, helpers):
+def test_blank_lines_are_not_rows_and_keep_the_line_numbers(odd_files_run, helpers):
     # a blank or whitespace-only line holds no data: before, it was a malformed row ("wrong field count: 1 != 40")
     # and one of them failed a small file on the malformed budget; a bad line after it is still named by its line
-    path = tmp_path / "blank.tsv"
-    write_criteo_tsv(str(path), 60, seed=6)
-    lines = path.read_text().splitlines()
-    lines[10:10] = ["", "  \t "]
-    lines[40] = "1\t2"  # line 41 of the file: malformed
-    path.write_text("\n".join(lines) + "\n\n")
-    result = helpers.run(
-        helpers.config_with("criteo", split__max_malformed_fraction=0.05), str(path), str(tmp_path / "out")
-    )
-    assert result["rows"]["read"] == 60 and result["rows"]["malformed"] == 1
-    dead = helpers.read_dead_letters(str(tmp_path / "out"))
-    assert [(d["source"], d["reason"]) for d in dead] == [(f"{path}:41", "wrong field count: 2 != 40")]
+    folder, _, out, _ = odd_files_run
+    rows, dead = helpers.read_split(out), helpers.read_dead_letters(out)
+    path = folder / "blank.tsv"
+    assert len(_of(rows, path)) == 59
+    assert [(d["source"], d["reason"]) for d in _of(dead, path)] == [(f"{path}:41", "wrong field count: 2 != 40")]
+    assert {11, 12, 63, 64}.isdisjoint(int(r["source"].rsplit(":", 1)[1]) for r in _of(rows, path))
+
+
+def test_a_folder_of_odd_files_adds_up(odd_files_run, helpers):
+    _, result, out, _ = odd_files_run
+    rows, dead = helpers.read_split(out), helpers.read_dead_letters(out)
+    assert result["rows"]["read"] == 300 + 50 + 60 + 40 == len(rows) + len(dead)
+    assert result["rows"]["malformed"] == len(dead) == 2
 
 
 def test_a_cr_inside_a_line_of_a_lf_file_stays_in_its_line():
