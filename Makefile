@@ -27,7 +27,7 @@ OUT ?=
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -54,7 +54,7 @@ test: venv ## run the whole test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv ## every test that starts no process (servers, DDP ranks, kfp.local tasks, CLIs): under a minute
-	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" -n 2 $(PYTEST_ARGS)
+	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" -n 2 --dist worksteal $(PYTEST_ARGS)
 
 lint: venv ## ruff: lint (E, F, I, B, UP) and check the format of every Python file
 	$(VENV)/bin/ruff check .
@@ -84,6 +84,9 @@ bench-ps: venv ## parameter-server benchmark: lookups/updates per core, gRPC end
 
 bench-ckpt: venv ## checkpoint dump/load of a 10M-row shard vs plain sequential I/O (last line: JSON)
 	$(PY) -m persia_core.bench.ckpt
+
+bench-preprocess: venv ## Beam preprocess of the bundled MovieLens set: seconds per run, rows (last line: JSON)
+	$(PY) -m persia_core.bench.preprocess
 
 bench-auc: venv ## MovieLens eval AUC over BENCH_SEEDS seeds (default 3), shipped features and the LR floor's (last line: JSON)
 	$(PY) -m persia_core.bench.movielens_auc

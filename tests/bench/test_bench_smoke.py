@@ -126,3 +126,22 @@ def test_device_check_with_a_python_without_torch_names_what_it_needs(tmp_path):
     written = json.loads((tmp_path / "device_check.json").read_text())
     assert "has no torch: run with a python3 that has a CUDA build of torch" in written["skipped"]
     assert "Traceback" not in r.stderr
+
+
+def test_bench_preprocess_reports_each_runs_seconds_and_the_rows_as_a_json_last_line(tmp_path, capsys):
+    from persia_core.bench import preprocess as bench_preprocess
+
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    (folder / "movies.csv").write_text("movieId,title,genres\n1,A (1999),Drama\n2,B (2001),Comedy|Drama\n")
+    (folder / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\n" + "".join(f"{u},{u % 2 + 1},4.0,{1000 + u}\n" for u in range(1, 11))
+    )
+    (folder / "tags.csv").write_text("userId,movieId,tag,timestamp\n")
+    assert bench_preprocess.main(["--data", str(folder), "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    out = json.loads(lines[-1])
+    assert out["rows"] == {"train": 8, "eval": 2, "malformed": 0, "read": 10}
+    assert len(out["seconds"]) == 1 and out["median_seconds"] == out["seconds"][0] > 0
+    assert out["rows_per_s"] == round(10 / out["median_seconds"], 1)
+    assert lines[0].startswith("run 1: 10 rows read, 8 train, 2 eval in ")
