@@ -118,10 +118,10 @@ def test_a_second_push_of_one_client_to_the_same_sync_step_is_refused(cluster):
     import threading
 
     first = threading.Thread(
-        target=lambda: pytest.raises(ParameterServerError, client.call, "Push", owner, {**meta, "seq": 1}, arrays),
+        target=lambda: pytest.raises(ParameterServerError, client.call, "Push", owner, {**meta, "seq": 1}, arrays, 1.5),
         daemon=True,
     )
-    first.start()  # waits for the second worker of step 9 (and times out: there is none)
+    first.start()  # waits for the second worker of step 9 (and times out within 2 x 1.5 s: there is none)
     time.sleep(0.5)
     with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*already pushed step 9"):
         client.call("Push", owner, {**meta, "seq": 2}, arrays)
