@@ -27,7 +27,7 @@ OUT ?=
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -87,6 +87,9 @@ bench-ckpt: venv ## checkpoint dump/load of a 10M-row shard vs plain sequential 
 
 bench-preprocess: venv ## Beam preprocess of the bundled MovieLens set: seconds per run, rows (last line: JSON)
 	$(PY) -m persia_core.bench.preprocess
+
+bench-feed: venv ## CPU us/sample per role feeding 1 NN worker (one-layer dense model) vs plain PyTorch (last line: JSON)
+	$(PY) -m persia_core.bench.feed
 
 bench-auc: venv ## MovieLens eval AUC over BENCH_SEEDS seeds (default 3), shipped features and the LR floor's (last line: JSON)
 	$(PY) -m persia_core.bench.movielens_auc

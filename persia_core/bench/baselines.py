@@ -194,11 +194,12 @@ def train_loop(
     step, data: IndexedData, batch_size: int, samples: int, seed: int, dropout: np.ndarray, progress=None
 ) -> dict:
     """Run ``step(values, lengths, x, labels) -> loss`` over ``samples`` training rows (see :func:`batches`);
-    returns ``{"samples", "train_seconds", "sps", "final_loss"}``. ``dropout``: ID-dropout rate per slot."""
+    returns ``{"samples", "train_seconds", "train_cpu_seconds", "sps", "final_loss"}`` (``train_cpu_seconds``: CPU
+    time of this process, all its threads, over the loop). ``dropout``: ID-dropout rate per slot."""
     rng = np.random.default_rng([seed, 99])
     tr = data.train
     n, loss, steps = 0, float("nan"), 0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for rows in batches(len(tr), batch_size, samples, seed):
         v, ln = tr.batch(rows)
         if dropout.any():
@@ -213,8 +214,14 @@ def train_loop(
         steps += 1
         if progress is not None and steps % 50 == 0:
             progress(f"{n}/{samples} samples, {n / (time.perf_counter() - t0):.0f} samples/s, loss {loss:.4f}")
-    elapsed = time.perf_counter() - t0
-    return {"samples": n, "train_seconds": elapsed, "sps": n / max(elapsed, 1e-9), "final_loss": loss}
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {
+        "samples": n,
+        "train_seconds": elapsed,
+        "train_cpu_seconds": cpu,
+        "sps": n / max(elapsed, 1e-9),
+        "final_loss": loss,
+    }
 
 
 def run_plain_torch(

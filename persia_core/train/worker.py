@@ -141,6 +141,7 @@ def run_worker(
         (t, examples.batch(rows), schedule.global_batch[t])
         for t, rows in itertools.islice(enumerate(schedule.rows[rank]), start, None)
     )
+    loop_started_unix = time.time()  # the pipeline's threads start preparing the first batch at once
     pipe = HybridTrainPipeline(
         net,
         opt,
@@ -246,6 +247,7 @@ def run_worker(
                 checkpointer.save(done, pipe, model, opt, state(done, pipe))
         flush()
         pipe.drain()
+        loop_ended_unix = time.time()  # every push of this rank applied
         if (
             checkpointer is not None
             and checkpointer.settings.at_end
@@ -276,6 +278,9 @@ def run_worker(
             "device": str(device),
             "fp16_fallbacks": pipe.fp16_fallbacks,
             "resumed_from_step": start,
+            # wall-clock bounds of this rank's training loop (Unix seconds), from the first batch's preparation to
+            # the last push applied: the window in which make bench-feed counts every process's CPU time
+            "train_loop_unix": [loop_started_unix, loop_ended_unix],
             "phase_seconds": {
                 **{k: round(v, 3) for k, v in pipe.phase_s.items()},
                 "loss_all_reduce": round(loss_sync_s, 3),
