@@ -9,6 +9,7 @@ module         holds
 ``rows``       lookup-or-create with eviction and admission, row gathers, initial rows, expiry, row moves
 ``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
 ``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
+``bags``       sum pooling of bags into ``[B, S, D]`` and its backward to one gradient row per unique ID
 ``cache``      numba's on-disk cache checked against every file of the package, so that an edit of any module
                recompiles the kernels of the others, which hold compiled copies of its code; imported first
 ============== ==============================================================================================
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 # first, for its effect: each kernel below looks up its cache locator when it is defined
 from persia_core.embedding.kernels import cache as cache
+from persia_core.embedding.kernels.bags import bag_grads, pool_into
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
@@ -33,6 +35,7 @@ __all__ = [
     "apply_moves",
     "apply_rowwise_adagrad",
     "apply_sgd",
+    "bag_grads",
     "dedup",
     "expire",
     "find_rows",
@@ -41,6 +44,7 @@ __all__ = [
     "init_rows",
     "list_order",
     "lookup",
+    "pool_into",
     "queue_from_order",
     "queue_order",
     "queue_size",
