@@ -4,11 +4,16 @@ Algorithm (Lian et al., "PERSIA: An Open, Hybrid System Scaling Deep Learning-ba
 Trillion Parameters", KDD 2022, Sec. 4 and Alg. 1), per NN worker r of M:
 
     preparation threads (run ahead):                 main thread, step t:
-      batch t: ID dropout, dedup IDs per table          take prepared batch t (rows looked up)
-      wait until pushes of steps <= t-K-1 applied       pool rows per slot, dense forward/backward
-      look rows up on the parameter servers             (DDP all-reduces dense gradients: synchronous)
-      hand batch t to the main thread                   push embedding grads of batch t (non-blocking)
-                                                        dense optimizer step
+      batch t: ID dropout, dedup IDs per table          take prepared batch t (pooled emb[B, S, D])
+      wait until pushes of steps <= t-K-1 applied       dense forward/backward (DDP all-reduces dense
+      look rows up on the parameter servers               gradients: synchronous)
+      sum-pool each bag's rows into emb[B, S, D]        hand d loss / d emb to the grads thread
+      hand batch t to the main thread                   dense optimizer step
+    grads thread (in step order): d loss / d emb -> one gradient row per unique ID (the pooling's backward,
+      ``kernels.bag_grads``), pushed to the parameter servers (non-blocking)
+
+The sparse work (dedup, lookups, pooling and its backward) is compiled code that releases the GIL, off the main
+thread, which does the dense work only: what PERSIA's embedding workers do for its NN workers (Sec. 4.1).
 
 What overlaps with what: batch preparation and lookups of the next batches (as many as there are preparation
 threads, ``trainer.prefetch_threads``, never more than K) run during the dense compute of batch t, and gradient
@@ -45,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.pooling import PreparedIds, TableLayout, pool_bags, prepare_ids
+from persia_core.embedding.kernels import bag_grads, pool_into
+from persia_core.embedding.pooling import PreparedIds, TableLayout, prepare_ids
 from persia_core.sparse import Batch, IdBatch
 
 
@@ -100,9 +106,9 @@ class _Item:
     batch: Batch
     global_batch: int
     prepared: dict[str, PreparedIds]
-    rows: dict[str, np.ndarray]
+    pooled: np.ndarray  # float32[B, S, D]: every table's bags, pooled (slots in layout order)
     staleness: int
-    tensors: dict = field(default_factory=dict)
+    emb: torch.Tensor | None = None
     dense: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     event: object = None
@@ -118,11 +124,11 @@ class HybridTrainPipeline:
         layouts: tables and their slots (``table_layouts``).
         batches: iterator of ``(step, Batch, global_batch_size)``; steps increase by 1 from any start.
         staleness: K. num_workers: M. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
-        device: where the dense model runs. On CUDA the preparation threads also copy each batch's unique rows,
-            bag indices and dense features into pinned host memory and to the GPU on a side stream
-            (non-blocking), so the copy overlaps the previous step; gradients come back once per unique ID.
-        fp16_transfer: embeddings and gradients cross between host and device as fp16; a summed gradient that
-            overflows fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
+        device: where the dense model runs. On CUDA the preparation threads also copy each batch's pooled
+            embeddings and dense features into pinned host memory and to the GPU on a side stream (non-blocking),
+            so the copy overlaps the previous step; the gradient with respect to the pooled embeddings comes back.
+        fp16_transfer: embeddings and gradients cross between host and device as fp16; a gradient that overflows
+            fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
         prefetch_threads: batches prepared concurrently (dedup, lookups, staging; the compiled dedup and gRPC
             release the GIL). A feeder thread decodes batches in order; results are consumed in order.
     """
@@ -183,6 +189,10 @@ class HybridTrainPipeline:
         self._stop = threading.Event()
         self._batches = batches
         self.pool = ThreadPoolExecutor(max_workers=max(1, prefetch_threads), thread_name_prefix=f"prepare-{rank}")
+        # per-ID gradients of a step (the backward of the pooling) and its pushes, off the main thread, in step order
+        self.grad_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"grads-{rank}")
+        self.slot0 = [int(x) for x in np.cumsum([0] + [len(t.slots) for t in layouts])[:-1]]
+        self.num_slots = sum(len(t.slots) for t in layouts)
         self.thread = threading.Thread(target=self._prefetch, name=f"prefetch-{rank}", daemon=True)
         self.thread.start()
 
@@ -222,11 +232,17 @@ class HybridTrainPipeline:
             if self._stop.is_set():
                 raise RuntimeError("training pipeline closed")
             staleness = step - 1 - self.applied_upto
-        rows = {name: self.backend.lookup(name, p.uniq) for name, p in prepared.items()}
-        return self._stage(_Item(step, batch, gbs, prepared, rows, staleness))
+        pooled = np.empty((batch.size, self.num_slots, self.layouts[0].dim if self.layouts else 0), np.float32)
+        for t, slot0 in zip(self.layouts, self.slot0, strict=True):
+            p = prepared[t.name]
+            pool_into(
+                self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), batch.size, pooled, slot0
+            )
+        return self._stage(_Item(step, batch, gbs, prepared, pooled, staleness))
 
     def _stage(self, item: _Item) -> _Item:
-        """Turn the item's arrays into tensors on the training device (rows as fp16 when asked)."""
+        """Turn the item's pooled embeddings, dense features and labels into tensors on the training device (the
+        embeddings as fp16 when asked)."""
 
         def host(a: np.ndarray, half: bool = False) -> torch.Tensor:
             t = torch.from_numpy(a)
@@ -234,18 +250,15 @@ class HybridTrainPipeline:
                 t = t.half()
             return t.pin_memory() if self.cuda else t
 
-        tensors: dict[str, tuple[torch.Tensor, ...]] = {}
-        for name, p in item.prepared.items():
-            tensors[name] = (host(item.rows[name], self.fp16), host(p.inverse), host(p.offsets))
-        dense, labels = host(item.batch.dense), host(item.batch.labels)
+        emb, dense, labels = host(item.pooled, self.fp16), host(item.batch.dense), host(item.batch.labels)
         if self.cuda:
             with torch.cuda.stream(self.h2d_stream):
-                tensors = {k: tuple(x.to(self.device, non_blocking=True) for x in v) for k, v in tensors.items()}
+                emb = emb.to(self.device, non_blocking=True)
                 dense = dense.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
                 item.event = torch.cuda.Event()
                 item.event.record(self.h2d_stream)
-        item.tensors, item.dense, item.labels = tensors, dense, labels
+        item.emb, item.dense, item.labels = emb, dense, labels
         return item
 
     def _put(self, item) -> None:
@@ -296,13 +309,8 @@ class HybridTrainPipeline:
         b = item.batch.size
         if item.event is not None:
             torch.cuda.current_stream(self.device).wait_event(item.event)
-        leaves, pooled = {}, []
-        for t in self.layouts:
-            rows, inverse, offsets = item.tensors[t.name]
-            leaf = (rows.float() if rows.dtype != torch.float32 else rows).requires_grad_(True)
-            leaves[t.name] = leaf
-            pooled.append(pool_bags(leaf, inverse, offsets, len(t.slots), b, item.prepared[t.name].one_per_bag))
-        emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
+        assert item.emb is not None  # staged by _prepare
+        emb = (item.emb.float() if item.emb.dtype != torch.float32 else item.emb).requires_grad_(True)
         logits = self.model(emb, item.dense)
         loss_sum = F.binary_cross_entropy_with_logits(logits, item.labels, reduction="sum")
         scaled = loss_sum * (self.M / max(item.global_batch, 1))
@@ -310,25 +318,17 @@ class HybridTrainPipeline:
         t2 = time.perf_counter()
         scaled.backward()
         t3 = time.perf_counter()
-        futs = []
-        for t in self.layouts:
-            g = leaves[t.name].grad
-            if g is None:
-                grads = np.zeros((len(item.prepared[t.name].uniq), t.dim), np.float32)
-            else:
-                grads, fell_back = grads_to_host(g / self.M, self.fp16)
-                self.fp16_fallbacks += int(fell_back)
-            futs.append(
-                self.backend.push(
-                    t.name,
-                    item.prepared[t.name].uniq,
-                    grads,
-                    step=item.step,
-                    sync_workers=self.M if self.K == 0 else 0,
-                    step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
-                )
-            )
-        self._track(item.step, futs)
+        g = emb.grad
+        if g is None:  # the dense model ignores the embeddings: zero gradients, pushed all the same
+            grad = np.zeros(item.pooled.shape, np.float32)
+        elif self.cuda:
+            grad, fell_back = grads_to_host(g, self.fp16)
+            self.fp16_fallbacks += int(fell_back)
+        else:
+            grad = g.numpy()  # checked for inf/NaN as the per-ID gradients are summed
+        pushed: Future = Future()
+        self.grad_pool.submit(self._push, item, grad, pushed)
+        self._track(item.step, [pushed])
         t4 = time.perf_counter()
         self.optimizer.step()
         t5 = time.perf_counter()
@@ -340,6 +340,55 @@ class HybridTrainPipeline:
         ph["push"] += t4 - t3
         ph["optimizer"] += t5 - t4
         return StepResult(item.step, b, float(loss_sum.detach()), item.staleness, wait_s)
+
+    def _push(self, item: _Item, grad: np.ndarray, out: Future) -> None:
+        """Grads thread: the per-ID gradients of one step (``bag_grads``: the pooling's backward, divided by M) and
+        their pushes; ``out`` completes when every table's push is applied. Raises (into ``out``)
+        ``FloatingPointError`` when a gradient holds inf or NaN: nothing of that step is then pushed."""
+        try:
+            per_table = []
+            for t, slot0 in zip(self.layouts, self.slot0, strict=True):
+                p = item.prepared[t.name]
+                g, finite = bag_grads(
+                    grad, p.inverse, p.offsets, len(t.slots), item.batch.size, slot0, len(p.uniq), 1.0 / self.M
+                )
+                if not finite:
+                    raise FloatingPointError(
+                        "an embedding gradient is inf or NaN (diverged training); nothing was pushed"
+                    )
+                per_table.append((t.name, p.uniq, g))
+            futs = [
+                self.backend.push(
+                    name,
+                    uniq,
+                    g,
+                    step=item.step,
+                    sync_workers=self.M if self.K == 0 else 0,
+                    step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
+                )
+                for name, uniq, g in per_table
+            ]
+        except BaseException as e:
+            out.set_exception(e)
+            return
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def one(f: Future) -> None:
+            with lock:
+                if out.done():
+                    return
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                    return
+                left[0] -= 1
+                if left[0] == 0:
+                    out.set_result(None)
+
+        if not futs:
+            out.set_result(None)
+        for f in futs:
+            f.add_done_callback(one)
 
     def _track(self, step: int, futs: list) -> None:
         combined: Future = Future()
@@ -386,6 +435,7 @@ class HybridTrainPipeline:
             self.cond.notify_all()
         self.thread.join(timeout=5)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.grad_pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
