@@ -7,6 +7,7 @@ A test that starts a process (a parameter server, DDP ranks, a kfp.local task, a
 
 import multiprocessing.process
 import os
+import signal
 import subprocess
 
 import pytest
@@ -29,6 +30,16 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "processes: starts processes (servers, DDP ranks, kfp.local tasks, CLIs); make test-fast skips it"
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sigint_as_in_a_terminal():
+    """A shell without job control starts background jobs (``make test &``, ``nohup``) with SIGINT ignored, and
+    every process a test starts inherits that: the Ctrl-C tests' children then never see their SIGINT. The tests
+    run as from a terminal instead."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
