@@ -129,8 +129,8 @@ class HybridTrainPipeline:
             so the copy overlaps the previous step; the gradient with respect to the pooled embeddings comes back.
         fp16_transfer: embeddings and gradients cross between host and device as fp16; a gradient that overflows
             fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
-        prefetch_threads: batches prepared concurrently (dedup, lookups, staging; the compiled dedup and gRPC
-            release the GIL). A feeder thread decodes batches in order; results are consumed in order.
+        prefetch_threads: batches prepared concurrently (dedup, lookups, pooling, staging; the compiled kernels and
+            gRPC release the GIL). A feeder thread decodes batches in order; results are consumed in order.
     """
 
     def __init__(
