@@ -88,6 +88,28 @@ def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
     return g.detach().to("cpu").numpy().astype(np.float32, copy=False), fp16
 
 
+def complete_when_all(futs: list[Future], out: Future) -> None:
+    """Complete ``out`` (result None) once every future of ``futs`` has, or with the first exception among them."""
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(f: Future) -> None:
+        with lock:
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result(None)
+
+    if not futs:
+        out.set_result(None)
+    for f in futs:
+        f.add_done_callback(one)
+
+
 @dataclass
 class StepResult:
     """What one step did: step index, examples, summed BCE loss over them, lookup staleness (pushes of this
@@ -371,46 +393,12 @@ class HybridTrainPipeline:
         except BaseException as e:
             out.set_exception(e)
             return
-        left = [len(futs)]
-        lock = threading.Lock()
-
-        def one(f: Future) -> None:
-            with lock:
-                if out.done():
-                    return
-                if f.exception() is not None:
-                    out.set_exception(f.exception())
-                    return
-                left[0] -= 1
-                if left[0] == 0:
-                    out.set_result(None)
-
-        if not futs:
-            out.set_result(None)
-        for f in futs:
-            f.add_done_callback(one)
+        complete_when_all(futs, out)
 
     def _track(self, step: int, futs: list) -> None:
         combined: Future = Future()
-        left = [len(futs)]
-        lock = threading.Lock()
-
-        def one(f):
-            with lock:
-                if combined.done():
-                    return
-                if f.exception() is not None:
-                    combined.set_exception(f.exception())
-                    return
-                left[0] -= 1
-                if left[0] == 0:
-                    combined.set_result(None)
-
         combined.add_done_callback(lambda f: self._mark_applied(step, f))
-        if not futs:
-            combined.set_result(None)
-        for f in futs:
-            f.add_done_callback(one)
+        complete_when_all(futs, combined)
         self.inflight = [f for f in self.inflight if not f.done()] + [combined]
 
     def drain(self, timeout_s: float = 120.0) -> None:
