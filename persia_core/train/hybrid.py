@@ -350,7 +350,7 @@ class HybridTrainPipeline:
             grad = g.numpy()  # checked for inf/NaN as the per-ID gradients are summed
         pushed: Future = Future()
         self.grad_pool.submit(self._push, item, grad, pushed)
-        self._track(item.step, [pushed])
+        self._track(item.step, pushed)
         t4 = time.perf_counter()
         self.optimizer.step()
         t5 = time.perf_counter()
@@ -395,11 +395,10 @@ class HybridTrainPipeline:
             return
         complete_when_all(futs, out)
 
-    def _track(self, step: int, futs: list) -> None:
-        combined: Future = Future()
-        combined.add_done_callback(lambda f: self._mark_applied(step, f))
-        complete_when_all(futs, combined)
-        self.inflight = [f for f in self.inflight if not f.done()] + [combined]
+    def _track(self, step: int, pushed: Future) -> None:
+        """Count step ``step`` as applied when ``pushed`` (all its pushes) completes; ``drain`` waits for it."""
+        pushed.add_done_callback(lambda f: self._mark_applied(step, f))
+        self.inflight = [f for f in self.inflight if not f.done()] + [pushed]
 
     def drain(self, timeout_s: float = 120.0) -> None:
         """Wait until every push issued so far is applied. Raises the first push error, or ``TimeoutError``."""
