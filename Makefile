@@ -25,6 +25,9 @@ OUT ?=
 # this checkout's code first, for every command and the processes it starts, even where the venv's editable
 # install was made from another copy of the repository (a moved checkout, a second clone sharing the venv)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+# compiled bytecode and pytest's rewritten test modules are cached in __pycache__ (git-ignored) even where the
+# shell sets PYTHONDONTWRITEBYTECODE: without the cache every run recompiles the project and its tests
+unexport PYTHONDONTWRITEBYTECODE
 
 .DEFAULT_GOAL := help
 .PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc device-check venv-torchrec bench
