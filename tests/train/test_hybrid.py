@@ -362,14 +362,14 @@ def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wai
     import time
 
     def run(rows: int, name: str):
-        """In-process training whose first embedding lookup takes 2 s longer (a slow start-up)."""
+        """In-process training whose first embedding lookup takes 1 s longer (a slow start-up)."""
         cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=1)  # batch 16
         backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=cfg.trainer.seed)
         plain, calls = backend.lookup, []
 
         def lookup(*a, **k):
             if not calls:
-                time.sleep(2.0)  # longer than the start-up work after the pipeline starts (gc.collect)
+                time.sleep(1.0)  # longer than the start-up work after the pipeline starts (gc.collect)
             calls.append(1)
             return plain(*a, **k)
 
@@ -378,7 +378,7 @@ def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wai
         os.makedirs(out)
         return run_worker(cfg, write_dataset(str(tmp_path / f"data-{name}"), rows=rows), out, backend, rank=0, world=1)
 
-    # (how much of the 2 s the first step still waits depends on what start-up does after the prefetch thread
+    # (how much of the 1 s the first step still waits depends on what start-up does after the prefetch thread
     # starts: a garbage collection of this test process's heap took 0.4 s in the full suite)
     one = run(16, "one")  # a single step: its wait is all start-up
     ph = one["phase_seconds"]
