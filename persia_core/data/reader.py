@@ -110,6 +110,22 @@ class ParquetExamples:
         return Batch(ids, self.dense[rows], self.labels[rows])
 
 
+def count_rows(files: list[str]) -> int:
+    """Rows of the Parquet ``files``, from their footers (no row is read). Raises ``FileNotFoundError`` naming a
+    missing file."""
+    total = 0
+    for f in files:
+        if not io.exists(f):
+            raise FileNotFoundError(f"Parquet shard not found: {f}")
+        if io.is_gcs(f):
+            import io as _io
+
+            total += pq.read_metadata(_io.BytesIO(io.read_bytes(f))).num_rows
+        else:
+            total += pq.read_metadata(f).num_rows
+    return total
+
+
 def shard_files(data_dir: str, split: str) -> list[str]:
     """Paths of the Parquet shards of ``split`` (``train`` or ``eval``) listed in ``schema.json``."""
     sch = read_schema(data_dir)
