@@ -61,6 +61,7 @@ RESUME_MAY_DIFFER = (
     "trainer.rpc_timeout_s",
     "trainer.threads_per_worker",
     "trainer.prefetch_threads",
+    "trainer.embedding_workers",
     "trainer.device",
     "trainer.network_delay_s",
     "trainer.network_bandwidth_bytes_per_s",

@@ -28,10 +28,13 @@ class TrainerConfig:
     """Shuffle each worker's rows every epoch (seeded by seed, epoch, rank); false: file order."""
     threads_per_worker: int = 1
     """torch intra-op threads per NN worker."""
+    embedding_workers: int = 0
+    """Embedding workers per NN worker (PERSIA's role: ID dropout, dedup, lookups, pooling and its backward,
+    pushes; processes of their own against the parameter servers). 0: automatic, the host's cores less one per
+    NN worker, shared among its NN workers (1 to 8)."""
     prefetch_threads: int = 1
-    """Batches an NN worker prepares concurrently (dedup, lookups, host-to-device staging), and so at most how
-    many batches its lookups run ahead of training (never more than ``embedding_staleness``). One hides the
-    parameter servers on a CPU; a GPU, whose steps are shorter than a batch's preparation, needs more."""
+    """Batches each embedding worker prepares ahead of the one in training (its ready slots beyond that one), and
+    so how far its lookups may run ahead of training (never more than ``embedding_staleness``)."""
     rpc_timeout_s: float = 20.0
     """Deadline of each attempt of a parameter-server call (seconds); a call with its retries takes at most twice
     this, so a server that stops answering fails the job within 40 s at the default."""
@@ -67,6 +70,8 @@ class TrainerConfig:
         for name in ("batch_size", "epochs", "num_workers", "threads_per_worker", "prefetch_threads"):
             if getattr(self, name) < 1:
                 raise config_error(f"trainer.{name}", "must be >= 1")
+        if self.embedding_workers < 0:
+            raise config_error("trainer.embedding_workers", "must be >= 0 (0: automatic)")
         if self.embedding_staleness < 0:
             raise config_error("trainer.embedding_staleness", "must be >= 0")
         if self.seed < 0:

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import gc
 import io as _io
-import itertools
 import json
 import logging
 import os
@@ -36,14 +35,19 @@ import torch.distributed as dist
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
-from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.data.reader import ParquetExamples, count_rows, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
 from persia_core.ps.client import EmbeddingClient
+from persia_core.ps.protocol import TOKEN_HEADER
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
-from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
+from persia_core.train.embedding_worker import BatchSource
+from persia_core.train.feeders import Feeders, ProcessFeeders, ThreadFeeders, auto_embedding_workers
+from persia_core.train.hybrid import HybridTrainPipeline
+from persia_core.train.ready_ring import RingLayout
+from persia_core.train.schedule import make_schedule
 
 log = logging.getLogger("persia.worker")
 
@@ -97,12 +101,13 @@ def run_worker(
     tc = config.trainer
     schema = read_schema(data_dir)
     files = shard_files(data_dir, "train")[rank::world]
-    slots = model_slot_order(config)
-    examples = ParquetExamples(files, slots, num_dense=len(schema["dense"]))
-    counts = [len(examples)]
+    # embedding workers of their own read the batches themselves; threads of this process share its examples
+    processes = isinstance(backend, EmbeddingClient)
+    examples = None if processes else ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
+    counts = [count_rows(files) if examples is None else len(examples)]
     if world > 1:
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, len(examples))
+        dist.all_gather_object(gathered, counts[0])
         counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
@@ -136,26 +141,35 @@ def run_worker(
             net = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
-    dropout = {s.name: s.id_dropout for s in config.slots}
-    batches = (
-        (t, examples.batch(rows), schedule.global_batch[t])
-        for t, rows in itertools.islice(enumerate(schedule.rows[rank]), start, None)
+    layouts = table_layouts(config)
+    ring = RingLayout(
+        tc.embedding_workers or auto_embedding_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+        tc.prefetch_threads + 1,
+        tc.batch_size,
+        sum(len(t.slots) for t in layouts),
+        layouts[0].dim,
+        len(schema["dense"]),
     )
-    loop_started_unix = time.time()  # the pipeline's threads start preparing the first batch at once
+    feeders: Feeders
+    if processes:
+        spec = {"config": config.to_dict(), "data": data_dir, "world": world, "counts": counts}
+        spec["client_id"] = f"{backend.client_id}-ew"
+        token = dict(backend.metadata).get(TOKEN_HEADER)
+        feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token)
+    else:
+        source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
+        dropout = {s.name: s.id_dropout for s in config.slots}
+        feeders = ThreadFeeders(
+            backend, layouts, source, ring, start, tc.embedding_staleness, world, rank, dropout, tc.seed
+        )
+    try:
+        feeders.wait_started()
+    except BaseException:
+        feeders.close()
+        raise
+    loop_started_unix = time.time()  # the embedding workers start preparing the first batches at once
     pipe = HybridTrainPipeline(
-        net,
-        opt,
-        backend,
-        table_layouts(config),
-        batches,
-        tc.embedding_staleness,
-        world,
-        rank,
-        dropout,
-        tc.seed,
-        device=device,
-        fp16_transfer=tc.fp16_transfer,
-        prefetch_threads=tc.prefetch_threads,
+        net, opt, feeders, schedule.global_batch, start, world, device=device, fp16_transfer=tc.fp16_transfer
     )
     total_steps = len(schedule.global_batch)
     # everything built so far lives until the end: keep it out of the garbage collector's scans. Unfrozen (in
@@ -277,6 +291,7 @@ def run_worker(
             "embedding_staleness": tc.embedding_staleness,
             "device": str(device),
             "fp16_fallbacks": pipe.fp16_fallbacks,
+            "embedding_workers": feeders.E,
             "resumed_from_step": start,
             # wall-clock bounds of this rank's training loop (Unix seconds), from the first batch's preparation to
             # the last push applied: the window in which make bench-feed counts every process's CPU time

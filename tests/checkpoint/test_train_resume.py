@@ -22,9 +22,9 @@ from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.embedding.warm_start import WarmStartError
 from persia_core.evaluate.run import LoadedModel
 from persia_core.model_store import shard_file_name
-from persia_core.train.hybrid import make_schedule
 from persia_core.train.launcher import train
 from persia_core.train.local_cluster import TrainingFailed
+from persia_core.train.schedule import make_schedule
 
 EPOCHS = 20  # 2 workers x 96 rows / batch 16 = 6 steps per epoch: 120 steps
 SETTINGS = CheckpointSettings(every_steps=20, keep=3)

@@ -15,9 +15,13 @@ from persia_core.embedding.pooling import model_slot_order, pool, prepare_ids, t
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.sparse import IdBatch
-from persia_core.train.hybrid import HybridTrainPipeline, make_schedule
+from persia_core.train.embedding_worker import BatchSource
+from persia_core.train.feeders import ThreadFeeders
+from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.launcher import train
 from persia_core.train.local_cluster import LocalCluster
+from persia_core.train.ready_ring import RingLayout
+from persia_core.train.schedule import make_schedule
 from persia_core.train.worker import build_dense, run_worker
 
 
@@ -168,16 +172,19 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
     ex = [ParquetExamples([files[0]], model_slot_order(cfg)), ParquetExamples([files[1]], model_slot_order(cfg))]
     both = ParquetExamples(files, model_slot_order(cfg))
     sched = make_schedule([len(ex[0]), len(ex[1])], cfg.trainer.batch_size, cfg.trainer.epochs, 0, True)
-    batches = (
-        (t, both.batch(np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]])), sched.global_batch[t])
-        for t in range(len(sched.global_batch))
-    )
+    rows = [np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]]) for t in range(len(sched.global_batch))]
     from persia_core.data.reader import read_schema
 
     model = build_dense(cfg, read_schema(data))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr)
     ref = LocalEmbedding(cfg.embedding, 1)
-    pipe = HybridTrainPipeline(model, opt, ref, table_layouts(cfg), batches, staleness=0, num_workers=1)
+    layouts = table_layouts(cfg)
+    num_dense = len(read_schema(data)["dense"])
+    ring = RingLayout(1, 2, 2 * cfg.trainer.batch_size, sum(len(t.slots) for t in layouts), layouts[0].dim, num_dense)
+    source = BatchSource(both, rows, sched.global_batch)
+    feeders = ThreadFeeders(ref, layouts, source, ring, 0, 0, 1, 0, None, 0)
+    feeders.wait_started()
+    pipe = HybridTrainPipeline(model, opt, feeders, sched.global_batch, 0, num_workers=1)
     losses = []
     while True:
         try:

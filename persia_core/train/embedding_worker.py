@@ -1,0 +1,348 @@
+"""PERSIA's embedding-worker role (Lian et al., KDD 2022, Sec. 4.1): the sparse half of an NN worker's steps.
+
+Embedding worker e of E (of NN worker r) owns steps t with ``t % E == e``. For each, in step order:
+
+    read batch t (the same schedule as the NN worker: ``persia_core.train.schedule``)
+    ID dropout (seeded by seed, rank, step), dedup the IDs per table
+    wait for a free ready slot, and until every push of steps <= t-K-1 is applied (all E workers' ``frontier``)
+    look rows up on the parameter servers, sum-pool them into the slot's emb[B, S, D]; copy dense, labels
+    READY -> NN worker (dense forward/backward; writes d loss / d emb into the slot) -> GRAD
+    per-ID gradients (``kernels.bag_grads``, scaled by 1/M), pushed; when applied, ``frontier[e]`` advances
+
+The worker is model-agnostic: the dense model and its autograd stay in the NN worker. Per batch it makes a fixed
+number of Python calls (a few per table); every per-ID or per-row loop is compiled (``prepare_ids``,
+``pool_into``, ``bag_grads``, the client's routing).
+
+The same ``EmbeddingWorker`` runs as a process of its own (``python -m persia_core.train.embedding_worker``,
+started by ``persia_core.train.feeders``) against the parameter servers, or as a thread of the NN worker against
+an in-process table (``LocalEmbedding``, in tests and the in-process trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+
+from persia_core.config import RunConfig
+from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.kernels import bag_grads, pool_into
+from persia_core.embedding.pooling import TableLayout, model_slot_order, prepare_ids, table_layouts
+from persia_core.logging_utils import setup_logging
+from persia_core.ps.client import EmbeddingClient
+from persia_core.sparse import Batch, IdBatch
+from persia_core.train import ready_ring as rr
+from persia_core.train.processes import die_with_parent
+from persia_core.train.schedule import make_schedule
+
+log = logging.getLogger("persia.embedding_worker")
+
+
+def drop_ids(ids: IdBatch, rates: dict[str, float], rng: np.random.Generator) -> IdBatch:
+    """ID dropout: each (example, slot) bag of a slot with rate p > 0 is emptied with probability p, so its slot
+    pools to the default (zero) row, as for an ID never seen in training. Vectorized over bags."""
+    if not rates or ids.batch_size == 0:
+        return ids
+    b = ids.batch_size
+    keep = np.ones(len(ids.keys) * b, dtype=bool)
+    for s, key in enumerate(ids.keys):
+        p = rates.get(key, 0.0)
+        if p > 0:
+            keep[s * b : (s + 1) * b] = rng.random(b) >= p
+    lengths = ids.lengths
+    values = ids.values[np.repeat(keep, lengths)]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths * keep, out=offsets[1:])
+    return IdBatch(ids.keys, values, offsets, b)
+
+
+def complete_when_all(futs: list[Future], out: Future) -> None:
+    """Complete ``out`` (result None) once every future of ``futs`` has, or with the first exception among them."""
+    left = [len(futs)]
+    lock = threading.Lock()
+
+    def one(f: Future) -> None:
+        with lock:
+            if out.done():
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                out.set_result(None)
+
+    if not futs:
+        out.set_result(None)
+    for f in futs:
+        f.add_done_callback(one)
+
+
+def first_own_step(start: int, index: int, workers: int) -> int:
+    """The first step >= ``start`` of embedding worker ``index`` of ``workers`` (steps t with t % E == index)."""
+    return start + (index - start) % workers
+
+
+class BatchSource:
+    """One NN worker's batches: ``batch(step)`` gathers the rows ``rows[step]: int64[b]`` of ``examples`` (a
+    ``ParquetExamples``, or anything with ``batch(rows) -> Batch``); ``global_batch[step]``: rows of the step over
+    all NN workers."""
+
+    def __init__(self, examples, rows: list[np.ndarray], global_batch: list[int]):
+        if len(rows) != len(global_batch):
+            raise ValueError(f"{len(rows)} batches of rows but {len(global_batch)} global batch sizes")
+        self.examples = examples
+        self.rows = rows
+        self.global_batch = global_batch
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.global_batch)
+
+    def batch(self, step: int) -> Batch:
+        return self.examples.batch(self.rows[step])
+
+
+class _Stopped(Exception):
+    pass
+
+
+class EmbeddingWorker:
+    """Embedding worker ``index`` of ``workers`` for NN worker ``rank`` of M (``num_workers``).
+
+    Args:
+        backend: ``EmbeddingClient`` (a process of its own) or ``LocalEmbedding`` (a thread).
+        layouts: tables and their slots. source: the NN worker's batches. start: the first step (a resume).
+        layout, buf: the ready ring (``ready_ring.RingLayout``) and its ``uint8`` memory. sock: this worker's end
+            of its control socket. staleness: K. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
+    """
+
+    def __init__(
+        self,
+        backend: EmbeddingBackend,
+        layouts: list[TableLayout],
+        source: BatchSource,
+        layout: rr.RingLayout,
+        buf: np.ndarray,
+        sock: socket.socket,
+        index: int,
+        start: int,
+        staleness: int,
+        num_workers: int,
+        rank: int,
+        dropout: dict[str, float] | None = None,
+        seed: int = 0,
+    ):
+        self.backend, self.layouts, self.source = backend, layouts, source
+        self.layout, self.buf, self.sock = layout, buf, sock
+        self.index, self.E = index, layout.workers
+        self.start, self.K, self.M, self.rank = start, staleness, num_workers, rank
+        self.dropout = {k: v for k, v in (dropout or {}).items() if v > 0}
+        self.seed = seed
+        self.frontier = layout.frontier(buf)
+        self.slot0 = [int(x) for x in np.cumsum([0] + [len(t.slots) for t in layouts])[:-1]]
+        self.free = list(range(layout.slots_per_worker - 1, -1, -1))
+        self.pending: dict[int, tuple[int, dict, int]] = {}  # slot -> (step, prepared IDs, rows)
+        self.lock = threading.Lock()
+        self.done: set[int] = set()
+        self.next_own = first_own_step(start, index, self.E)  # the first own step not yet applied
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Serve every own step, then gradients until ``STOP`` or the NN worker's end. An error is sent to the NN
+        worker (``ERROR``) and raised."""
+        try:
+            rr.send(self.sock, rr.STARTED)
+            self._loop()
+        except (_Stopped, rr.PeerGone):
+            return
+        except BaseException as e:
+            try:
+                rr.send(self.sock, rr.ERROR, text=f"{type(e).__name__}: {e}")
+            except OSError:
+                pass
+            raise
+
+    def _loop(self) -> None:
+        total = self.source.total_steps
+        self._publish()
+        for step in range(self.next_own, total, self.E):
+            batch = self.source.batch(step)
+            ids = batch.ids
+            if self.dropout:
+                ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
+            prepared = prepare_ids(ids, self.layouts)
+            while not self.free:
+                self._serve(None)
+            staleness = self._wait_bound(step)
+            slot = self.free.pop()
+            emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
+            b = batch.size
+            for t, slot0 in zip(self.layouts, self.slot0, strict=True):
+                p = prepared[t.name]
+                pool_into(self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), b, emb, slot0)
+            dense[:b] = batch.dense
+            labels[:b] = batch.labels
+            self.pending[slot] = (step, prepared, b)
+            rr.send(self.sock, rr.READY, slot, step, b, staleness)
+        while True:  # every own step handed over: gradients of those the NN worker trains, until STOP
+            self._raise_error()
+            self._serve(0.5)
+
+    def _wait_bound(self, step: int) -> int:
+        """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile.
+        Returns the staleness of the lookup: earlier steps whose pushes are not all applied yet (<= K)."""
+        while True:
+            self._raise_error()
+            low = int(self.frontier.min())
+            if low >= step - self.K:
+                return max(0, step - low)
+            self._serve(0.0002)
+
+    def _serve(self, timeout_s: float | None) -> None:
+        msg = rr.recv(self.sock, timeout_s)
+        if msg is None:
+            return
+        kind, slot, step = msg[0], msg[1], msg[2]
+        if kind == rr.STOP:
+            raise _Stopped()
+        if kind != rr.GRAD:
+            raise ValueError(f"embedding worker {self.rank}.{self.index}: unexpected control message {kind}")
+        self._push(slot, step)
+
+    def _push(self, slot: int, step: int) -> None:
+        """The per-ID gradients of step ``step`` from slot ``slot`` (``bag_grads``, divided by M), then its pushes.
+        Raises ``FloatingPointError`` when a gradient holds inf or NaN: nothing of that step is then pushed."""
+        owned = self.pending.pop(slot, None)
+        if owned is None or owned[0] != step:
+            raise ValueError(f"embedding worker {self.rank}.{self.index}: gradient of step {step} in slot {slot}")
+        _, prepared, b = owned
+        grad = self.layout.slot(self.buf, self.index, slot)[0]
+        per_table = []
+        for t, slot0 in zip(self.layouts, self.slot0, strict=True):
+            p = prepared[t.name]
+            g, finite = bag_grads(grad, p.inverse, p.offsets, len(t.slots), b, slot0, len(p.uniq), 1.0 / self.M)
+            if not finite:
+                raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
+            per_table.append((t.name, p.uniq, g))
+        self.free.append(slot)  # its gradient is read out
+        futs = [
+            self.backend.push(
+                name,
+                uniq,
+                g,
+                step=step,
+                sync_workers=self.M if self.K == 0 else 0,
+                step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
+            )
+            for name, uniq, g in per_table
+        ]
+        out: Future = Future()
+        out.add_done_callback(lambda f: self._applied(step, f))
+        complete_when_all(futs, out)
+
+    def _applied(self, step: int, fut: Future) -> None:
+        with self.lock:
+            exc = fut.exception()
+            if exc is not None:
+                self.error = self.error or exc
+                return
+            self.done.add(step)
+            while self.next_own in self.done:
+                self.done.discard(self.next_own)
+                self.next_own += self.E
+            self._publish()
+
+    def _publish(self) -> None:
+        self.frontier[self.index] = self.next_own if self.next_own < self.source.total_steps else rr.NEVER
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _setup(spec: dict, sock: socket.socket) -> tuple[EmbeddingWorker, EmbeddingClient, rr.Segment]:
+    """The embedding worker a process's ``spec`` describes, with its own client of the parameter servers."""
+    rank, index = int(spec["rank"]), int(spec["index"])
+    config = RunConfig.from_dict(spec["config"])
+    tc = config.trainer
+    layout = rr.RingLayout(*spec["layout"])
+    seg = rr.Segment.attach(spec["segment"], layout)
+    schema = read_schema(spec["data"])
+    files = shard_files(spec["data"], "train")[rank :: int(spec["world"])]
+    examples = ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
+    counts = [int(c) for c in spec["counts"]]
+    if len(examples) != counts[rank]:
+        raise ValueError(f"{files}: {len(examples)} rows, but the NN worker counted {counts[rank]}")
+    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
+    client = EmbeddingClient(
+        spec["addresses"],
+        config.embedding,
+        timeout_s=tc.rpc_timeout_s,
+        client_id=spec["client_id"],
+        delay_s=tc.network_delay_s,
+        bandwidth_bytes_per_s=tc.network_bandwidth_bytes_per_s,
+        shared_memory=None if tc.shared_memory else False,
+    )
+    worker = EmbeddingWorker(
+        client,
+        table_layouts(config),
+        BatchSource(examples, schedule.rows[rank], schedule.global_batch),
+        layout,
+        seg.buf,
+        sock,
+        index,
+        int(spec["start"]),
+        tc.embedding_staleness,
+        int(spec["world"]),
+        rank,
+        {s.name: s.id_dropout for s in config.slots},
+        tc.seed,
+    )
+    return worker, client, seg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A process of its own: ``--spec`` (JSON, written by ``feeders.ProcessFeeders``) and ``--fd`` (its end of
+    the control socket, inherited). A set-up error is sent to the NN worker (``ERROR``) before it is raised."""
+    p = argparse.ArgumentParser(prog="persia_core.train.embedding_worker", description="One embedding worker.")
+    p.add_argument("--spec", required=True, help="JSON: config, data, rank, world, counts, start, index, ring")
+    p.add_argument("--fd", type=int, required=True, help="inherited control socket")
+    p.add_argument("--parent", type=int, default=0, help="the NN worker's pid: this process dies with it")
+    args = p.parse_args(argv)
+    if args.parent:
+        die_with_parent()
+        if os.getppid() != args.parent:  # it died before the line above
+            return 1
+    spec = json.loads(args.spec)
+    setup_logging(f"embedding_worker[{int(spec['rank'])}.{int(spec['index'])}]")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        worker, client, seg = _setup(spec, sock)
+    except BaseException as e:
+        try:
+            rr.send(sock, rr.ERROR, text=f"set-up failed: {type(e).__name__}: {e}")
+        except OSError:
+            pass
+        raise
+    try:
+        worker.run()
+    finally:
+        worker.buf = np.empty(0, np.uint8)
+        worker.frontier = np.empty(0, np.int64)
+        client.close()
+        seg.close()
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""An NN worker's side of its embedding workers: it creates their ready ring, starts them (processes against the
+parameter servers, or threads against an in-process table), takes ready batches in step order, hands gradients
+back, and fails fast, naming the embedding worker, when one reports an error or dies.
+
+Supervision: an embedding-worker process dies with its NN worker (``PR_SET_PDEATHSIG``, set by the child itself:
+a ``preexec_fn`` would run Python in a fork of a process with gRPC threads, which gRPC's fork handlers abort); its
+death closes its
+control socket, which the NN worker sees at once (``EmbeddingWorkerFailed``, with its exit status); ``close``
+stops, reaps and, where one was killed, removes its ``/dev/shm`` segments; the ring's file carries the NN worker's
+pid, so the local launcher removes it when the NN worker itself is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.pooling import TableLayout
+from persia_core.ps import shm
+from persia_core.ps.protocol import TOKEN_ENV
+from persia_core.train import ready_ring as rr
+from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, first_own_step
+
+log = logging.getLogger("persia.feeders")
+STARTED_TIMEOUT_S = 300.0
+
+
+class EmbeddingWorkerFailed(RuntimeError):
+    """An embedding worker reported an error, or died."""
+
+
+def auto_embedding_workers(nn_workers_on_host: int) -> int:
+    """``trainer.embedding_workers: 0`` -> embedding workers per NN worker: the host's cores (this process's CPU
+    affinity) less one per NN worker, shared among the NN workers of the host; at least 1, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 2
+    n = max(1, nn_workers_on_host)
+    return max(1, min(8, (cores - n) // n))
+
+
+class Feeders:
+    """E embedding workers of one NN worker and their ready ring. Subclasses start them (``_start``)."""
+
+    def __init__(self, layout: rr.RingLayout, start: int, rank: int, shared: bool):
+        self.layout = layout
+        self.E = layout.workers
+        self.rank = rank
+        self.start = start
+        self.segment = rr.Segment(layout, shared=shared)
+        frontier = layout.frontier(self.segment.buf)
+        for e in range(self.E):
+            frontier[e] = first_own_step(start, e, self.E)
+        self.frontier = frontier
+        self.socks: list[socket.socket] = []
+        self.peer_socks: list[socket.socket] = []
+        for _ in range(self.E):
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.socks.append(a)
+            self.peer_socks.append(b)
+        self.stash: list[deque] = [deque() for _ in range(self.E)]
+        self.closed = False
+
+    # ---- what subclasses provide ------------------------------------------------------------------------
+    def name(self, e: int) -> str:
+        return f"embedding worker {self.rank}.{e}"
+
+    def how(self, e: int) -> str:
+        """Why embedding worker ``e`` is gone ("exited with code 1", "killed by SIGKILL"...), or ""."""
+        return ""
+
+    # ---- the NN worker's calls --------------------------------------------------------------------------
+    def views(self, e: int, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(emb float32[B, S, D], dense float32[B, F], labels float32[B])`` of slot ``slot`` of worker ``e``."""
+        return self.layout.slot(self.segment.buf, e, slot)
+
+    def ready(self, step: int) -> tuple[int, int, int]:
+        """Block until step ``step`` is ready. Returns ``(slot, rows, staleness)``. Raises
+        ``EmbeddingWorkerFailed`` naming the embedding worker when it reported an error or died."""
+        e = step % self.E
+        while True:
+            msg = self.stash[e].popleft() if self.stash[e] else self._recv(e, 0.5)
+            if msg is None:
+                continue
+            kind, slot, got, a, b, _ = msg
+            if kind != rr.READY or got != step:
+                raise EmbeddingWorkerFailed(f"{self.name(e)}: sent message {kind} for step {got}, expected step {step}")
+            return slot, a, b
+
+    def give_grad(self, step: int, slot: int) -> None:
+        """Hand slot ``slot`` (now holding d loss / d emb of step ``step``) back to its embedding worker."""
+        e = step % self.E
+        try:
+            rr.send(self.socks[e], rr.GRAD, slot, step)
+        except OSError as err:
+            raise self._failed(e, f"its control socket failed ({err})") from None
+
+    def drain(self, upto: int, timeout_s: float) -> None:
+        """Wait until every push of steps < ``upto`` is applied (the ring's ``frontier``). Raises
+        ``EmbeddingWorkerFailed`` for a failed embedding worker, ``TimeoutError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.frontier.min()) < upto:
+            for e in range(self.E):
+                msg = self._recv(e, 0.0)
+                if msg is not None:
+                    self.stash[e].append(msg)
+            if time.monotonic() > deadline:
+                behind = [self.name(e) for e in range(self.E) if self.frontier[e] < upto]
+                raise TimeoutError(
+                    f"gradient pushes of steps < {upto} not applied within {timeout_s:.0f} s by {', '.join(behind)} "
+                    f"(a parameter server that does not answer? see the servers' logs)"
+                )
+            time.sleep(0.0005)
+
+    def _recv(self, e: int, timeout_s: float):
+        """One message of worker ``e`` that is not an error; None after ``timeout_s``."""
+        try:
+            msg = rr.recv(self.socks[e], timeout_s)
+        except (rr.PeerGone, OSError):
+            raise self._failed(e, "") from None
+        if msg is not None and msg[0] == rr.ERROR:
+            raise EmbeddingWorkerFailed(f"{self.name(e)} failed: {msg[5]}")
+        return msg
+
+    def _failed(self, e: int, what: str) -> EmbeddingWorkerFailed:
+        deadline = time.monotonic() + 5.0
+        how = self.how(e)
+        while not how and time.monotonic() < deadline:
+            time.sleep(0.05)
+            how = self.how(e)
+        return EmbeddingWorkerFailed(f"{self.name(e)} died ({how or what or 'its control socket closed'})")
+
+    def close(self) -> None:
+        """Stop the embedding workers, wait for them, free the ring (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for s in self.socks:
+            try:
+                rr.send(s, rr.STOP)
+            except OSError:
+                pass
+        self._join()
+        for s in self.socks + self.peer_socks:
+            s.close()
+        self.segment.close()
+
+    def _join(self) -> None:
+        pass
+
+    def wait_started(self, timeout_s: float = STARTED_TIMEOUT_S) -> None:
+        """Block until every embedding worker is set up (its data read, its client connected). Raises
+        ``EmbeddingWorkerFailed`` for one that failed or died, ``TimeoutError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for e in range(self.E):
+            while True:
+                msg = self._recv(e, 0.5)
+                if msg is not None:
+                    if msg[0] != rr.STARTED:
+                        raise EmbeddingWorkerFailed(f"{self.name(e)}: sent message {msg[0]} before it started")
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name(e)} not started within {timeout_s:.0f} s")
+
+
+class ThreadFeeders(Feeders):
+    """Embedding workers as threads of the NN worker, against an in-process ``backend`` (``LocalEmbedding``)."""
+
+    def __init__(
+        self,
+        backend: EmbeddingBackend,
+        layouts: list[TableLayout],
+        source: BatchSource,
+        layout: rr.RingLayout,
+        start: int,
+        staleness: int,
+        num_workers: int,
+        rank: int,
+        dropout: dict[str, float] | None,
+        seed: int,
+    ):
+        super().__init__(layout, start, rank, shared=False)
+        self.errors: list[BaseException | None] = [None] * self.E
+        self.threads = []
+        for e in range(self.E):
+            ew = EmbeddingWorker(
+                backend, layouts, source, layout, self.segment.buf, self.peer_socks[e], e, start, staleness,
+                num_workers, rank, dropout, seed,
+            )  # fmt: skip
+            t = threading.Thread(target=self._run, args=(e, ew), name=f"embedding-worker-{rank}.{e}", daemon=True)
+            self.threads.append(t)
+        for t in self.threads:
+            t.start()
+
+    def _run(self, e: int, ew: EmbeddingWorker) -> None:
+        try:
+            ew.run()
+        except BaseException as err:  # sent to the NN worker as ERROR; kept for how()
+            self.errors[e] = err
+
+    def how(self, e: int) -> str:
+        err = self.errors[e]
+        return f"{type(err).__name__}: {err}" if err is not None else ""
+
+    def _join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+class ProcessFeeders(Feeders):
+    """Embedding workers as processes of their own (``python -m persia_core.train.embedding_worker``), each with its
+    own client of the parameter servers at ``addresses``. ``spec``: what every one of them needs (config dict, data
+    folder, world, row counts per rank, client id prefix); the ring goes in ``/dev/shm``."""
+
+    def __init__(
+        self, layout: rr.RingLayout, start: int, rank: int, spec: dict, addresses: list[str], token: str | None
+    ):
+        super().__init__(layout, start, rank, shared=True)
+        env = dict(os.environ)
+        env.pop(TOKEN_ENV, None)
+        if token:
+            env[TOKEN_ENV] = token  # in the environment, never on a command line
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for e in range(self.E):
+                child = self.peer_socks[e]
+                s = dict(spec, rank=rank, index=e, start=start, addresses=addresses, layout=layout.to_list())
+                s.update(segment=self.segment.name, client_id=f"{spec['client_id']}-e{e}")
+                cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--spec", json.dumps(s)]
+                cmd += ["--fd", str(child.fileno()), "--parent", str(os.getpid())]
+                self.procs.append(subprocess.Popen(cmd, pass_fds=(child.fileno(),), close_fds=True, env=env))
+            for s_ in self.peer_socks:
+                s_.close()  # the children hold them: their end of file is now their death
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d embedding worker process(es) started: pids %s", self.E, [p.pid for p in self.procs])
+
+    def name(self, e: int) -> str:
+        pid = self.procs[e].pid if e < len(self.procs) else "?"
+        return f"embedding worker {self.rank}.{e} (pid {pid})"
+
+    def how(self, e: int) -> str:
+        code = self.procs[e].poll()
+        if code is None:
+            return ""
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + 10.0
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+        shm.remove_segments_of([p.pid for p in self.procs])  # a killed one's client segments
