@@ -58,14 +58,16 @@ def per_sample(cpu_by_pid: dict[int, tuple[str, float]], samples: int) -> dict[s
     return out
 
 
-def feed_config(batch_size: int, staleness: int, seed: int):
-    """The Criteo-shaped run config with the dense model reduced to one linear layer, 1 NN worker of 1 thread."""
+def feed_config(batch_size: int, staleness: int, seed: int, embedding_workers: int = 0):
+    """The Criteo-shaped run config with the dense model reduced to one linear layer, 1 NN worker of 1 thread,
+    ``embedding_workers`` embedding workers (0: automatic)."""
     from persia_core.bench.criteo_synth import criteo_config_dict
     from persia_core.config import RunConfig
 
     d = criteo_config_dict(batch_size=batch_size, num_workers=1, staleness=staleness, seed=seed)
     d["model"] = {"kind": "dnn", "hidden": [], "bottom": []}
     d["trainer"]["threads_per_worker"] = 1
+    d["trainer"]["embedding_workers"] = embedding_workers
     return RunConfig.from_dict(d)
 
 
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int_at_least(1), default=4096, help="batch per NN worker")
     p.add_argument("--staleness", type=int_at_least(0), default=4, help="K")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--embedding-workers", type=int_at_least(0), default=0, help="embedding workers of the NN worker (0: automatic)"
+    )
     p.add_argument("--work", default="bench_outputs/feed", help="work folder (the data set is kept for reruns)")
     p.add_argument("--skip-plain", action="store_true", help="do not run the plain-PyTorch baseline")
     args = p.parse_args(argv)
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     data_dir = os.path.join(args.work, f"criteo_synth_{args.samples}_{args.vocab}")
     prepare_criteo(data_dir, args.samples, args.eval_rows, args.vocab)
-    cfg = feed_config(args.batch, args.staleness, args.seed)
+    cfg = feed_config(args.batch, args.staleness, args.seed, args.embedding_workers)
     run_dir = os.path.join(args.work, "run")
     with ProcessTreeSampler() as sampler:
         hybrid = run_hybrid(cfg, data_dir, run_dir, args.staleness, 1, 1, args.seed, args.batch)

@@ -31,7 +31,8 @@ SETTINGS = CheckpointSettings(every_steps=20, keep=3)
 
 
 def _config(**over):
-    return tiny_config(num_workers=2, embedding_staleness=0, epochs=EPOCHS, shuffle=True, **over)
+    """2 NN workers of 2 embedding workers each: resume is exact whatever E is."""
+    return tiny_config(num_workers=2, embedding_staleness=0, epochs=EPOCHS, shuffle=True, embedding_workers=2, **over)
 
 
 def _children(marker: str) -> list[int]:

@@ -76,9 +76,10 @@ def _dense(path):
 
 
 @pytest.mark.processes
-def test_two_servers_one_worker_k0_gives_the_loss_curve_of_the_in_process_reference(tmp_path):
+@pytest.mark.parametrize("embedding_workers", [1, 2])
+def test_two_servers_one_worker_k0_gives_the_loss_curve_of_the_in_process_reference(tmp_path, embedding_workers):
     data = write_dataset(str(tmp_path / "data"), rows=192)
-    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True, embedding_workers=embedding_workers)
     manifest = train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
     dist_hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
     ref_hist, ref = _in_process(cfg, data, str(tmp_path / "ref"))
@@ -222,9 +223,10 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
 
     caplog.set_level(logging.INFO, logger="persia.launcher")
     data = write_dataset(str(tmp_path / "data"), shard_rows=[100, 7])
-    cfg = tiny_config(num_workers=2, embedding_staleness=1, epochs=1)
+    cfg = tiny_config(num_workers=2, embedding_staleness=1, epochs=1, embedding_workers=2)
     train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
     hist = json.load(open(tmp_path / "model" / "train_metrics.json"))
+    assert hist["embedding_workers"] == 2
     assert hist["samples"][-1] == 107
     assert len(hist["loss"]) == 7  # ceil(100 / 16) steps; rank 1 runs empty steps after its data ends
     # the launcher repeats rank 0's progress in its own log (before: silence until the end)
@@ -328,14 +330,16 @@ def test_fp16_gradient_overflow_never_reaches_a_server():
         grads_to_host(torch.tensor([[float("inf"), 0.0]]), fp16=False)
 
 
-def test_staleness_bound_holds_under_a_slow_server(tmp_path):
-    """Lookups never run more than K batches ahead of the oldest unapplied push, even when pushes are slow."""
+@pytest.mark.parametrize("embedding_workers", [1, 3])
+def test_staleness_bound_holds_under_a_slow_server(tmp_path, embedding_workers):
+    """Lookups never run more than K batches ahead of the oldest unapplied push, even when pushes are slow, and
+    however many embedding workers share the bound."""
     import threading
     import time
     from concurrent.futures import Future
 
     data = write_dataset(str(tmp_path / "data"), rows=160, shards=1)
-    cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=1)
+    cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=1, embedding_workers=embedding_workers)
 
     class SlowPushes(LocalEmbedding):
         def __init__(self, *a, **k):
@@ -363,6 +367,7 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path):
     assert max(hist["staleness"]) <= 2
     assert hist["max_staleness"] == 2  # the slow server makes the worker use its whole budget
     assert len(backend.applied) == len(hist["loss"]) == 10
+    assert hist["embedding_workers"] == embedding_workers
 
 
 def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wait(tmp_path):

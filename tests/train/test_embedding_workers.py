@@ -1,0 +1,168 @@
+"""Embedding workers: Python calls per batch independent of the batch, the ready ring's checks, and a SIGKILLed
+embedding-worker process failing the job fast with nothing left behind."""
+
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+from support import tiny_config, write_dataset
+
+from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.embedding.pooling import model_slot_order, table_layouts
+from persia_core.embedding.reference import LocalEmbedding
+from persia_core.ps import shm
+from persia_core.train import ready_ring as rr
+from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker
+from persia_core.train.launcher import train
+from persia_core.train.local_cluster import TrainingFailed
+from persia_core.train.processes import descendants
+from persia_core.train.schedule import make_schedule
+
+
+def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
+    """Python and C calls an embedding worker makes (its backend's aside) for ``steps`` batches of ``batch`` rows,
+    driven by this test as its NN worker."""
+    cfg = tiny_config(num_workers=1, embedding_staleness=steps, epochs=1, batch_size=batch)
+    data = write_dataset(str(tmp_path / f"data{batch}"), rows=batch * steps, shards=1)
+    layouts = table_layouts(cfg)
+    examples = ParquetExamples(shard_files(data, "train"), model_slot_order(cfg))
+    sched = make_schedule([len(examples)], batch, 1, 0, True)
+    assert len(sched.global_batch) == steps
+    ring = rr.RingLayout(
+        1, 1, batch, sum(len(t.slots) for t in layouts), layouts[0].dim, len(read_schema(data)["dense"])
+    )
+    seg = rr.Segment(ring, shared=False)
+    nn, ew_end = socket.socketpair()
+    backend = LocalEmbedding(cfg.embedding, 1)
+    ew = EmbeddingWorker(
+        backend, layouts, BatchSource(examples, sched.rows[0], sched.global_batch), ring, seg.buf, ew_end, 0, 0,
+        steps, 1, 0, {"a": 0.5}, 0,
+    )  # fmt: skip
+    skipped = {backend.lookup.__code__, backend.push.__code__}
+    count = [0]
+    inside: list = []
+
+    def prof(frame, event, arg):
+        if inside:
+            if event == "return" and frame is inside[-1]:
+                inside.pop()
+            return
+        if event == "call" and frame.f_code in skipped:
+            inside.append(frame)
+            return
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    def run():
+        sys.setprofile(prof)
+        try:
+            ew.run()
+        finally:
+            sys.setprofile(None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert rr.recv(nn, 30)[0] == rr.STARTED
+    for step in range(steps):
+        kind, slot, got, rows, _, text = rr.recv(nn, 30)
+        assert (kind, got, rows) == (rr.READY, step, batch), text
+        emb = ring.slot(seg.buf, 0, slot)[0]
+        emb[:rows] = 0.5  # d loss / d emb
+        rr.send(nn, rr.GRAD, slot, step)
+    deadline = time.monotonic() + 30
+    while ring.frontier(seg.buf)[0] != rr.NEVER and time.monotonic() < deadline:
+        time.sleep(0.001)
+    rr.send(nn, rr.STOP)
+    t.join(30)
+    assert not t.is_alive()
+    assert ring.frontier(seg.buf)[0] == rr.NEVER  # every push applied
+    nn.close()
+    ew_end.close()
+    seg.close()
+    return count[0]
+
+
+def test_an_embedding_worker_makes_as_many_python_calls_per_batch_at_8192_rows_as_at_1024(tmp_path):
+    _calls_of_a_run(tmp_path / "warm", 1024, 4)  # the first run loads the compiled kernels (numba)
+    small = _calls_of_a_run(tmp_path, 1024, 4)
+    large = _calls_of_a_run(tmp_path, 8192, 4)
+    assert small == large, (small, large)
+    assert small < 4 * 400  # a few hundred calls per batch, whatever its size
+
+
+def test_the_ready_ring_refuses_a_dev_shm_too_small_naming_the_setting(monkeypatch):
+    layout = rr.RingLayout(2, 2, 4096, 26, 16, 13)
+    st = os.statvfs(shm.SHM_DIR)
+
+    class Small:
+        f_bavail, f_frsize, f_blocks = 1000, st.f_frsize, 16384
+
+    monkeypatch.setattr(rr.os, "statvfs", lambda path: Small)
+    with pytest.raises(OSError, match=r"--shm-size.*emptyDir.*medium: Memory"):
+        rr.Segment(layout, shared=True)
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.segment_name(os.getpid())[:15])]
+
+
+def test_the_ready_ring_holds_every_slot_apart_and_a_second_process_sees_the_same_bytes():
+    layout = rr.RingLayout(2, 2, 8, 3, 4, 2)
+    seg = rr.Segment(layout, shared=True)
+    try:
+        views = [layout.slot(seg.buf, e, k) for e in range(2) for k in range(2)]
+        for i, (emb, dense, labels) in enumerate(views):
+            emb[...], dense[...], labels[...] = i, 10 + i, 20 + i
+        for i, (emb, dense, labels) in enumerate(views):
+            assert (emb == i).all() and (dense == 10 + i).all() and (labels == 20 + i).all()
+        layout.frontier(seg.buf)[:] = [7, rr.NEVER]
+        other = rr.Segment.attach(seg.name, layout)
+        assert layout.frontier(other.buf).tolist() == [7, rr.NEVER]
+        assert (layout.slot(other.buf, 1, 1)[0] == 3).all()
+        other.close()
+        assert os.path.exists(seg.path)  # only its creator removes it
+    finally:
+        seg.close()
+    assert not os.path.exists(seg.path)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.processes
+def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leaves_nothing(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=400, embedding_workers=2)
+    box: dict = {}
+
+    def kill_one():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ews = [p for p in descendants(os.getpid()) if "persia_core.train.embedding_worker" in _cmdline(p)]
+            metrics = list((tmp_path / "work" / "logs").glob("nn_worker-0.log"))
+            if len(ews) == 2 and metrics and "step " in metrics[0].read_text():
+                box["pids"] = descendants(os.getpid())
+                box["killed_at"] = time.monotonic()
+                os.kill(sorted(ews)[0], 9)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    with pytest.raises(TrainingFailed) as err:
+        train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
+    raised_at = time.monotonic()
+    killer.join()
+    assert "killed_at" in box, "training ended before an embedding worker was killed"
+    msg = str(err.value)
+    assert "embedding worker 0." in msg and "killed by SIGKILL" in msg, msg
+    assert raised_at - box["killed_at"] < 60
+    assert len(box["pids"]) == 5  # 2 servers, 1 NN worker and its 2 embedding workers
+    assert descendants(os.getpid()) == []
+    prefixes = tuple(shm.segment_name(p)[:15] for p in box["pids"])
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)]
