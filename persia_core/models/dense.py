@@ -9,6 +9,7 @@ mean/std from the preprocess statistics, kept as buffers so a saved model carrie
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from persia_core.config import ModelConfig
@@ -61,10 +62,18 @@ class DNN(_Base):
         self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        parts = [emb.flatten(1)]
+        # the top MLP's first layer on concat(flatten(emb), bottom(dense)), computed as the sum of its two column
+        # blocks' products: the same function and weights, without copying the [B, S*D] embeddings into a concat
+        # (nor its gradient out of one)
+        first = self.top[0]
+        assert isinstance(first, nn.Linear)
+        n = emb.shape[1] * emb.shape[2]
+        y = F.linear(emb.flatten(1), first.weight[:, :n], first.bias)
         if dense.shape[1]:
-            parts.append(self.bottom(self.normalize(dense)))
-        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+            y = y + F.linear(self.bottom(self.normalize(dense)), first.weight[:, n:])
+        for layer in list(self.top)[1:]:
+            y = layer(y)
+        return y.squeeze(1)
 
 
 class DLRM(_Base):
