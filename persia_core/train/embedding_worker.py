@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -148,6 +149,8 @@ class EmbeddingWorker:
         self.dropout = {k: v for k, v in (dropout or {}).items() if v > 0}
         self.seed = seed
         self.frontier = layout.frontier(buf)
+        self.phase = layout.phase_seconds(buf)[index]  # seconds per ``ready_ring.PHASES``, read by the NN worker
+        self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
         self.slot0 = [int(x) for x in np.cumsum([0] + [len(t.slots) for t in layouts])[:-1]]
         self.free = list(range(layout.slots_per_worker - 1, -1, -1))
         self.pending: dict[int, tuple[int, dict, int]] = {}  # slot -> (step, prepared IDs, rows)
@@ -174,15 +177,25 @@ class EmbeddingWorker:
     def _loop(self) -> None:
         total = self.source.total_steps
         self._publish()
+        read, dedup, wait_slot, wait_bound, lookup_pool = range(5)  # the first five of rr.PHASES
+        ph = self.phase
         for step in range(self.next_own, total, self.E):
+            t0 = time.perf_counter()
             batch = self.source.batch(step)
+            t1 = time.perf_counter()
             ids = batch.ids
             if self.dropout:
                 ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
             prepared = prepare_ids(ids, self.layouts)
+            t2, pushed = time.perf_counter(), self.push_s
             while not self.free:
                 self._serve(None)
+            t3 = time.perf_counter()
+            ph[wait_slot] += t3 - t2 - (self.push_s - pushed)
+            pushed = self.push_s
             staleness = self._wait_bound(step)
+            t4 = time.perf_counter()
+            ph[wait_bound] += t4 - t3 - (self.push_s - pushed)
             slot = self.free.pop()
             emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
             b = batch.size
@@ -193,6 +206,9 @@ class EmbeddingWorker:
             labels[:b] = batch.labels
             self.pending[slot] = (step, prepared, b)
             rr.send(self.sock, rr.READY, slot, step, b, staleness)
+            ph[read] += t1 - t0
+            ph[dedup] += t2 - t1
+            ph[lookup_pool] += time.perf_counter() - t4
         while True:  # every own step handed over: gradients of those the NN worker trains, until STOP
             self._raise_error()
             self._serve(0.5)
@@ -225,6 +241,7 @@ class EmbeddingWorker:
         if owned is None or owned[0] != step:
             raise ValueError(f"embedding worker {self.rank}.{self.index}: gradient of step {step} in slot {slot}")
         _, prepared, b = owned
+        t0 = time.perf_counter()
         grad = self.layout.slot(self.buf, self.index, slot)[0]
         per_table = []
         for t, slot0 in zip(self.layouts, self.slot0, strict=True):
@@ -234,6 +251,7 @@ class EmbeddingWorker:
                 raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
             per_table.append((t.name, p.uniq, g))
         self.free.append(slot)  # its gradient is read out
+        t1 = time.perf_counter()
         futs = [
             self.backend.push(
                 name,
@@ -245,6 +263,10 @@ class EmbeddingWorker:
             )
             for name, uniq, g in per_table
         ]
+        t2 = time.perf_counter()
+        self.phase[rr.PHASES.index("grads")] += t1 - t0
+        self.phase[rr.PHASES.index("push")] += t2 - t1
+        self.push_s += t2 - t0
         out: Future = Future()
         out.add_done_callback(lambda f: self._applied(step, f))
         complete_when_all(futs, out)

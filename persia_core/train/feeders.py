@@ -142,6 +142,11 @@ class Feeders:
             how = self.how(e)
         return EmbeddingWorkerFailed(f"{self.name(e)} died ({how or what or 'its control socket closed'})")
 
+    def phase_seconds(self) -> list[dict[str, float]]:
+        """Per embedding worker, seconds spent in each of ``ready_ring.PHASES`` so far."""
+        table = self.layout.phase_seconds(self.segment.buf)
+        return [{p: float(table[e, i]) for i, p in enumerate(rr.PHASES)} for e in range(self.E)]
+
     def close(self) -> None:
         """Stop the embedding workers, wait for them, free the ring (idempotent)."""
         if self.closed:

@@ -1,7 +1,8 @@
 """The shared-memory transport between an NN worker and its embedding workers on one host.
 
 One segment per NN worker holds, at offset 0, ``frontier: int64[E]`` (embedding worker e has every push of its
-own steps below ``frontier[e]`` applied; written by e only, read by all), then for each embedding worker e and
+own steps below ``frontier[e]`` applied; written by e only, read by all), ``phase_seconds: float64[E, P]``
+(seconds embedding worker e spent in each of ``PHASES``; written by e only), then for each embedding worker e and
 each of its R ready slots k: ``emb float32[B, S, D]`` (the pooled embeddings; the NN worker overwrites it with
 d loss / d emb after the backward), ``dense float32[B, F]``, ``labels float32[B]`` (B: the batch size, the
 slot's capacity). Sizes: ``ring_bytes``.
@@ -31,6 +32,9 @@ from persia_core.ps import shm
 
 MSG = struct.Struct("<iiqqq")
 READY, GRAD, ERROR, STOP, STARTED = 1, 2, 3, 4, 5
+PHASES = ("read", "dedup", "wait_slot", "wait_bound", "lookup_pool", "grads", "push")
+"""An embedding worker's phases: gathering the batch's rows, ID dropout and dedup, waiting for a free ready slot,
+waiting for the staleness bound, lookups and pooling, per-ID gradients, issuing the pushes."""
 NEVER = 1 << 62
 """``frontier`` value of an embedding worker with no own step left to apply."""
 SHM_SETTING = (
@@ -57,7 +61,7 @@ class RingLayout:
 
     @property
     def header_bytes(self) -> int:
-        return _align(8 * self.workers)
+        return _align(8 * self.workers) + _align(8 * self.workers * len(PHASES))
 
     @property
     def slot_bytes(self) -> int:
@@ -72,6 +76,11 @@ class RingLayout:
     def frontier(self, buf: np.ndarray) -> np.ndarray:
         """``int64[E]`` view of ``buf`` (the segment's ``uint8`` view)."""
         return buf[: 8 * self.workers].view(np.int64)
+
+    def phase_seconds(self, buf: np.ndarray) -> np.ndarray:
+        """``float64[E, len(PHASES)]`` view of ``buf``."""
+        off = _align(8 * self.workers)
+        return buf[off : off + 8 * self.workers * len(PHASES)].view(np.float64).reshape(self.workers, len(PHASES))
 
     def slot(self, buf: np.ndarray, worker: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Views ``(emb float32[B, S, D], dense float32[B, F], labels float32[B])`` of slot ``k`` of ``worker``."""

@@ -262,6 +262,7 @@ def run_worker(
         flush()
         pipe.drain()
         loop_ended_unix = time.time()  # every push of this rank applied
+        ew_phases = feeders.phase_seconds()
         if (
             checkpointer is not None
             and checkpointer.settings.at_end
@@ -296,6 +297,12 @@ def run_worker(
             # wall-clock bounds of this rank's training loop (Unix seconds), from the first batch's preparation to
             # the last push applied: the window in which make bench-feed counts every process's CPU time
             "train_loop_unix": [loop_started_unix, loop_ended_unix],
+            "embedding_worker_phase_seconds": {
+                p: round(sum(e[p] for e in ew_phases), 3) for p in (ew_phases[0] if ew_phases else {})
+            },
+            # busy share of the training loop's wall time: an NN worker near 1 is the bottleneck; embedding workers
+            # near 1 (and a large "wait" of the NN worker) say that E is too small
+            "utilization": utilization(pipe.phase_s, ew_phases, loop_ended_unix - loop_started_unix),
             "phase_seconds": {
                 **{k: round(v, 3) for k, v in pipe.phase_s.items()},
                 "loss_all_reduce": round(loss_sync_s, 3),
@@ -314,6 +321,15 @@ def run_worker(
     del pipe, net
     gc.collect()
     return history
+
+
+def utilization(nn_phases: dict[str, float], ew_phases: list[dict[str, float]], wall_s: float) -> dict[str, float]:
+    """``{"nn_worker": busy share, "embedding_workers": mean busy share}`` of ``wall_s`` seconds: the NN worker's
+    phases but its waits, the embedding workers' phases but theirs (``wait_slot``, ``wait_bound``)."""
+    wall = max(wall_s, 1e-9)
+    nn = sum(v for k, v in nn_phases.items() if "wait" not in k)
+    ew = [sum(v for k, v in e.items() if not k.startswith("wait")) for e in ew_phases]
+    return {"nn_worker": round(nn / wall, 3), "embedding_workers": round(sum(ew) / max(len(ew), 1) / wall, 3)}
 
 
 def settings_from(config: RunConfig, args, out_dir: str) -> ckpt.CheckpointSettings | None:

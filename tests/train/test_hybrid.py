@@ -20,7 +20,7 @@ from persia_core.train.feeders import ThreadFeeders
 from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.launcher import train
 from persia_core.train.local_cluster import LocalCluster
-from persia_core.train.ready_ring import RingLayout
+from persia_core.train.ready_ring import PHASES, RingLayout
 from persia_core.train.schedule import make_schedule
 from persia_core.train.worker import build_dense, run_worker
 
@@ -368,6 +368,10 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path, embedding_workers):
     assert hist["max_staleness"] == 2  # the slow server makes the worker use its whole budget
     assert len(backend.applied) == len(hist["loss"]) == 10
     assert hist["embedding_workers"] == embedding_workers
+    # the embedding workers' phases: the slow pushes show as waits for the bound, which is what a user reads there
+    ew = hist["embedding_worker_phase_seconds"]
+    assert list(ew) == list(PHASES) and ew["wait_bound"] > 0.5 and ew["lookup_pool"] > 0
+    assert 0 < hist["utilization"]["embedding_workers"] < 1 and 0 < hist["utilization"]["nn_worker"] < 1
 
 
 def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wait(tmp_path):
