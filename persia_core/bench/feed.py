@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         **per_sample(sampler.cpu_between(t0, t1), samples),
         "train_loop_seconds": round(t1 - t0, 3),
         "phase_seconds": metrics.get("phase_seconds"),
+        "embedding_worker_phase_seconds": metrics.get("embedding_worker_phase_seconds"),
+        "utilization": metrics.get("utilization"),
     }
     print(
         f"hybrid: {out['sps']:.0f} samples/s over {out['train_loop_seconds']:.1f} s; CPU us/sample: NN worker "

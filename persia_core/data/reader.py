@@ -94,10 +94,12 @@ class ParquetExamples:
     def batch(self, rows: np.ndarray) -> Batch:
         """The examples ``rows: int64[B]`` as a ``Batch`` (slots in ``self.slots`` order)."""
         rows = np.asarray(rows, dtype=np.int64)
+        # np.take: the same gathers as fancy indexing, in a faster loop (about half the time on [S, R] and [R, F])
+        dense, labels = np.take(self.dense, rows, axis=0), np.take(self.labels, rows)
         if self.fixed is not None:
-            values = self.fixed[:, rows].reshape(-1)  # slot-major, as below
+            values = np.take(self.fixed, rows, axis=1).reshape(-1)  # slot-major, as below
             ids = IdBatch(self.slots, values, np.arange(len(values) + 1, dtype=np.int64), len(rows))
-            return Batch(ids, self.dense[rows], self.labels[rows])
+            return Batch(ids, dense, labels)
         vals, offs, total = [], [np.zeros(1, dtype=np.int64)], 0
         for s in self.slots:
             v, o = jagged_take(*self.ids[s], rows)
@@ -107,7 +109,7 @@ class ParquetExamples:
         ids = IdBatch(
             self.slots, np.concatenate(vals) if vals else np.zeros(0, np.uint64), np.concatenate(offs), len(rows)
         )
-        return Batch(ids, self.dense[rows], self.labels[rows])
+        return Batch(ids, dense, labels)
 
 
 def count_rows(files: list[str]) -> int:
