@@ -6,6 +6,7 @@ No Python loop per row: batches are gathered with vectorized jagged indexing (``
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,44 @@ class ParquetExamples:
     def __len__(self) -> int:
         return self.num_rows
 
+    def save(self, folder: str) -> None:
+        """Write the arrays as ``.npy`` files under local ``folder`` (``mapped`` reads them back), so that
+        several processes share one copy through the page cache instead of each holding its own."""
+        os.makedirs(folder, exist_ok=True)
+        arrays = {"labels": self.labels, "dense": self.dense, "ts": self.ts}
+        if self.fixed is not None:
+            arrays["fixed"] = self.fixed
+        else:
+            for i, s in enumerate(self.slots):
+                arrays[f"values{i}"], arrays[f"offsets{i}"] = self.ids[s]
+        for name, a in arrays.items():
+            np.save(os.path.join(folder, f"{name}.npy"), np.ascontiguousarray(a))
+        with open(os.path.join(folder, "examples.json"), "w") as f:
+            json.dump({"slots": self.slots, "num_rows": self.num_rows, "fixed": self.fixed is not None}, f)
+
+    @classmethod
+    def mapped(cls, folder: str) -> ParquetExamples:
+        """The examples ``save`` wrote to ``folder``, memory-mapped read-only (no pickle). Raises
+        ``FileNotFoundError`` naming a missing file."""
+        with open(os.path.join(folder, "examples.json")) as f:
+            meta = json.load(f)
+
+        def load(name: str) -> np.ndarray:
+            return np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r", allow_pickle=False)
+
+        self = cls.__new__(cls)
+        self.slots = list(meta["slots"])
+        self.num_rows = int(meta["num_rows"])
+        self.labels, self.dense, self.ts = load("labels"), load("dense"), load("ts")
+        one = np.arange(self.num_rows + 1, dtype=np.int64)
+        if meta["fixed"]:
+            self.fixed = load("fixed")
+            self.ids = {s: (self.fixed[i], one) for i, s in enumerate(self.slots)}
+        else:
+            self.fixed = None
+            self.ids = {s: (load(f"values{i}"), load(f"offsets{i}")) for i, s in enumerate(self.slots)}
+        return self
+
     def batch(self, rows: np.ndarray) -> Batch:
         """The examples ``rows: int64[B]`` as a ``Batch`` (slots in ``self.slots`` order)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -110,22 +149,6 @@ class ParquetExamples:
             self.slots, np.concatenate(vals) if vals else np.zeros(0, np.uint64), np.concatenate(offs), len(rows)
         )
         return Batch(ids, dense, labels)
-
-
-def count_rows(files: list[str]) -> int:
-    """Rows of the Parquet ``files``, from their footers (no row is read). Raises ``FileNotFoundError`` naming a
-    missing file."""
-    total = 0
-    for f in files:
-        if not io.exists(f):
-            raise FileNotFoundError(f"Parquet shard not found: {f}")
-        if io.is_gcs(f):
-            import io as _io
-
-            total += pq.read_metadata(_io.BytesIO(io.read_bytes(f))).num_rows
-        else:
-            total += pq.read_metadata(f).num_rows
-    return total
 
 
 def shard_files(data_dir: str, split: str) -> list[str]:

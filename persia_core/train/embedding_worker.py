@@ -33,7 +33,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from persia_core.config import RunConfig
-from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.data.reader import ParquetExamples
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
 from persia_core.embedding.pooling import TableLayout, model_slot_order, prepare_ids, table_layouts
@@ -298,12 +298,10 @@ def _setup(spec: dict, sock: socket.socket) -> tuple[EmbeddingWorker, EmbeddingC
     tc = config.trainer
     layout = rr.RingLayout(*spec["layout"])
     seg = rr.Segment.attach(spec["segment"], layout)
-    schema = read_schema(spec["data"])
-    files = shard_files(spec["data"], "train")[rank :: int(spec["world"])]
-    examples = ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
+    examples = ParquetExamples.mapped(spec["examples"])
     counts = [int(c) for c in spec["counts"]]
-    if len(examples) != counts[rank]:
-        raise ValueError(f"{files}: {len(examples)} rows, but the NN worker counted {counts[rank]}")
+    if len(examples) != counts[rank] or examples.slots != model_slot_order(config):
+        raise ValueError(f"{spec['examples']}: not the examples of NN worker {rank} (rows, slots)")
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     client = EmbeddingClient(
         spec["addresses"],

@@ -12,19 +12,23 @@ pid, so the local launcher removes it when the NN worker itself is killed.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
 
 import numpy as np
 
+from persia_core.data.reader import ParquetExamples
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.pooling import TableLayout
 from persia_core.ps import shm
@@ -38,6 +42,22 @@ STARTED_TIMEOUT_S = 300.0
 
 class EmbeddingWorkerFailed(RuntimeError):
     """An embedding worker reported an error, or died."""
+
+
+def examples_prefix(pid: int) -> str:
+    """The name prefix of the temporary folder where NN worker ``pid`` saves its examples for its embedding workers."""
+    return f"persia_examples_{pid}_"
+
+
+def remove_examples_of(pids) -> int:
+    """Remove the example folders NN workers ``pids`` left in the temporary folder (killed before their close).
+    Returns how many were removed."""
+    removed = 0
+    for pid in pids:
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), examples_prefix(pid) + "*")):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def auto_embedding_workers(nn_workers_on_host: int) -> int:
@@ -226,22 +246,39 @@ class ThreadFeeders(Feeders):
 
 class ProcessFeeders(Feeders):
     """Embedding workers as processes of their own (``python -m persia_core.train.embedding_worker``), each with its
-    own client of the parameter servers at ``addresses``. ``spec``: what every one of them needs (config dict, data
-    folder, world, row counts per rank, client id prefix); the ring goes in ``/dev/shm``."""
+    own client of the parameter servers at ``addresses`` (``token``: the job's, passed in their environment).
+    ``spec``: what every one of them needs (config dict, world, row counts per rank, client id prefix);
+    ``examples``: this NN worker's rows, saved once for all of them to map. The ring goes in ``/dev/shm``."""
 
     def __init__(
-        self, layout: rr.RingLayout, start: int, rank: int, spec: dict, addresses: list[str], token: str | None
+        self,
+        layout: rr.RingLayout,
+        start: int,
+        rank: int,
+        spec: dict,
+        addresses: list[str],
+        token: str | None,
+        examples: ParquetExamples,
     ):
         super().__init__(layout, start, rank, shared=True)
+        self.procs: list[subprocess.Popen] = []
+        # one copy of this NN worker's examples for all its embedding workers: saved once, memory-mapped by each
+        # (the page cache holds it once); removed by close, or by the local launcher for a killed NN worker
+        self.examples_dir = tempfile.mkdtemp(prefix=examples_prefix(os.getpid()))
+        try:
+            examples.save(self.examples_dir)
+        except BaseException:
+            self.close()
+            raise
         env = dict(os.environ)
         env.pop(TOKEN_ENV, None)
         if token:
             env[TOKEN_ENV] = token  # in the environment, never on a command line
-        self.procs: list[subprocess.Popen] = []
         try:
             for e in range(self.E):
                 child = self.peer_socks[e]
                 s = dict(spec, rank=rank, index=e, start=start, addresses=addresses, layout=layout.to_list())
+                s["examples"] = self.examples_dir
                 s.update(segment=self.segment.name, client_id=f"{spec['client_id']}-e{e}")
                 cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--spec", json.dumps(s)]
                 cmd += ["--fd", str(child.fileno()), "--parent", str(os.getpid())]
@@ -274,3 +311,4 @@ class ProcessFeeders(Feeders):
                 p.kill()
                 p.wait(timeout=10)
         shm.remove_segments_of([p.pid for p in self.procs])  # a killed one's client segments
+        shutil.rmtree(self.examples_dir, ignore_errors=True)

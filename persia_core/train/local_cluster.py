@@ -32,6 +32,7 @@ from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import EXIT_BAD_INIT
 from persia_core.ps.shm import remove_orphans, remove_segments_of
 from persia_core.ps.storage_roots import resolve_storage_roots
+from persia_core.train.feeders import remove_examples_of
 from persia_core.train.processes import die_with_parent, process_state, signal_group
 
 log = logging.getLogger("persia.launcher")
@@ -369,6 +370,7 @@ class LocalCluster:
                 signal_group(p.popen, signal.SIGKILL)
                 p.popen.wait()
         remove_segments_of([p.popen.pid for p in self.workers])  # left by a worker killed before its close
+        remove_examples_of([p.popen.pid for p in self.workers])
 
     def __enter__(self) -> LocalCluster:
         return self

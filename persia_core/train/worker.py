@@ -35,7 +35,7 @@ import torch.distributed as dist
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
-from persia_core.data.reader import ParquetExamples, count_rows, read_schema, shard_files
+from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.pooling import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
@@ -101,10 +101,8 @@ def run_worker(
     tc = config.trainer
     schema = read_schema(data_dir)
     files = shard_files(data_dir, "train")[rank::world]
-    # embedding workers of their own read the batches themselves; threads of this process share its examples
-    processes = isinstance(backend, EmbeddingClient)
-    examples = None if processes else ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
-    counts = [count_rows(files) if examples is None else len(examples)]
+    examples = ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
+    counts = [len(examples)]
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, counts[0])
@@ -151,11 +149,11 @@ def run_worker(
         len(schema["dense"]),
     )
     feeders: Feeders
-    if processes:
-        spec = {"config": config.to_dict(), "data": data_dir, "world": world, "counts": counts}
-        spec["client_id"] = f"{backend.client_id}-ew"
+    if isinstance(backend, EmbeddingClient):  # embedding workers of their own, sharing one copy of the examples
+        spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
         token = dict(backend.metadata).get(TOKEN_HEADER)
-        feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token)
+        feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
+        del examples  # freed: the embedding workers map the saved copy
     else:
         source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
         dropout = {s.name: s.id_dropout for s in config.slots}

@@ -4,6 +4,7 @@ embedding-worker process failing the job fast with nothing left behind."""
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -16,6 +17,7 @@ from persia_core.embedding.reference import LocalEmbedding
 from persia_core.ps import shm
 from persia_core.train import ready_ring as rr
 from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker
+from persia_core.train.feeders import examples_prefix
 from persia_core.train.launcher import train
 from persia_core.train.local_cluster import TrainingFailed
 from persia_core.train.processes import descendants
@@ -166,3 +168,7 @@ def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leave
     assert descendants(os.getpid()) == []
     prefixes = tuple(shm.segment_name(p)[:15] for p in box["pids"])
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)]
+    # nor the examples the NN worker saved for its embedding workers
+    assert not [
+        n for n in os.listdir(tempfile.gettempdir()) if n.startswith(tuple(examples_prefix(p) for p in box["pids"]))
+    ]

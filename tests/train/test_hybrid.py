@@ -315,6 +315,22 @@ def test_parquet_batches_hold_each_rows_ids_slot_major_on_both_paths(tmp_path, s
     np.testing.assert_array_equal(b.labels, [table[r][S.LABEL] for r in rows])
     np.testing.assert_array_equal(b.dense[:, 0], np.float32([table[r][S.DENSE][0] for r in rows]))
     assert ex.batch(np.zeros(0, np.int64)).ids.values.shape == (0,)
+    # the copy an NN worker saves for its embedding-worker processes maps back to the same batches
+    ex.save(str(tmp_path / "saved"))
+    mapped = ParquetExamples.mapped(str(tmp_path / "saved"))
+    assert (
+        isinstance(mapped.labels, np.memmap) and len(mapped) == len(ex) and (mapped.fixed is None) == (ex.fixed is None)
+    )
+    m = mapped.batch(rows)
+    assert m.ids.keys == b.ids.keys and m.ids.batch_size == b.ids.batch_size
+    for x, y in (
+        (m.ids.values, b.ids.values),
+        (m.ids.offsets, b.ids.offsets),
+        (m.dense, b.dense),
+        (m.labels, b.labels),
+    ):
+        np.testing.assert_array_equal(x, y)
+        assert x.dtype == y.dtype
 
 
 def test_fp16_gradient_overflow_never_reaches_a_server():
