@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-rows", type=int, default=500_000)
     p.add_argument("--batch", type=int, default=16384)
     p.add_argument("--shards", type=int, default=8, help="parameter-server processes")
-    p.add_argument("--prefetch-threads", type=int, default=4)
+    p.add_argument("--embedding-workers", type=int, default=0, help="per NN worker (0: from the machine's cores)")
+    p.add_argument("--prefetch-threads", type=int, default=2, help="batches each embedding worker prepares ahead")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--skip-tests", action="store_true")
     args = p.parse_args(argv)
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "trainer.device": "cuda",
             "trainer.epochs": args.epochs,
             "trainer.prefetch_threads": args.prefetch_threads,
+            "trainer.embedding_workers": args.embedding_workers,
             "trainer.threads_per_worker": 4,
         }
     )
@@ -136,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             "logloss": ev["logloss"],
             "wall_seconds": time.time() - t0,
             "device": hist.get("device"),
+            "embedding_workers": hist.get("embedding_workers"),
+            "utilization": hist.get("utilization"),
+            "phase_seconds": hist.get("phase_seconds"),
+            "embedding_worker_phase_seconds": hist.get("embedding_worker_phase_seconds"),
         }
         print(
             f"hybrid {name}: {hist['samples_per_s']:.0f} samples/s, AUC {ev['auc']:.4f} "
