@@ -13,6 +13,10 @@ headroom.
 
 Compute (NN workers): GPUs = ceil(target samples/s / samples/s per GPU), on VMs of ``gpus_per_vm``.
 
+Compute (embedding workers, CPU): cores = ceil(target samples/s x CPU seconds per sample / ``EW_BUSY``), the
+CPU cost per sample measured by ``make bench-feed`` (``embedding_worker_cpu_us_per_sample``, at its 26 IDs per
+sample) and scaled by ``ids_per_sample / 26``; on VMs of ``ew_cores_per_vm`` cores.
+
 Network per NN worker (one GPU, one DDP rank) per step: the batch's IDs, deduplicated (``unique_fraction``),
 go out as uint64 (8 B) and come back as float32 rows (4 D B; the wire carries fp32 whatever the storage); the
 gradient push sends both again; the dense all-reduce (ring) moves 2 (W - 1) / W x 4 B per dense parameter.
@@ -36,6 +40,10 @@ INDEX_SLOT_BYTES = 4
 """One int32 slot of the table's hash index."""
 TB = 10**12
 SKEW_SIGMAS = 4.0
+EW_BUSY = 0.8
+"""Share of an embedding-worker core the plan fills (the rest absorbs skew and the servers' slow moments)."""
+BENCH_FEED_IDS_PER_SAMPLE = 26.0
+"""IDs per sample of ``make bench-feed``'s Criteo-shaped set, at which ``ew_cpu_us_per_sample`` is measured."""
 
 
 @dataclass
@@ -115,6 +123,11 @@ class PlanInputs:
     """Parameters of the dense network (all-reduced every step)."""
     nic_gbps: float = 100.0
     """Network bandwidth of one parameter-server VM, Gbit/s."""
+    ew_cpu_us_per_sample: float = 6.7
+    """Embedding-worker CPU microseconds per sample at 26 IDs per sample (``make bench-feed``'s
+    ``embedding_worker_cpu_us_per_sample``; 6.7 on a 2-core cloud VM)."""
+    ew_cores_per_vm: int = 32
+    ew_machine_type: str = "n2-highcpu-32"
     ps_machine_type: str = "m2-ultramem-416"
     gpu_machine_type: str = "a2-highgpu-8g"
     accelerator_type: str = "NVIDIA_TESLA_A100"
@@ -135,6 +148,8 @@ class PlanInputs:
             "unique_fraction": (0 < self.unique_fraction <= 1, "in (0, 1]"),
             "dense_params": (self.dense_params >= 0, ">= 0"),
             "nic_gbps": (self.nic_gbps > 0, "> 0"),
+            "ew_cpu_us_per_sample": (self.ew_cpu_us_per_sample > 0, "> 0"),
+            "ew_cores_per_vm": (self.ew_cores_per_vm >= 1, ">= 1"),
         }
         for name, (ok, need) in checks.items():
             value = getattr(self, name)
@@ -160,6 +175,8 @@ class Plan:
     memory_per_server_bytes: float
     gpus: int
     nn_vms: int
+    embedding_worker_cores: int
+    embedding_worker_vms: int
     steps_per_s: float
     net_lookup_bytes_per_step: float
     net_push_bytes_per_step: float
@@ -236,6 +253,9 @@ def plan(inp: PlanInputs) -> Plan:
     nn_vms = math.ceil(gpus_needed / inp.gpus_per_vm)
     gpus = nn_vms * inp.gpus_per_vm  # whole VMs; one DDP rank per GPU
     steps_per_s = inp.throughput / (gpus * inp.batch_size)
+    ew_cpu_s = inp.ew_cpu_us_per_sample * 1e-6 * inp.ids_per_sample / BENCH_FEED_IDS_PER_SAMPLE
+    ew_cores = max(1, math.ceil(inp.throughput * ew_cpu_s / EW_BUSY))
+    ew_vms = math.ceil(ew_cores / inp.ew_cores_per_vm)
     unique = inp.batch_size * inp.ids_per_sample * inp.unique_fraction
     row_wire = 4 * inp.dim
     lookup = unique * (8 + row_wire)
@@ -263,6 +283,8 @@ def plan(inp: PlanInputs) -> Plan:
         memory_per_server_bytes=k * (cap * rb.without_index + INDEX_SLOT_BYTES * slots + inp.process_overhead_gb * 1e9),
         gpus=gpus,
         nn_vms=nn_vms,
+        embedding_worker_cores=ew_cores,
+        embedding_worker_vms=ew_vms,
         steps_per_s=steps_per_s,
         net_lookup_bytes_per_step=lookup,
         net_push_bytes_per_step=push,

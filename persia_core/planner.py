@@ -17,7 +17,16 @@ from dataclasses import asdict
 
 from persia_core import io
 from persia_core.argchecks import check_output_file, float_in
-from persia_core.capacity_plan import MAX_ROWS_PER_SHARD, SKEW_SIGMAS, TB, WEIGHT_BYTES, Plan, PlanInputs, plan
+from persia_core.capacity_plan import (
+    EW_BUSY,
+    MAX_ROWS_PER_SHARD,
+    SKEW_SIGMAS,
+    TB,
+    WEIGHT_BYTES,
+    Plan,
+    PlanInputs,
+    plan,
+)
 from persia_core.config import OPTIMIZERS
 
 
@@ -65,6 +74,12 @@ def format_table(p: Plan) -> str:
             f"{i.accelerator_type}); {math.ceil(i.throughput / i.samples_per_gpu)} needed for "
             f"{i.throughput:.4g} samples/s at {i.samples_per_gpu:.4g} per GPU",
         ),
+        (
+            "embedding workers",
+            f"{p.embedding_worker_cores:,} cores on {p.embedding_worker_vms:,} x {i.ew_machine_type} "
+            f"({i.ew_cores_per_vm} cores; {i.ew_cpu_us_per_sample:g} us of CPU per sample at 26 IDs, "
+            f"x {i.ids_per_sample:g}/26 IDs here, cores {EW_BUSY:.0%} busy)",
+        ),
         ("steps/s", f"{p.steps_per_s:.2f} (batch {i.batch_size} per GPU)"),
         (
             "network/step/worker",
@@ -91,6 +106,13 @@ def format_table(p: Plan) -> str:
             "note",
             "a table grows by doubling its arrays; keep shards preallocated or below half their "
             "capacity while growing, or the copy's transient peak (1.5x) exceeds this budget",
+        )
+    )
+    rows.append(
+        (
+            "note",
+            "embedding workers share memory with their NN worker: until the network transport lands, they run "
+            "on the NN-worker VMs, so plan their cores there",
         )
     )
     if i.weights != "fp32":
@@ -176,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dense-params", type=_count_arg, default=d.dense_params, help="dense network parameters")
     p.add_argument("--nic-gbps", type=float_in(), default=d.nic_gbps, help="network of a parameter-server VM, Gbit/s")
+    p.add_argument(
+        "--ew-cpu-us-per-sample",
+        type=float_in(),
+        default=d.ew_cpu_us_per_sample,
+        help="embedding-worker CPU microseconds per sample at 26 IDs per sample: the "
+        "embedding_worker_cpu_us_per_sample that make bench-feed prints (default: its figure on a 2-core VM)",
+    )
+    p.add_argument("--ew-cores-per-vm", type=int, default=d.ew_cores_per_vm, help="cores of an embedding-worker VM")
+    p.add_argument("--ew-machine-type", default=d.ew_machine_type, help="embedding-worker machine type")
     p.add_argument("--ps-machine-type", default=d.ps_machine_type, help="parameter-server machine type")
     p.add_argument("--gpu-machine-type", default=d.gpu_machine_type, help="NN-worker machine type")
     p.add_argument("--accelerator-type", default=d.accelerator_type, help="NN-worker accelerator")
@@ -225,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             unique_fraction=args.unique_fraction,
             dense_params=args.dense_params,
             nic_gbps=args.nic_gbps,
+            ew_cpu_us_per_sample=args.ew_cpu_us_per_sample,
+            ew_cores_per_vm=args.ew_cores_per_vm,
+            ew_machine_type=args.ew_machine_type,
             ps_machine_type=args.ps_machine_type,
             gpu_machine_type=args.gpu_machine_type,
             accelerator_type=args.accelerator_type,

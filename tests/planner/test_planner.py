@@ -2,6 +2,7 @@
 seed plan, the CLI."""
 
 import json
+import math
 
 import pytest
 
@@ -241,3 +242,29 @@ def test_planner_a_huge_model_plans_quickly_and_matches_the_linear_search():
         (10**12, 1, 2**31 - 1),
     ]:
         assert capacity_plan.servers_needed(rows, k, cap) == linear(rows, k, cap)
+
+
+def test_planner_sizes_the_embedding_workers_from_the_cpu_cost_per_sample_given_or_bench_feeds(capsys):
+    # cores = ceil(samples/s x CPU s per sample x (IDs per sample / 26) / 0.8 busy), on VMs of --ew-cores-per-vm
+    assert planner.main([*SEED_ARGS, "--throughput", "2e6", "--ids-per-sample", "52"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding workers"))
+    default = capacity_plan.PlanInputs(rows=1).ew_cpu_us_per_sample
+    cores = math.ceil(2e6 * default * 1e-6 * 2 / 0.8)
+    assert f"{cores:,} cores on {math.ceil(cores / 32):,} x n2-highcpu-32" in line
+    args = ["--ew-cpu-us-per-sample", "2.5", "--ew-cores-per-vm", "16", "--ew-machine-type", "c3-highcpu-22"]
+    assert planner.main([*SEED_ARGS, "--throughput", "1e6", *args]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding workers"))
+    assert "4 cores on 1 x c3-highcpu-22 (16 cores; 2.5 us of CPU per sample" in line  # ceil(2.5 / 0.8)
+    p = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**6, throughput=1.6e7, ew_cpu_us_per_sample=1.0))
+    assert (p.embedding_worker_cores, p.embedding_worker_vms) == (20, 1)
+    assert "make bench-feed" in planner_help()
+
+
+def planner_help() -> str:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        planner.main(["--help"])
+    return " ".join(buf.getvalue().split())
