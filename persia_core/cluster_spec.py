@@ -133,13 +133,15 @@ class Placement:
 
     def env(self, local_rank: int = 0) -> dict[str, str]:
         """torch.distributed and persia environment of one NN worker process of this replica (``RANK``,
-        ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``)."""
+        ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (its NN workers share the replica's cores among their
+        embedding workers), ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``)."""
         if not 0 <= local_rank < self.local_ranks:
             raise ValueError(f"local_rank {local_rank} outside 0..{self.local_ranks - 1}")
         return {
             "RANK": str(self.rank + local_rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_ranks),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
             "PERSIA_PS_ADDRESSES": ",".join(self.ps_addresses),

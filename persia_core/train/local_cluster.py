@@ -278,7 +278,12 @@ class LocalCluster:
                     extra[var] = "lo"
         for r in range(self.num_workers):
             env = self._env(
-                RANK=r, WORLD_SIZE=self.num_workers, LOCAL_RANK=r, PERSIA_PS_ADDRESSES=",".join(self.addresses), **extra
+                RANK=r,
+                WORLD_SIZE=self.num_workers,
+                LOCAL_RANK=r,
+                LOCAL_WORLD_SIZE=self.num_workers,
+                PERSIA_PS_ADDRESSES=",".join(self.addresses),
+                **extra,
             )
             args = [
                 "-m",

@@ -55,6 +55,7 @@ def test_vertex_cluster_spec_ranks_world_size_and_rendezvous_of_nn_workers():
         "RANK": "3",
         "WORLD_SIZE": "4",
         "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "cmle-training-workerpool0-8c1e3f0a7b-0",
         "MASTER_PORT": "2222",
         "PERSIA_PS_ADDRESSES": "cmle-training-workerpool2-8c1e3f0a7b-0:2222,"
