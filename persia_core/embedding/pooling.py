@@ -1,72 +1,13 @@
-"""Embedding tables' slot layout, per-table ID deduplication, and sum pooling of bags into ``[B, S, D]``.
-
-Shared by training (``persia_core.train.hybrid``) and evaluation (``persia_core.evaluate.run``), so that both feed
-the dense model the same slot order and the same pooled embeddings.
+"""Sum pooling of a batch's bags into ``[B, S, D]`` on torch tensors (evaluation's path, and the reference of the
+compiled kernels). Slot layout and dedup: ``persia_core.embedding.layout``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from persia_core.config import RunConfig
-from persia_core.embedding.kernels import dedup
-from persia_core.sparse import IdBatch
-
-
-@dataclass
-class TableLayout:
-    """The slots of one embedding table, in model order."""
-
-    name: str
-    dim: int
-    slots: list[str]
-
-
-def table_layouts(config: RunConfig) -> list[TableLayout]:
-    """Tables in config order, each with its slots in config order; slot order fed to the model is the
-    concatenation. Raises ``ValueError`` if tables have different dims (the models need one D)."""
-    out = [
-        TableLayout(t.name, t.dim, [s.name for s in config.slots if s.table == t.name]) for t in config.embedding.tables
-    ]
-    out = [t for t in out if t.slots]
-    if len({t.dim for t in out}) > 1:
-        raise ValueError("embedding.tables: the dense models need one embedding dim across tables used by slots")
-    return out
-
-
-def model_slot_order(config: RunConfig) -> list[str]:
-    """Slot names in the order the model sees them ([B, S, D] axis 1)."""
-    return [s for t in table_layouts(config) for s in t.slots]
-
-
-@dataclass
-class PreparedIds:
-    """The IDs of one table for one batch, deduplicated.
-
-    uniq: ``uint64[U]`` unique IDs; inverse: ``int64[N]`` position of each ID in ``uniq``;
-    offsets: ``int64[S_t*B + 1]`` bag offsets over the ``N`` IDs (bag ``s*B + b``)."""
-
-    uniq: np.ndarray
-    inverse: np.ndarray
-    offsets: np.ndarray
-    one_per_bag: bool = False
-    """Every bag holds exactly one ID (Criteo's categorical slots): pooling is then a plain row gather."""
-
-
-def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedIds]:
-    """Split a batch's IDs by table and deduplicate each (compiled O(N) hash dedup, releases the GIL)."""
-    out = {}
-    for t in layouts:
-        sub = ids.select_slots(t.slots) if len(layouts) > 1 or ids.keys != t.slots else ids
-        uniq, inverse = dedup(sub.values)
-        bags = len(sub.offsets) - 1
-        one = len(sub.values) == bags and bool((sub.offsets[1:] > sub.offsets[:-1]).all())
-        out[t.name] = PreparedIds(uniq, inverse, sub.offsets, one)
-    return out
+from persia_core.embedding.layout import PreparedIds
 
 
 def pool_bags(

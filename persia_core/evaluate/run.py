@@ -24,7 +24,8 @@ import torch
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
-from persia_core.embedding.pooling import model_slot_order, pool, prepare_ids, table_layouts
+from persia_core.embedding.layout import model_slot_order, prepare_ids, table_layouts
+from persia_core.embedding.pooling import pool
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
 from persia_core.logging_utils import progress

@@ -36,7 +36,7 @@ from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
-from persia_core.embedding.pooling import TableLayout, model_slot_order, prepare_ids, table_layouts
+from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, table_layouts
 from persia_core.logging_utils import setup_logging
 from persia_core.ps.client import EmbeddingClient
 from persia_core.sparse import Batch, IdBatch

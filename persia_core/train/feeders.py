@@ -30,7 +30,7 @@ import numpy as np
 
 from persia_core.data.reader import ParquetExamples
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.pooling import TableLayout
+from persia_core.embedding.layout import TableLayout
 from persia_core.ps import shm
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.train import ready_ring as rr

@@ -37,7 +37,7 @@ from persia_core import io
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.pooling import model_slot_order, table_layouts
+from persia_core.embedding.layout import model_slot_order, table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
 from persia_core.ps.client import EmbeddingClient

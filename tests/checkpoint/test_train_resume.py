@@ -16,8 +16,9 @@ from support import tiny_config, write_dataset
 
 from persia_core.checkpoints import CheckpointSettings, list_checkpoints
 from persia_core.data.reader import ParquetExamples, shard_files
+from persia_core.embedding.layout import prepare_ids
 from persia_core.embedding.plan import init_shards
-from persia_core.embedding.pooling import pool, prepare_ids
+from persia_core.embedding.pooling import pool
 from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.embedding.warm_start import WarmStartError
 from persia_core.evaluate.run import LoadedModel

@@ -15,7 +15,7 @@ from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
-from persia_core.embedding.pooling import model_slot_order, table_layouts
+from persia_core.embedding.layout import model_slot_order, table_layouts
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.shard_tables import shard_file_bytes
 from persia_core.hashing import feature_ids

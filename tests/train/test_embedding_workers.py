@@ -3,6 +3,7 @@ embedding-worker process failing the job fast with nothing left behind."""
 
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -12,7 +13,7 @@ import pytest
 from support import tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
-from persia_core.embedding.pooling import model_slot_order, table_layouts
+from persia_core.embedding.layout import model_slot_order, table_layouts
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.ps import shm
 from persia_core.train import ready_ring as rr
@@ -172,3 +173,11 @@ def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leave
     assert not [
         n for n in os.listdir(tempfile.gettempdir()) if n.startswith(tuple(examples_prefix(p) for p in box["pids"]))
     ]
+
+
+@pytest.mark.processes
+def test_an_embedding_worker_process_imports_no_torch():
+    # the role is model-agnostic: torch (about 1.7 s and 300 MB a process) stays in the NN worker
+    code = "import sys, persia_core.train.embedding_worker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

@@ -11,7 +11,8 @@ from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
-from persia_core.embedding.pooling import model_slot_order, pool, prepare_ids, table_layouts
+from persia_core.embedding.layout import model_slot_order, prepare_ids, table_layouts
+from persia_core.embedding.pooling import pool
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.sparse import IdBatch
