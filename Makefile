@@ -53,8 +53,8 @@ run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG 
 compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persia_pipeline.yaml; TARGET=vertex (needs PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_vertex.yaml
 	$(PY) -m pipelines.persia_pipeline --target $(TARGET)
 
-test: venv ## run the whole test suite
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: venv ## run the whole test suite (2 xdist workers)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal $(PYTEST_ARGS)
 
 test-fast: venv ## every test that starts no process (servers, DDP ranks, kfp.local tasks, CLIs): under a minute
 	PERSIA_TEST_FAST=1 $(PY) -m pytest -q -p no:cacheprovider -m "not processes" -n 2 --dist worksteal $(PYTEST_ARGS)
