@@ -36,6 +36,19 @@ class ParameterServerError(RuntimeError):
     """A parameter-server call failed (after retries); the message names the shard and address."""
 
 
+def put_rows(out: np.ndarray, pos: np.ndarray, rows: np.ndarray) -> None:
+    """``out[pos] = rows`` for ``out: float32[N, D]`` (C-contiguous), ``pos: int64[U]``, ``rows: float32[U, D]``:
+    one ``np.put`` of whole rows (viewed as D x 4-byte items), several times faster than fancy assignment.
+    Raises ``ValueError`` when the shapes disagree, ``IndexError`` for a position out of range."""
+    rows = np.ascontiguousarray(rows, dtype=out.dtype)
+    if rows.ndim != 2 or rows.shape != (len(pos), out.shape[1]) or not out.flags.c_contiguous:
+        raise ValueError(f"put_rows: {rows.shape} rows for {len(pos)} positions of a {out.shape} array")
+    if len(pos) == 0 or out.shape[1] == 0:
+        return
+    row = np.dtype((np.void, out.shape[1] * out.itemsize))
+    np.put(out.view(row).reshape(-1), pos, rows.view(row).reshape(-1))
+
+
 class EmbeddingClient:
     """gRPC client of N parameter-server shards.
 
@@ -199,13 +212,20 @@ class EmbeddingClient:
 
         def fill(pos):
             def consume(meta, arrays):
-                out[pos] = arrays["rows"]
+                put_rows(out, pos, arrays["rows"])
 
             return consume
 
         futs = [
             self.pool.submit(
-                self.call, method, s, {"table": table}, {"ids": ids[pos]}, None, len(pos) * row_bytes, fill(pos)
+                self.call,
+                method,
+                s,
+                {"table": table},
+                {"ids": np.take(ids, pos)},
+                None,
+                len(pos) * row_bytes,
+                fill(pos),
             )
             for s, pos in enumerate(parts)
             if len(pos)
@@ -258,7 +278,8 @@ class EmbeddingClient:
                         "sync_workers": sync_workers,
                         "step_fraction": step_fraction,
                     }
-                    futs.append(self.pool.submit(self.call, "Push", s, meta, {"ids": ids[pos], "grads": grads[pos]}))
+                    arrays = {"ids": np.take(ids, pos), "grads": np.take(grads, pos, axis=0)}
+                    futs.append(self.pool.submit(self.call, "Push", s, meta, arrays))
         except BaseException as e:
             out.set_exception(e)
             return
