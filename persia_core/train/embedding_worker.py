@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -92,6 +93,25 @@ def first_own_step(start: int, index: int, workers: int) -> int:
     return start + (index - start) % workers
 
 
+@dataclass(frozen=True)
+class StepRules:
+    """What an NN worker's steps follow, the same in all its embedding workers: ``staleness`` K, ``num_workers``
+    M, this NN worker's ``rank``, ID ``dropout`` rates (slot -> rate; 0: none) and the dropout RNG's ``seed``."""
+
+    staleness: int
+    num_workers: int
+    rank: int
+    dropout: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def of(cls, config: RunConfig, rank: int, world: int) -> StepRules:
+        """The rules of NN worker ``rank`` of ``world`` in a run of ``config``."""
+        tc = config.trainer
+        dropout = {s.name: s.id_dropout for s in config.slots}
+        return cls(tc.embedding_staleness, world, rank, dropout, tc.seed)
+
+
 class BatchSource:
     """One NN worker's batches: ``batch(step)`` gathers the rows ``rows[step]: int64[b]`` of ``examples`` (a
     ``ParquetExamples``, or anything with ``batch(rows) -> Batch``); ``global_batch[step]``: rows of the step over
@@ -121,9 +141,9 @@ class EmbeddingWorker:
 
     Args:
         backend: ``EmbeddingClient`` (a process of its own) or ``LocalEmbedding`` (a thread).
-        layouts: tables and their slots. source: the NN worker's batches. start: the first step (a resume).
+        layouts: tables and their slots. source: the NN worker's batches.
         layout, buf: the ready ring (``ready_ring.RingLayout``) and its ``uint8`` memory. sock: this worker's end
-            of its control socket. staleness: K. dropout: slot -> ID dropout rate. seed: of the dropout RNG.
+            of its control socket. start: the first step (a resume). rules: K, M, rank, ID dropout, seed.
     """
 
     def __init__(
@@ -136,18 +156,14 @@ class EmbeddingWorker:
         sock: socket.socket,
         index: int,
         start: int,
-        staleness: int,
-        num_workers: int,
-        rank: int,
-        dropout: dict[str, float] | None = None,
-        seed: int = 0,
+        rules: StepRules,
     ):
         self.backend, self.layouts, self.source = backend, layouts, source
         self.layout, self.buf, self.sock = layout, buf, sock
         self.index, self.E = index, layout.workers
-        self.start, self.K, self.M, self.rank = start, staleness, num_workers, rank
-        self.dropout = {k: v for k, v in (dropout or {}).items() if v > 0}
-        self.seed = seed
+        self.K, self.M, self.rank = rules.staleness, rules.num_workers, rules.rank
+        self.dropout = {k: v for k, v in rules.dropout.items() if v > 0}
+        self.seed = rules.seed
         self.frontier = layout.frontier(buf)
         self.phase = layout.phase_seconds(buf)[index]  # seconds per ``ready_ring.PHASES``, read by the NN worker
         self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
@@ -321,11 +337,7 @@ def _setup(spec: dict, sock: socket.socket) -> tuple[EmbeddingWorker, EmbeddingC
         sock,
         index,
         int(spec["start"]),
-        tc.embedding_staleness,
-        int(spec["world"]),
-        rank,
-        {s.name: s.id_dropout for s in config.slots},
-        tc.seed,
+        StepRules.of(config, rank, int(spec["world"])),
     )
     return worker, client, seg
 

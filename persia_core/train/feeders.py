@@ -34,7 +34,7 @@ from persia_core.embedding.layout import TableLayout
 from persia_core.ps import shm
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.train import ready_ring as rr
-from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, first_own_step
+from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, StepRules, first_own_step
 
 log = logging.getLogger("persia.feeders")
 STARTED_TIMEOUT_S = 300.0
@@ -78,7 +78,6 @@ class Feeders:
         self.layout = layout
         self.E = layout.workers
         self.rank = rank
-        self.start = start
         self.segment = rr.Segment(layout, shared=shared)
         frontier = layout.frontier(self.segment.buf)
         for e in range(self.E):
@@ -210,21 +209,16 @@ class ThreadFeeders(Feeders):
         source: BatchSource,
         layout: rr.RingLayout,
         start: int,
-        staleness: int,
-        num_workers: int,
-        rank: int,
-        dropout: dict[str, float] | None,
-        seed: int,
+        rules: StepRules,
     ):
-        super().__init__(layout, start, rank, shared=False)
+        super().__init__(layout, start, rules.rank, shared=False)
         self.errors: list[BaseException | None] = [None] * self.E
         self.threads = []
         for e in range(self.E):
             ew = EmbeddingWorker(
-                backend, layouts, source, layout, self.segment.buf, self.peer_socks[e], e, start, staleness,
-                num_workers, rank, dropout, seed,
-            )  # fmt: skip
-            t = threading.Thread(target=self._run, args=(e, ew), name=f"embedding-worker-{rank}.{e}", daemon=True)
+                backend, layouts, source, layout, self.segment.buf, self.peer_socks[e], e, start, rules
+            )
+            t = threading.Thread(target=self._run, args=(e, ew), name=f"embedding-worker-{rules.rank}.{e}", daemon=True)
             self.threads.append(t)
         for t in self.threads:
             t.start()

@@ -43,7 +43,7 @@ from persia_core.models import build_model
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import TOKEN_HEADER
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
-from persia_core.train.embedding_worker import BatchSource
+from persia_core.train.embedding_worker import BatchSource, StepRules
 from persia_core.train.feeders import Feeders, ProcessFeeders, ThreadFeeders, auto_embedding_workers
 from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.ready_ring import RingLayout
@@ -156,10 +156,7 @@ def run_worker(
         del examples  # freed: the embedding workers map the saved copy
     else:
         source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
-        dropout = {s.name: s.id_dropout for s in config.slots}
-        feeders = ThreadFeeders(
-            backend, layouts, source, ring, start, tc.embedding_staleness, world, rank, dropout, tc.seed
-        )
+        feeders = ThreadFeeders(backend, layouts, source, ring, start, StepRules.of(config, rank, world))
     try:
         feeders.wait_started()
     except BaseException:

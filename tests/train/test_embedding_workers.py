@@ -17,7 +17,7 @@ from persia_core.embedding.layout import model_slot_order, table_layouts
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.ps import shm
 from persia_core.train import ready_ring as rr
-from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker
+from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, StepRules
 from persia_core.train.feeders import examples_prefix
 from persia_core.train.launcher import train
 from persia_core.train.local_cluster import TrainingFailed
@@ -40,10 +40,9 @@ def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
     seg = rr.Segment(ring, shared=False)
     nn, ew_end = socket.socketpair()
     backend = LocalEmbedding(cfg.embedding, 1)
-    ew = EmbeddingWorker(
-        backend, layouts, BatchSource(examples, sched.rows[0], sched.global_batch), ring, seg.buf, ew_end, 0, 0,
-        steps, 1, 0, {"a": 0.5}, 0,
-    )  # fmt: skip
+    rules = StepRules(staleness=steps, num_workers=1, rank=0, dropout={"a": 0.5}, seed=0)
+    source = BatchSource(examples, sched.rows[0], sched.global_batch)
+    ew = EmbeddingWorker(backend, layouts, source, ring, seg.buf, ew_end, 0, 0, rules)
     skipped = {backend.lookup.__code__, backend.push.__code__}
     count = [0]
     inside: list = []

@@ -16,7 +16,7 @@ from persia_core.embedding.pooling import pool
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.sparse import IdBatch
-from persia_core.train.embedding_worker import BatchSource
+from persia_core.train.embedding_worker import BatchSource, StepRules
 from persia_core.train.feeders import ThreadFeeders
 from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.launcher import train
@@ -184,7 +184,7 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
     num_dense = len(read_schema(data)["dense"])
     ring = RingLayout(1, 2, 2 * cfg.trainer.batch_size, sum(len(t.slots) for t in layouts), layouts[0].dim, num_dense)
     source = BatchSource(both, rows, sched.global_batch)
-    feeders = ThreadFeeders(ref, layouts, source, ring, 0, 0, 1, 0, None, 0)
+    feeders = ThreadFeeders(ref, layouts, source, ring, 0, StepRules(staleness=0, num_workers=1, rank=0))
     feeders.wait_started()
     pipe = HybridTrainPipeline(model, opt, feeders, sched.global_batch, 0, num_workers=1)
     losses = []
