@@ -97,6 +97,47 @@ def remove_orphans() -> int:
     return remove_segments_of(dead) if dead else 0
 
 
+def create_mapping(path: str, size: int) -> mmap.mmap:
+    """Create the file ``path`` (mode 0600; it must not exist) of ``size`` bytes and map it. Its pages are reserved
+    at once, so a full ``/dev/shm`` (64 MiB in a default Docker container) fails here with ``OSError``, not later
+    with SIGBUS on a write into the mapping; the file is removed again on any error."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_mapping(path: str, size: int) -> mmap.mmap:
+    """Map the first ``size`` bytes of the existing file ``path``. Raises ``ValueError`` when it is smaller."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"{path} is smaller than expected ({size} bytes)")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unmap(mm: mmap.mmap, path: str | None) -> None:
+    """Close the mapping (left to the views of it still alive) and remove ``path`` when given (idempotent)."""
+    try:
+        mm.close()
+    except (BufferError, ValueError):  # a view still alive: the mapping goes with it
+        pass
+    if path:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -108,19 +149,7 @@ class Segment:
         self.size = max(MIN_SEGMENT, 1 << (int(size) - 1).bit_length())
         self.name = segment_name(os.getpid())
         self.path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-            # reserve the pages now: a full /dev/shm (64 MiB in a default Docker container) then fails here with
-            # OSError, not later with SIGBUS on a write into the mapping
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, self.size)
-            self.mm = mmap.mmap(fd, self.size)
-        except OSError:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
+        self.mm = create_mapping(self.path, self.size)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
 
     def put(self, arrays: dict[str, np.ndarray]) -> tuple[list, int]:
@@ -142,14 +171,7 @@ class Segment:
     def close(self) -> None:
         """Unmap and remove the file (idempotent)."""
         self.buf = np.empty(0, dtype=np.uint8)  # drop the view of the mapping, so that it can close
-        try:
-            self.mm.close()
-        except (BufferError, ValueError):  # a view still alive: the mapping goes with it
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unmap(self.mm, self.path)
 
 
 def views(buf: np.ndarray, entries: list) -> dict[str, np.ndarray]:

@@ -117,29 +117,18 @@ class Segment:
             if not shm.NAME_RE.match(self.name):
                 raise ValueError(f"not a segment name: {self.name!r}")
             self.path = os.path.join(shm.SHM_DIR, self.name)
-            if self.owner:
-                self._check_space()
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            if not self.owner:
+                self.mm = shm.open_mapping(self.path, self.size)
             else:
-                fd = os.open(self.path, os.O_RDWR)
-            try:
-                if self.owner:
-                    os.ftruncate(fd, self.size)
-                    if hasattr(os, "posix_fallocate"):
-                        os.posix_fallocate(fd, 0, self.size)  # a full /dev/shm fails here, not with SIGBUS later
-                elif os.fstat(fd).st_size < self.size:
-                    raise ValueError(f"{self.path} is smaller than its layout ({self.size} bytes)")
-                self.mm = mmap.mmap(fd, self.size)
-            except OSError as e:
-                os.close(fd)
-                if self.owner:
-                    os.unlink(self.path)
-                raise OSError(
-                    e.errno,
-                    f"the embedding workers' {self.size / 2**20:.0f} MiB ready ring in {shm.SHM_DIR}: {e}; "
-                    + SHM_SETTING,
-                ) from e
-            os.close(fd)
+                self._check_space()
+                try:
+                    self.mm = shm.create_mapping(self.path, self.size)
+                except OSError as e:
+                    raise OSError(
+                        e.errno,
+                        f"the embedding workers' {self.size / 2**20:.0f} MiB ready ring in {shm.SHM_DIR}: {e}; "
+                        + SHM_SETTING,
+                    ) from e
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
 
     @classmethod
@@ -159,15 +148,7 @@ class Segment:
     def close(self) -> None:
         """Unmap, and remove the file if this process created it (idempotent)."""
         self.buf = np.empty(0, dtype=np.uint8)
-        try:
-            self.mm.close()
-        except (BufferError, ValueError):  # views still alive: the mapping goes with them
-            pass
-        if self.owner and self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        shm.unmap(self.mm, self.path if self.owner else None)
 
 
 class PeerGone(ConnectionError):
