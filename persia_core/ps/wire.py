@@ -15,7 +15,7 @@ import struct
 import numpy as np
 
 MAGIC = b"PSW1"
-ALLOWED = {"uint64", "int64", "int32", "float32", "float16", "uint8"}
+ALLOWED = {"uint64", "int64", "int32", "float64", "float32", "float16", "uint8"}
 
 
 def encode(meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None) -> bytes:

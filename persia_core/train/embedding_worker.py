@@ -28,21 +28,24 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from persia_core.config import RunConfig
-from persia_core.data.reader import ParquetExamples
+from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
 from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, table_layouts
 from persia_core.logging_utils import setup_logging
 from persia_core.ps.client import EmbeddingClient
+from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
 from persia_core.train.processes import die_with_parent
+from persia_core.train.ready_stream import FeedServer
 from persia_core.train.schedule import make_schedule
 
 log = logging.getLogger("persia.embedding_worker")
@@ -144,6 +147,7 @@ class EmbeddingWorker:
         layouts: tables and their slots. source: the NN worker's batches.
         layout, buf: the ready ring (``ready_ring.RingLayout``) and its ``uint8`` memory. sock: this worker's end
             of its control socket. start: the first step (a resume). rules: K, M, rank, ID dropout, seed.
+        notify: called after ``frontier[index]`` advanced (the network transport relays it).
     """
 
     def __init__(
@@ -157,8 +161,10 @@ class EmbeddingWorker:
         index: int,
         start: int,
         rules: StepRules,
+        notify: Callable[[], None] | None = None,
     ):
         self.backend, self.layouts, self.source = backend, layouts, source
+        self.notify = notify
         self.layout, self.buf, self.sock = layout, buf, sock
         self.index, self.E = index, layout.workers
         self.K, self.M, self.rank = rules.staleness, rules.num_workers, rules.rank
@@ -301,23 +307,36 @@ class EmbeddingWorker:
 
     def _publish(self) -> None:
         self.frontier[self.index] = self.next_own if self.next_own < self.source.total_steps else rr.NEVER
+        if self.notify is not None:
+            self.notify()
 
     def _raise_error(self) -> None:
         if self.error is not None:
             raise self.error
 
 
-def _setup(spec: dict, sock: socket.socket) -> tuple[EmbeddingWorker, EmbeddingClient, rr.Segment]:
-    """The embedding worker a process's ``spec`` describes, with its own client of the parameter servers."""
+def rank_examples(config: RunConfig, data_dir: str, rank: int, world: int) -> ParquetExamples:
+    """NN worker ``rank``'s share of the train split of ``data_dir``: its files ``rank, rank + world, ...``."""
+    files = shard_files(data_dir, "train")[rank::world]
+    return ParquetExamples(files, model_slot_order(config), num_dense=len(read_schema(data_dir)["dense"]))
+
+
+def build_worker(
+    spec: dict, examples: ParquetExamples, buf: np.ndarray, sock: socket.socket, notify=None
+) -> tuple[EmbeddingWorker, EmbeddingClient]:
+    """The embedding worker ``spec`` describes (config, world, counts, rank, index, start, parameter-server
+    addresses, ring layout, client id), with its own client of the parameter servers (token: ``$PERSIA_PS_TOKEN``),
+    on ring memory ``buf`` and control socket ``sock``. Raises ``ValueError`` when ``examples`` are not its NN
+    worker's (row count, slots)."""
     rank, index = int(spec["rank"]), int(spec["index"])
     config = RunConfig.from_dict(spec["config"])
     tc = config.trainer
-    layout = rr.RingLayout(*spec["layout"])
-    seg = rr.Segment.attach(spec["segment"], layout)
-    examples = ParquetExamples.mapped(spec["examples"])
     counts = [int(c) for c in spec["counts"]]
     if len(examples) != counts[rank] or examples.slots != model_slot_order(config):
-        raise ValueError(f"{spec['examples']}: not the examples of NN worker {rank} (rows, slots)")
+        raise ValueError(
+            f"not the examples of NN worker {rank}: {len(examples)} rows, slots {examples.slots}; its NN worker has "
+            f"{counts[rank]} rows, slots {model_slot_order(config)} (another data folder?)"
+        )
     schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
     client = EmbeddingClient(
         spec["addresses"],
@@ -332,33 +351,78 @@ def _setup(spec: dict, sock: socket.socket) -> tuple[EmbeddingWorker, EmbeddingC
         client,
         table_layouts(config),
         BatchSource(examples, schedule.rows[rank], schedule.global_batch),
-        layout,
-        seg.buf,
+        rr.RingLayout(*spec["layout"]),
+        buf,
         sock,
         index,
         int(spec["start"]),
         StepRules.of(config, rank, int(spec["world"])),
+        notify,
     )
-    return worker, client, seg
+    return worker, client
+
+
+def _serve_network(args) -> int:
+    """``--listen``: serve one NN worker's stream (``persia_core.train.ready_stream``); it sends the spec, and this
+    process reads that NN worker's share of the data itself. Exit code 0 after its ``stop``, 1 otherwise."""
+    host, _, port = args.listen.rpartition(":")
+    token = os.environ.get(TOKEN_ENV) or None
+    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.error("refusing to listen on %s without a token: set %s", host, TOKEN_ENV)
+        return 2
+    clients: list[EmbeddingClient] = []
+
+    def build(spec, buf, sock, notify):
+        config = RunConfig.from_dict(spec["config"])
+        examples = rank_examples(config, spec["data"], int(spec["rank"]), int(spec["world"]))
+        worker, client = build_worker(spec, examples, buf, sock, notify)
+        clients.append(client)
+        return worker
+
+    server = FeedServer(build, host, int(port), token)
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(server.port))
+        os.replace(tmp, args.port_file)
+    log.info("embedding worker listening on %s:%d (token %s)", host, server.port, "required" if token else "off")
+    try:
+        server.wait()
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+    return 0 if server.clean else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    """A process of its own: ``--spec`` (JSON, written by ``feeders.ProcessFeeders``) and ``--fd`` (its end of
-    the control socket, inherited). A set-up error is sent to the NN worker (``ERROR``) before it is raised."""
+    """A process of its own, either beside its NN worker (``--spec``, JSON written by ``feeders.ProcessFeeders``;
+    ``--fd``, its end of the control socket, inherited) or on a host of its own (``--listen HOST:PORT``: the
+    network transport, ``persia_core.train.ready_stream``). A set-up error is sent to the NN worker (``ERROR``)
+    before it is raised."""
     p = argparse.ArgumentParser(prog="persia_core.train.embedding_worker", description="One embedding worker.")
-    p.add_argument("--spec", required=True, help="JSON: config, data, rank, world, counts, start, index, ring")
-    p.add_argument("--fd", type=int, required=True, help="inherited control socket")
+    p.add_argument("--spec", default="", help="JSON: config, data, rank, world, counts, start, index, ring")
+    p.add_argument("--fd", type=int, default=-1, help="inherited control socket")
     p.add_argument("--parent", type=int, default=0, help="the NN worker's pid: this process dies with it")
+    p.add_argument("--listen", default="", help="HOST:PORT: serve an NN worker on another host over gRPC")
+    p.add_argument("--port-file", default="", help="with --listen: write the bound port here once listening")
     args = p.parse_args(argv)
     if args.parent:
         die_with_parent()
         if os.getppid() != args.parent:  # it died before the line above
             return 1
+    if args.listen:
+        setup_logging("embedding_worker")
+        return _serve_network(args)
+    if not args.spec or args.fd < 0:
+        p.error("give --spec and --fd (beside the NN worker) or --listen HOST:PORT")
     spec = json.loads(args.spec)
     setup_logging(f"embedding_worker[{int(spec['rank'])}.{int(spec['index'])}]")
     sock = socket.socket(fileno=args.fd)
     try:
-        worker, client, seg = _setup(spec, sock)
+        layout = rr.RingLayout(*spec["layout"])
+        seg = rr.Segment.attach(spec["segment"], layout)
+        worker, client = build_worker(spec, ParquetExamples.mapped(spec["examples"]), seg.buf, sock)
     except BaseException as e:
         try:
             rr.send(sock, rr.ERROR, text=f"set-up failed: {type(e).__name__}: {e}")

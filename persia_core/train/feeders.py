@@ -35,6 +35,7 @@ from persia_core.ps import shm
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.train import ready_ring as rr
 from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, StepRules, first_own_step
+from persia_core.train.ready_stream import StreamBridge
 
 log = logging.getLogger("persia.feeders")
 STARTED_TIMEOUT_S = 300.0
@@ -306,3 +307,67 @@ class ProcessFeeders(Feeders):
                 p.wait(timeout=10)
         shm.remove_segments_of([p.pid for p in self.procs])  # a killed one's client segments
         shutil.rmtree(self.examples_dir, ignore_errors=True)
+
+
+class NetworkFeeders(Feeders):
+    """Embedding workers on other hosts (``python -m persia_core.train.embedding_worker --listen``), one gRPC
+    stream each (``persia_core.train.ready_stream``): embedding worker e of this NN worker is the one at
+    ``ew_addresses[e]``. ``spec``: as for ``ProcessFeeders``, plus ``data`` (the data folder, which they read
+    themselves: it must be reachable from their hosts, e.g. ``gs://`` or ``/gcs/``). ``token``: the job's, sent
+    on every stream. Raises ``EmbeddingWorkerFailed`` naming one not reachable within ``connect_timeout_s``."""
+
+    def __init__(
+        self,
+        layout: rr.RingLayout,
+        start: int,
+        rank: int,
+        spec: dict,
+        addresses: list[str],
+        token: str | None,
+        ew_addresses: list[str],
+        connect_timeout_s: float = 120.0,
+    ):
+        if len(ew_addresses) != layout.workers:
+            raise ValueError(f"{len(ew_addresses)} embedding-worker addresses for {layout.workers} embedding workers")
+        super().__init__(layout, start, rank, shared=False)
+        self.ew_addresses = list(ew_addresses)
+        self.bridges: list[StreamBridge] = []
+        try:
+            for e, address in enumerate(ew_addresses):
+                s = dict(spec, rank=rank, index=e, start=start, addresses=addresses, layout=layout.to_list())
+                s.update(frontier=[int(x) for x in self.frontier], client_id=f"{spec['client_id']}-e{e}")
+                try:
+                    bridge = StreamBridge(
+                        address,
+                        token,
+                        layout,
+                        self.segment.buf,
+                        e,
+                        self.peer_socks[e],
+                        s,
+                        self._relay,
+                        connect_timeout_s,
+                    )
+                except ConnectionError as err:
+                    raise EmbeddingWorkerFailed(f"{self.name(e)}: {err}") from None
+                self.bridges.append(bridge)
+        except BaseException:
+            self.close()
+            raise
+        log.info("%d embedding worker(s) over the network: %s", self.E, ", ".join(ew_addresses))
+
+    def _relay(self, e: int) -> None:
+        """Embedding worker ``e``'s frontier advanced: tell the others (their staleness bound reads it)."""
+        for j, b in enumerate(self.bridges):
+            if j != e:
+                b.relay_frontier()
+
+    def name(self, e: int) -> str:
+        return f"embedding worker {self.rank}.{e} at {self.ew_addresses[e]}"
+
+    def how(self, e: int) -> str:
+        return self.bridges[e].error if e < len(self.bridges) else ""
+
+    def _join(self) -> None:
+        for b in self.bridges:
+            b.close()

@@ -35,16 +35,22 @@ import torch.distributed as dist
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig, load_config
-from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.data.reader import read_schema
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.layout import model_slot_order, table_layouts
+from persia_core.embedding.layout import table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
 from persia_core.ps.client import EmbeddingClient
-from persia_core.ps.protocol import TOKEN_HEADER
+from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_HEADER
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
-from persia_core.train.embedding_worker import BatchSource, StepRules
-from persia_core.train.feeders import Feeders, ProcessFeeders, ThreadFeeders, auto_embedding_workers
+from persia_core.train.embedding_worker import BatchSource, StepRules, rank_examples
+from persia_core.train.feeders import (
+    Feeders,
+    NetworkFeeders,
+    ProcessFeeders,
+    ThreadFeeders,
+    auto_embedding_workers,
+)
 from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.ready_ring import RingLayout
 from persia_core.train.schedule import make_schedule
@@ -90,6 +96,7 @@ def run_worker(
     checkpointer: Checkpointer | None = None,
     resume: tuple[str, dict] | None = None,
     init_dense: str = "",
+    embedding_worker_addresses: list[str] | None = None,
 ) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
@@ -100,8 +107,7 @@ def run_worker(
     Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
     tc = config.trainer
     schema = read_schema(data_dir)
-    files = shard_files(data_dir, "train")[rank::world]
-    examples = ParquetExamples(files, model_slot_order(config), num_dense=len(schema["dense"]))
+    examples = rank_examples(config, data_dir, rank, world)
     counts = [len(examples)]
     if world > 1:
         gathered: list[Any] = [None] * world
@@ -140,8 +146,14 @@ def run_worker(
                 model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
     layouts = table_layouts(config)
+    remote = list(embedding_worker_addresses or [])
+    if remote and tc.embedding_workers and tc.embedding_workers != len(remote):
+        raise ValueError(
+            f"trainer.embedding_workers={tc.embedding_workers} but NN worker {rank} was given {len(remote)} "
+            f"embedding-worker addresses ({EW_ADDRESSES_ENV})"
+        )
     ring = RingLayout(
-        tc.embedding_workers or auto_embedding_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+        len(remote) or tc.embedding_workers or auto_embedding_workers(int(os.environ.get("LOCAL_WORLD_SIZE", world))),
         tc.prefetch_threads + 1,
         tc.batch_size,
         sum(len(t.slots) for t in layouts),
@@ -149,7 +161,15 @@ def run_worker(
         len(schema["dense"]),
     )
     feeders: Feeders
-    if isinstance(backend, EmbeddingClient):  # embedding workers of their own, sharing one copy of the examples
+    if remote:  # on other hosts: they read this NN worker's share of the data themselves
+        if not isinstance(backend, EmbeddingClient):
+            raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
+        spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
+        spec["data"] = data_dir
+        token = dict(backend.metadata).get(TOKEN_HEADER)
+        del examples
+        feeders = NetworkFeeders(ring, start, rank, spec, list(backend.addresses), token, remote)
+    elif isinstance(backend, EmbeddingClient):  # embedding workers of their own, sharing one copy of the examples
         spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
         token = dict(backend.metadata).get(TOKEN_HEADER)
         feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
@@ -411,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpointer=checkpointer,
             resume=resume,
             init_dense=args.init_dense,
+            embedding_worker_addresses=[a for a in os.environ.get(EW_ADDRESSES_ENV, "").split(",") if a],
         )
     finally:
         client.close()

@@ -1,0 +1,370 @@
+"""The network transport between an NN worker and its embedding workers on other hosts: one gRPC stream each.
+
+Each embedding worker process (``python -m persia_core.train.embedding_worker --listen HOST:PORT``) serves one
+bidirectional stream, ``/persia.EmbeddingWorker/Feed``; its NN worker opens it. Both ends keep a ready ring of the
+same ``RingLayout`` (``persia_core.train.ready_ring``) in their own memory, and a bridge thread on each side turns
+ring slots and control messages into stream messages and back, so ``EmbeddingWorker`` and ``Feeders`` are the same
+code as on one host. Messages are ``persia_core.ps.wire`` (a JSON header and raw arrays; nothing is unpickled)::
+
+    NN worker -> embedding worker
+        spec        {config, data, world, counts, rank, index, start, addresses, layout, frontier, client_id}
+                    (the first message: what the embedding worker needs; it reads its NN worker's share of the
+                    data itself, from ``data``)
+        grad        {slot, step}           grad float32[b, S, D]  (d loss / d pooled embeddings)
+        frontier    {}                     frontier int64[E]      (the other embedding workers' frontiers)
+        stop        {}
+    embedding worker -> NN worker
+        started     {}
+        ready       {slot, step, rows, staleness, frontier}   emb float32[b, S, D], dense float32[b, F],
+                                                             labels float32[b], phase float64[P]
+        frontier    {frontier}             phase float64[P]       (after a push of its own steps is applied)
+        error       {text}
+
+Bytes per sample on the wire: ``4 * (S * D + F + 1)`` towards the NN worker and ``4 * S * D`` back (S slots of
+dim D, F dense features), plus a few hundred bytes of header per batch (``wire_bytes_per_sample``).
+
+The staleness bound stays exact: an embedding worker sees the others' frontiers as its NN worker last relayed
+them, never ahead of the truth (frontiers only grow), so it may wait longer than on one host, never less.
+
+Security: with a token (``$PERSIA_PS_TOKEN``, the job's) every stream must carry it in the ``x-persia-token``
+metadata, else it is refused with UNAUTHENTICATED; a server bound beyond loopback refuses to start without one.
+Failures: a stream that breaks (the process died, the host vanished: gRPC keepalive pings every 10 s) fails the
+NN worker's next wait within about 20 s, naming the embedding worker and its address; an NN worker that goes away
+ends its embedding worker's process.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import socket
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+
+from persia_core.ps import wire
+from persia_core.ps.protocol import GRPC_OPTIONS, TOKEN_HEADER
+from persia_core.train import ready_ring as rr
+
+log = logging.getLogger("persia.ready_stream")
+
+SERVICE = "persia.EmbeddingWorker"
+FEED = f"/{SERVICE}/Feed"
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+"""Channel and server options: a ping every 10 s, a peer silent for 10 s more is gone."""
+SERVER_OPTIONS = GRPC_OPTIONS + KEEPALIVE + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+CHANNEL_OPTIONS = GRPC_OPTIONS + KEEPALIVE
+
+
+def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int) -> dict[str, int]:
+    """Array bytes per sample of the network transport: ``{"to_nn_worker", "to_embedding_worker"}``."""
+    return {"to_nn_worker": 4 * (num_slots * dim + num_dense + 1), "to_embedding_worker": 4 * num_slots * dim}
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+# ---- the NN worker's side ------------------------------------------------------------------------------------
+
+
+class StreamBridge:
+    """One embedding worker's stream, seen from its NN worker: relays between the NN worker's ring (``buf``,
+    ``layout``, slot views of embedding worker ``e``), its end ``sock`` of the control socket pair, and the
+    stream to ``address``. ``spec``: the first message's meta. ``on_frontier(e)``: called after the frontier of
+    ``e`` advanced (to relay it to the other embedding workers)."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        layout: rr.RingLayout,
+        buf: np.ndarray,
+        e: int,
+        sock: socket.socket,
+        spec: dict,
+        on_frontier,
+        connect_timeout_s: float,
+    ):
+        self.address, self.layout, self.buf, self.e, self.sock = address, layout, buf, e, sock
+        self.on_frontier = on_frontier
+        self.frontier = layout.frontier(buf)
+        self.phase = layout.phase_seconds(buf)
+        self.rows = [0] * layout.slots_per_worker
+        self.error = ""
+        self.out: queue.Queue = queue.Queue()
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self.channel.close()
+            raise ConnectionError(f"not reachable at {address} within {connect_timeout_s:.0f} s") from None
+        metadata: tuple[tuple[str, str | bytes], ...] = ((TOKEN_HEADER, token),) if token else ()
+        feed = self.channel.stream_stream(FEED, request_serializer=_ident, response_deserializer=_ident)
+        self.out.put(wire.encode({"kind": "spec", **spec}))
+        self.call = feed(iter(self.out.get, None), metadata=metadata)
+        self.threads = [
+            threading.Thread(target=self._receive, name=f"ready-stream-in-{e}", daemon=True),
+            threading.Thread(target=self._send, name=f"ready-stream-out-{e}", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def relay_frontier(self) -> None:
+        """Send the NN worker's current frontiers of all embedding workers to this one."""
+        self.out.put(wire.encode({"kind": "frontier"}, {"frontier": self.frontier.copy()}))
+
+    def _receive(self) -> None:
+        e = self.e
+        try:
+            for data in self.call:
+                meta, arrays = wire.decode(data)
+                kind = meta.get("kind")
+                if kind == "ready":
+                    slot, rows = int(meta["slot"]), int(meta["rows"])
+                    emb, dense, labels = self.layout.slot(self.buf, e, slot)
+                    emb[:rows] = arrays["emb"]
+                    dense[:rows] = arrays["dense"]
+                    labels[:rows] = arrays["labels"]
+                    self.rows[slot] = rows
+                    self._advance(int(meta["frontier"]), arrays["phase"])
+                    rr.send(self.sock, rr.READY, slot, int(meta["step"]), rows, int(meta["staleness"]))
+                elif kind == "frontier":
+                    self._advance(int(meta["frontier"]), arrays["phase"])
+                elif kind == "started":
+                    rr.send(self.sock, rr.STARTED)
+                elif kind == "error":
+                    rr.send(self.sock, rr.ERROR, text=str(meta.get("text", "")))
+                else:
+                    raise ValueError(f"unknown message kind {kind!r}")
+        except grpc.RpcError as err:
+            code = err.code() if hasattr(err, "code") else None
+            if code != grpc.StatusCode.CANCELLED:
+                self.error = f"its stream from {self.address} failed: {code.name if code else ''} {err.details()}"
+        except (ValueError, KeyError, OSError) as err:
+            self.error = f"its stream from {self.address} sent a bad message: {err}"
+        finally:
+            if not self.error and self.frontier[e] != rr.NEVER:
+                self.error = f"its stream from {self.address} ended early"
+            try:  # the NN worker's next wait sees it (PeerGone) and asks ``error`` why; ``_send`` wakes up
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _advance(self, frontier: int, phase: np.ndarray) -> None:
+        self.phase[self.e] = phase
+        if frontier > self.frontier[self.e]:
+            self.frontier[self.e] = frontier
+            self.on_frontier(self.e)
+
+    def _send(self) -> None:
+        try:
+            while True:
+                msg = rr.recv(self.sock, None)
+                assert msg is not None
+                kind, slot, step = msg[0], msg[1], msg[2]
+                if kind == rr.GRAD:
+                    grad = self.layout.slot(self.buf, self.e, slot)[0][: self.rows[slot]]
+                    self.out.put(wire.encode({"kind": "grad", "slot": slot, "step": step}, {"grad": grad}))
+                elif kind == rr.STOP:
+                    self.out.put(wire.encode({"kind": "stop"}))
+                    break
+        except (rr.PeerGone, OSError, ValueError):
+            pass
+        finally:
+            self.out.put(None)  # ends the request stream
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Wait for the stream to end (after the ``STOP`` the NN worker sent), else cancel it; close the channel."""
+        for t in self.threads:
+            t.join(timeout=timeout_s)
+        if any(t.is_alive() for t in self.threads):
+            self.call.cancel()
+        self.channel.close()
+
+
+# ---- the embedding worker's side -----------------------------------------------------------------------------
+
+
+class _Session:
+    """One NN worker's stream, seen from its embedding worker: the worker runs in a thread of this process
+    against a ring of its own; ``responses`` yields what it hands over."""
+
+    def __init__(self, build, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None:
+            raise ValueError("the stream ended before its spec")
+        meta, _ = wire.decode(first)
+        if meta.pop("kind", None) != "spec":
+            raise ValueError("the first message of a stream must be its spec")
+        self.spec = meta
+        self.layout = rr.RingLayout(*meta["layout"])
+        self.segment = rr.Segment(self.layout, shared=False)
+        self.buf = self.segment.buf
+        self.index = int(meta["index"])
+        self.frontier = self.layout.frontier(self.buf)
+        self.frontier[:] = np.asarray(meta["frontier"], dtype=np.int64)
+        self.phase = self.layout.phase_seconds(self.buf)[self.index]
+        self.ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.out: queue.Queue = queue.Queue()
+        self.stopped = False
+        self.requests = request_iterator
+        self.worker: Any = None
+        self.build_error: BaseException | None = None
+        try:
+            self.worker = build(meta, self.buf, theirs, self._notify)
+        except BaseException as e:  # reported to the NN worker, then raised by ``serve_one``
+            self.build_error = e
+            self.out.put(wire.encode({"kind": "error", "text": f"set-up failed: {type(e).__name__}: {e}"}))
+            self.out.put(None)
+            theirs.close()
+            return
+        self.theirs = theirs
+        self.threads = [
+            threading.Thread(target=self._run_worker, name="embedding-worker", daemon=True),
+            threading.Thread(target=self._from_worker, name="ready-stream-out", daemon=True),
+            threading.Thread(target=self._from_nn_worker, name="ready-stream-in", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _notify(self) -> None:
+        self.out.put("frontier")
+
+    def _frontier_msg(self) -> bytes:
+        f = int(self.frontier[self.index])
+        return wire.encode({"kind": "frontier", "frontier": f}, {"phase": self.phase.copy()})
+
+    def _run_worker(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as e:  # already sent to the NN worker as ERROR
+            log.error("embedding worker failed: %s: %s", type(e).__name__, e)
+        finally:
+            self.theirs.close()
+
+    def _from_worker(self) -> None:
+        try:
+            while True:
+                msg = rr.recv(self.ours, None)
+                assert msg is not None
+                kind, slot, step, a, b, text = msg
+                if kind == rr.READY:
+                    emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
+                    meta = {"kind": "ready", "slot": slot, "step": step, "rows": a, "staleness": b}
+                    meta["frontier"] = int(self.frontier[self.index])
+                    arrays = {"emb": emb[:a], "dense": dense[:a], "labels": labels[:a], "phase": self.phase.copy()}
+                    self.out.put(wire.encode(meta, arrays))
+                elif kind == rr.STARTED:
+                    self.out.put(wire.encode({"kind": "started"}))
+                elif kind == rr.ERROR:
+                    self.out.put(wire.encode({"kind": "error", "text": text}))
+        except (rr.PeerGone, OSError):
+            pass
+        finally:
+            self.out.put(self._frontier_msg())
+            self.out.put(None)
+
+    def _from_nn_worker(self) -> None:
+        try:
+            for data in self.requests:
+                meta, arrays = wire.decode(data)
+                kind = meta.get("kind")
+                if kind == "grad":
+                    slot = int(meta["slot"])
+                    grad = arrays["grad"]
+                    self.layout.slot(self.buf, self.index, slot)[0][: len(grad)] = grad
+                    rr.send(self.ours, rr.GRAD, slot, int(meta["step"]))
+                elif kind == "frontier":
+                    mine = int(self.frontier[self.index])
+                    self.frontier[:] = np.maximum(self.frontier, arrays["frontier"])
+                    self.frontier[self.index] = mine  # written by the worker only
+                elif kind == "stop":
+                    self.stopped = True
+                    rr.send(self.ours, rr.STOP)
+                    return
+        except grpc.RpcError:
+            pass
+        except (ValueError, KeyError, OSError) as e:
+            log.error("bad message from the NN worker: %s", e)
+        # the NN worker went away without STOP: stop the worker
+        try:
+            rr.send(self.ours, rr.STOP)
+        except OSError:
+            pass
+
+    def responses(self):
+        while True:
+            item = self.out.get()
+            if item is None:
+                return
+            yield self._frontier_msg() if item == "frontier" else item
+
+    def close(self) -> None:
+        for t in getattr(self, "threads", []):
+            t.join(timeout=10)
+        self.ours.close()
+        self.segment.close()
+
+
+class FeedServer:
+    """A gRPC server for one embedding worker on ``host:port`` (0: any free port), serving one NN worker's
+    stream at a time. ``build(spec, buf, sock, notify) -> EmbeddingWorker`` sets a worker up from a stream's spec.
+    ``sessions``: streams served before ``wait`` returns. Raises ``RuntimeError`` when the port cannot be bound."""
+
+    def __init__(self, build, host: str = "127.0.0.1", port: int = 0, token: str | None = None, sessions: int = 1):
+        self.build, self.token = build, token
+        self.left = sessions
+        self.busy = threading.Lock()
+        self.done = threading.Event()
+        self.clean = True
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._feed, request_deserializer=_ident, response_serializer=_ident
+        )
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Feed": handler}),))
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"embedding worker could not bind {host}:{port}")
+        self.server.start()
+
+    def _feed(self, request_iterator, context):
+        if self.token is not None:
+            got = dict(context.invocation_metadata()).get(TOKEN_HEADER, "")
+            if not hmac.compare_digest(str(got).encode(), self.token.encode()):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+        if not self.busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this embedding worker already serves an NN worker")
+        session = None
+        try:
+            try:
+                session = _Session(self.build, request_iterator, context)
+            except (ValueError, KeyError, TypeError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad spec: {e}")
+                return
+            yield from session.responses()
+        finally:
+            ok = session is not None and session.stopped and session.build_error is None
+            if session is not None:
+                session.close()
+            self.clean = self.clean and ok
+            self.left -= 1
+            self.busy.release()
+            if self.left <= 0:
+                self.done.set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the sessions are served (True) or ``timeout_s`` passes (False)."""
+        return self.done.wait(timeout_s)
+
+    def stop(self) -> None:
+        self.server.stop(grace=2).wait()

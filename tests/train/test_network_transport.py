@@ -1,0 +1,221 @@
+"""Embedding workers on other hosts: the gRPC stream transport (``persia_core.train.ready_stream``) against real
+parameter servers, real embedding-worker processes listening on an address, and an NN worker in this process."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from support import tiny_config, write_dataset
+
+from persia_core.embedding.reference import LocalEmbedding
+from persia_core.ps.client import EmbeddingClient
+from persia_core.ps.protocol import TOKEN_ENV
+from persia_core.train.feeders import EmbeddingWorkerFailed
+from persia_core.train.ready_stream import wire_bytes_per_sample
+from persia_core.train.worker import run_worker
+
+TOKEN = "test-token-0123456789"
+
+
+def _env() -> dict:
+    return dict(os.environ, **{TOKEN_ENV: TOKEN, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+
+
+def _wait_port(proc: subprocess.Popen, port_file: str, what: str, timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(port_file):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not start within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        return int(f.read())
+
+
+@contextlib.contextmanager
+def _servers(tmp, cfg, host: str = "127.0.0.1"):
+    """``embedding.num_shards`` parameter servers bound on ``host``, with the token. Yields their addresses."""
+    path = str(tmp / "config.yaml")
+    with open(path, "w") as f:
+        f.write(cfg.to_yaml())
+    procs, addresses = [], []
+    n = cfg.embedding.num_shards
+    try:
+        for s in range(n):
+            pf = str(tmp / f"ps-{s}-{host}.port")
+            cmd = [sys.executable, "-m", "persia_core.ps.server", "--config", path, "--shard", str(s)]
+            cmd += ["--num-shards", str(n), "--host", host, "--port-file", pf]
+            procs.append((subprocess.Popen(cmd, env=_env()), pf))
+        for s, (p, pf) in enumerate(procs):
+            addresses.append(f"{host}:{_wait_port(p, pf, f'parameter server {s}')}")
+        yield addresses
+    finally:
+        for p, _ in procs:
+            p.terminate()
+        for p, _ in procs:
+            p.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _embedding_workers(tmp, count: int, host: str = "127.0.0.1", netns: str = "", token: str = TOKEN):
+    """``count`` embedding-worker processes listening on ``host`` (in network namespace ``netns`` if given).
+    Yields ``(processes, addresses)``."""
+    procs, addresses = [], []
+    env = dict(_env(), **{TOKEN_ENV: token})
+    try:
+        for e in range(count):
+            pf = str(tmp / f"ew-{e}-{host}.port")
+            cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--listen", f"{host}:0"]
+            cmd += ["--port-file", pf]
+            if netns:
+                cmd = ["ip", "netns", "exec", netns, *cmd]
+            procs.append(subprocess.Popen(cmd, env=env))
+            addresses.append(f"{host}:{_wait_port(procs[-1], pf, f'embedding worker {e}')}")
+        yield procs, addresses
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+def _train(cfg, data, out, addresses, ew_addresses=None, on_step=None):
+    os.makedirs(out, exist_ok=True)
+    client = EmbeddingClient(addresses, cfg.embedding, token=TOKEN, client_id="w0")
+    try:
+        return run_worker(
+            cfg, data, out, client, rank=0, world=1, embedding_worker_addresses=ew_addresses, on_step=on_step
+        )
+    finally:
+        client.close()
+
+
+def _dense(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_the_wire_carries_the_pooled_embeddings_dense_and_label_one_way_and_the_gradient_back():
+    # Criteo's shape: 26 slots of dim 16, 13 dense features
+    assert wire_bytes_per_sample(26, 16, 13) == {"to_nn_worker": 4 * (416 + 13 + 1), "to_embedding_worker": 1664}
+
+
+@pytest.mark.processes
+def test_two_embedding_workers_over_the_network_at_k0_give_the_in_process_reference(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True, embedding_workers=2)
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 2) as (procs, ews):
+        hist = _train(cfg, data, str(tmp_path / "net"), addresses, ews)
+        for p in procs:  # each served its one stream and stopped cleanly
+            assert p.wait(timeout=30) == 0
+    ref_backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=cfg.trainer.seed)
+    os.makedirs(tmp_path / "ref")
+    ref = run_worker(cfg, data, str(tmp_path / "ref"), ref_backend, rank=0, world=1)
+    assert hist["embedding_workers"] == 2 and len(hist["loss"]) == len(ref["loss"]) == 24
+    np.testing.assert_allclose(hist["loss"], ref["loss"], atol=1e-5, rtol=0)
+    a, b = _dense(tmp_path / "net" / "dense.pt"), _dense(tmp_path / "ref" / "dense.pt")
+    for k in a:
+        np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-5)
+    assert hist["max_staleness"] == 0
+    # the phase seconds came back over the stream
+    phases = hist["embedding_worker_phase_seconds"]
+    assert phases["lookup_pool"] > 0 and phases["read"] > 0 and phases["grads"] > 0
+
+
+@pytest.mark.processes
+def test_staleness_over_the_network_stays_within_k_per_nn_worker(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=512)
+    cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=2, embedding_workers=3)
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 3) as (_, ews):
+        hist = _train(cfg, data, str(tmp_path / "net"), addresses, ews)
+    assert len(hist["staleness"]) == 64
+    assert max(hist["staleness"]) <= 2
+
+
+@pytest.mark.processes
+def test_a_wrong_token_is_refused_naming_the_embedding_worker(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=64)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0)
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 1, token="another") as (_, ews):
+        with pytest.raises(EmbeddingWorkerFailed, match=rf"embedding worker 0\.0 at {ews[0]}.*UNAUTHENTICATED"):
+            _train(cfg, data, str(tmp_path / "net"), addresses, ews)
+
+
+@pytest.mark.processes
+def test_a_sigkilled_remote_embedding_worker_fails_training_within_60s_naming_its_address(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=4096)
+    cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=200, embedding_workers=2)
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 2) as (procs, ews):
+        started = threading.Event()
+        killed_at = []
+
+        def on_step(result, loss, model):
+            if not started.is_set():
+                started.set()
+                os.kill(procs[1].pid, signal.SIGKILL)
+                killed_at.append(time.monotonic())
+
+        with pytest.raises(EmbeddingWorkerFailed, match=rf"embedding worker 0\.1 at {ews[1]}"):
+            _train(cfg, data, str(tmp_path / "net"), addresses, ews, on_step=on_step)
+        assert time.monotonic() - killed_at[0] < 60
+        assert procs[0].wait(timeout=30) is not None  # the survivor was stopped, not left running
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def _namespace():
+    """A network namespace joined to this one by a veth pair: yields ``(name, host address, its address)``."""
+    tag = f"{os.getpid() % 100000}"
+    ns, here, there = f"persia-ew-{tag}", f"pvh{tag}", f"pve{tag}"
+    octet = os.getpid() % 250 + 1
+    host_ip, ns_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+    made = _sh("ip", "netns", "add", ns)
+    if made.returncode != 0:
+        pytest.skip(f"network namespaces not allowed here: {made.stderr.strip()}")
+    try:
+        steps = [
+            ("ip", "link", "add", here, "type", "veth", "peer", "name", there),
+            ("ip", "link", "set", there, "netns", ns),
+            ("ip", "addr", "add", f"{host_ip}/30", "dev", here),
+            ("ip", "link", "set", here, "up"),
+            ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/30", "dev", there),
+            ("ip", "netns", "exec", ns, "ip", "link", "set", there, "up"),
+            ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"),
+        ]
+        for cmd in steps:
+            r = _sh(*cmd)
+            if r.returncode != 0:
+                pytest.skip(f"could not set up a veth pair ({' '.join(cmd)}): {r.stderr.strip()}")
+        yield ns, host_ip, ns_ip
+    finally:
+        _sh("ip", "link", "del", here)
+        _sh("ip", "netns", "del", ns)
+
+
+@pytest.mark.processes
+def test_an_embedding_worker_in_its_own_network_namespace_trains_as_the_same_host_one_at_k0(tmp_path):
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True, embedding_workers=1)
+    with _servers(tmp_path, cfg) as addresses:
+        same_host = _train(cfg, data, str(tmp_path / "same"), addresses)  # shared memory, a process beside us
+    with _namespace() as (ns, host_ip, ns_ip):
+        with _servers(tmp_path, cfg, host=host_ip) as addresses:
+            with _embedding_workers(tmp_path, 1, host=ns_ip, netns=ns) as (procs, ews):
+                assert ews[0].startswith(ns_ip + ":")
+                remote = _train(cfg, data, str(tmp_path / "remote"), addresses, ews)
+                assert procs[0].wait(timeout=30) == 0
+    assert len(remote["loss"]) == len(same_host["loss"]) == 24
+    assert remote["loss"] == same_host["loss"]
+    a, b = _dense(tmp_path / "remote" / "dense.pt"), _dense(tmp_path / "same" / "dense.pt")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
