@@ -2,9 +2,12 @@
 
 Roles by worker pool (the layout, the ``CLUSTER_SPEC`` shape and the address arithmetic: ``persia_core.cluster_spec``):
 pool 0 the primary (NN worker of rank 0; after training it has the servers dump their shards and writes the Model's
-manifest), pool 1 the other NN workers, pool 2 the parameter servers.
+manifest), pool 1 the other NN workers, pool 2 the parameter servers, pool 3 (optional) the embedding workers on
+CPU machines of their own (``--embedding-workers`` E per NN worker, ``--embedding-workers-per-replica`` processes
+per replica; each serves its NN worker over a gRPC stream, ``persia_core.train.ready_stream``). Without pool 3 each
+NN worker runs its embedding workers beside it (``trainer.embedding_workers``, shared memory).
 
-Parameter servers listen beyond loopback, so a token is required: ``$PERSIA_PS_TOKEN``, or
+Parameter servers and pool-3 embedding workers listen beyond loopback, so a token is required: ``$PERSIA_PS_TOKEN``, or
 ``$PERSIA_PS_TOKEN_SECRET`` naming a Secret Manager version (``projects/P/secrets/S/versions/latest``). The job
 ends when the primary exits; parameter servers also exit once the primary has written ``DONE_MARKER`` into the
 control folder, so the job ends under any pool semantics.
@@ -33,7 +36,14 @@ from collections.abc import Mapping
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.checkpoints import checkpoint_settings, lineage
-from persia_core.cluster_spec import PARAMETER_SERVER, PRIMARY, Placement, parse_cluster_spec, placement
+from persia_core.cluster_spec import (
+    EMBEDDING_WORKER,
+    PARAMETER_SERVER,
+    PRIMARY,
+    Placement,
+    parse_cluster_spec,
+    placement,
+)
 from persia_core.config import load_config
 from persia_core.data.reader import read_schema
 from persia_core.model_store import shard_file_name
@@ -93,6 +103,27 @@ def wait_for_servers(addresses: list[str], config, token: str, timeout_s: float)
                 time.sleep(2.0)
     finally:
         client.close()
+
+
+def wait_for_embedding_workers(addresses: list[str], timeout_s: float) -> None:
+    """Block until every embedding worker of pool 3 accepts connections (replicas start in any order).
+
+    Raises ``TimeoutError`` naming those still unreachable after ``timeout_s`` seconds."""
+    import grpc
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(addresses)
+    while pending:
+        still = []
+        for a in pending:
+            with grpc.insecure_channel(a) as ch:
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+                except grpc.FutureTimeoutError:
+                    still.append(a)
+        pending = still
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"embedding workers not reachable after {timeout_s:.0f} s: {pending}")
 
 
 def finalize_model(
@@ -174,6 +205,9 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
         len(place.ps_addresses),
     )
     wait_for_servers(place.ps_addresses, config, token, args.ps_wait_s)
+    ours = [a for j in range(place.local_ranks) for a in place.rank_ew_addresses(place.rank + j)]
+    if ours:
+        wait_for_embedding_workers(ours, args.ps_wait_s)
     worker_args = ["--config", args.config, "--data", args.data, "--out", args.out, *args.worker_args]
     resume = resume_point(args, config)
     if resume is not None and _flag(args.worker_args, "--resume") is None:
@@ -298,6 +332,44 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
                 p.wait()
 
 
+def _run_embedding_workers(args, place: Placement, token: str) -> int:
+    """Pool 3: one embedding-worker process per port, each serving the NN worker that connects (it sends its
+    spec). Returns 0 once all have served theirs and stopped, else the first failing exit code; they also stop
+    when the primary's done marker appears."""
+    env = dict(os.environ, **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
+    env.pop(TOKEN_SECRET_ENV, None)
+    started = time.time()
+    procs = []
+    for port in place.ports:
+        cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--listen", f"{args.host}:{port}"]
+        log.info("embedding worker on %s:%d", args.host, port)
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+    done = io.join(args.control, DONE_MARKER) if args.control else ""
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(port, c) for port, c in zip(place.ports, codes, strict=True) if c not in (None, 0)]
+            if bad:
+                log.error("embedding worker on port %d exited with code %s", *bad[0])
+                return bad[0][1]
+            if all(c == 0 for c in codes):
+                return 0
+            if done and io.exists(done) and _marker_time(done) >= started:
+                log.info("primary finished (%s); stopping", done)
+                return 0
+            time.sleep(min(args.poll_s, 1.0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def _marker_time(path: str) -> float:
     """When the done marker at ``path`` was written (seconds since the epoch; 0 for an older marker without it),
     so servers of a restarted job do not stop on the marker of an earlier attempt."""
@@ -313,7 +385,9 @@ def run_replica(args: argparse.Namespace, cluster_spec: str) -> int:
     Raises ``ValueError`` for a bad ``CLUSTER_SPEC``, a missing token or a shard count that does not match
     ``embedding.num_shards`` of the run config."""
     spec = parse_cluster_spec(cluster_spec)
-    place = placement(spec, args.shards_per_server, args.ranks_per_replica)
+    place = placement(
+        spec, args.shards_per_server, args.ranks_per_replica, args.embedding_workers, args.embedding_workers_per_replica
+    )
     config = load_config(args.config)
     if len(place.ps_addresses) != config.embedding.num_shards:
         raise ValueError(
@@ -329,6 +403,8 @@ def run_replica(args: argparse.Namespace, cluster_spec: str) -> int:
     token = resolve_token()
     if place.role == PARAMETER_SERVER:
         return _run_parameter_server(args, place, config, token)
+    if place.role == EMBEDDING_WORKER:
+        return _run_embedding_workers(args, place, token)
     return _run_nn_worker(args, place, config, token)
 
 
@@ -349,7 +425,19 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="NN worker processes (DDP ranks) per NN replica, e.g. one per GPU",
     )
-    p.add_argument("--host", default="0.0.0.0", help="address parameter servers bind")
+    p.add_argument(
+        "--embedding-workers",
+        type=int,
+        default=0,
+        help="with an embedding-worker pool (pool 3): embedding workers per NN worker",
+    )
+    p.add_argument(
+        "--embedding-workers-per-replica",
+        type=int,
+        default=1,
+        help="embedding-worker processes per pool-3 replica (ports p .. p+n-1)",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address parameter servers and embedding workers bind")
     p.add_argument("--ps-wait-s", type=float, default=900.0, help="how long NN workers wait for the servers")
     p.add_argument("--poll-s", type=float, default=10.0, help="parameter servers: done-marker poll interval")
     p.add_argument(

@@ -17,7 +17,11 @@ Pools and roles (Vertex numbers pools by their place in ``workerPoolSpecs``)::
     pool 1  NN workers         the other DDP ranks (replica i is rank i + 1); absent when M = 1
     pool 2  parameter servers  replica r serves shards r*k .. r*k+k-1 (k = --shards-per-server) on ports
                                p .. p+k-1, p = the port CLUSTER_SPEC gives it, bound on 0.0.0.0
-    pool 3  unused             (refused)
+    pool 3  embedding workers  optional, CPU machines: replica i runs embedding workers i*e .. i*e+e-1
+                               (e = --embedding-workers-per-replica) on ports p .. p+e-1, bound on 0.0.0.0;
+                               embedding worker j serves NN worker (DDP rank) j // E as its embedding worker
+                               j % E, E = --embedding-workers per NN worker (so len(pool 3) * e = WORLD_SIZE * E).
+                               Without pool 3 every NN worker runs its E embedding workers on its own machine.
 
 So WORLD_SIZE = 1 + len(workerpool1), RANK as above, MASTER_ADDR:MASTER_PORT = workerpool0[0], and the
 parameter-server address of shard s is ``host(workerpool2[s // k]):(port + s % k)``. With g ranks per replica
@@ -34,8 +38,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-PRIMARY, NN_WORKER, PARAMETER_SERVER = "primary", "nn_worker", "parameter_server"
-POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER}
+from persia_core.ps.protocol import EW_ADDRESSES_ENV
+
+PRIMARY, NN_WORKER, PARAMETER_SERVER, EMBEDDING_WORKER = "primary", "nn_worker", "parameter_server", "embedding_worker"
+POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER, 3: EMBEDDING_WORKER}
 """Worker-pool index -> role."""
 
 
@@ -67,8 +73,8 @@ def parse_cluster_spec(spec: str | dict) -> ClusterSpec:
     """Parse and validate ``CLUSTER_SPEC`` (a JSON string or its dict).
 
     Raises ``ValueError`` naming the offending field: not JSON, no ``cluster``/``task``, a pool name other than
-    ``workerpool0..3``, pool 3 present (unused by this design), pool 0 without exactly one replica, a task
-    outside the cluster, an address without a port."""
+    ``workerpool0..3``, pool 0 without exactly one replica, a task outside the cluster, an address without a
+    port."""
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
@@ -88,8 +94,8 @@ def parse_cluster_spec(spec: str | dict) -> ClusterSpec:
         idx = int(name[len("workerpool") :])
         if idx not in POOL_ROLES:
             raise ValueError(
-                f"CLUSTER_SPEC.cluster.{name}: pool {idx} has no role here (pools 0, 1, 2: primary, "
-                f"NN workers, parameter servers)"
+                f"CLUSTER_SPEC.cluster.{name}: pool {idx} has no role here (pools 0, 1, 2, 3: primary, "
+                f"NN workers, parameter servers, embedding workers)"
             )
         if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
             raise ValueError(f"CLUSTER_SPEC.cluster.{name}: expected a list of 'host:port'")
@@ -130,14 +136,25 @@ class Placement:
     """Parameter server: the port of each of ``shards``."""
     local_ranks: int = 1
     """NN roles: worker processes (DDP ranks ``rank .. rank + local_ranks - 1``) on this replica."""
+    ew_addresses: list[str] = field(default_factory=list)
+    """``host:port`` of every embedding worker of pool 3 (empty: they run beside their NN workers)."""
+    embedding_workers: int = 0
+    """E: embedding workers per NN worker in pool 3 (0: no pool 3)."""
+
+    def rank_ew_addresses(self, rank: int) -> list[str]:
+        """The pool-3 embedding workers of NN worker ``rank`` (empty without pool 3)."""
+        e = self.embedding_workers
+        return self.ew_addresses[rank * e : (rank + 1) * e]
 
     def env(self, local_rank: int = 0) -> dict[str, str]:
         """torch.distributed and persia environment of one NN worker process of this replica (``RANK``,
         ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (its NN workers share the replica's cores among their
-        embedding workers), ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``)."""
+        embedding workers), ``MASTER_ADDR``, ``MASTER_PORT``, ``PERSIA_PS_ADDRESSES``, and with pool 3
+        ``PERSIA_EMBEDDING_WORKER_ADDRESSES``: its own embedding workers)."""
         if not 0 <= local_rank < self.local_ranks:
             raise ValueError(f"local_rank {local_rank} outside 0..{self.local_ranks - 1}")
-        return {
+        ews = self.rank_ew_addresses(self.rank + local_rank)
+        return ({EW_ADDRESSES_ENV: ",".join(ews)} if ews else {}) | {
             "RANK": str(self.rank + local_rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(local_rank),
@@ -185,11 +202,14 @@ def worker_pool_specs(
     args: list[str],
     env: dict[str, str] | None = None,
     nn_image: str = "",
+    ew_machine: Machine | None = None,
+    ew_replicas: int = 0,
 ) -> list[dict]:
     """``workerPoolSpecs`` of a CustomJob (Vertex AI REST shape) running ``ENTRY_COMMAND`` + ``args`` everywhere:
 
         [0] primary: 1 x nn_machine     [1] NN workers: nn_replicas - 1 x nn_machine ({} when none)
         [2] parameter servers: ps_replicas x ps_machine
+        [3] embedding workers: ew_replicas x ew_machine (only when ew_replicas > 0)
 
     ``nn_image`` (default ``image``) runs pools 0 and 1, e.g. a CUDA build. Raises ``ValueError`` for fewer
     than one NN or parameter-server replica or an empty image."""
@@ -210,11 +230,16 @@ def worker_pool_specs(
             "containerSpec": container,
         }
 
-    return [
+    specs = [
         pool(nn_machine, 1, nn_image or image),
         pool(nn_machine, nn_replicas - 1, nn_image or image) if nn_replicas > 1 else {},
         pool(ps_machine, ps_replicas, image),
     ]
+    if ew_replicas > 0:
+        if ew_machine is None:
+            raise ValueError("an embedding-worker pool needs its machine (ew_machine)")
+        specs.append(pool(ew_machine, ew_replicas, image))
+    return specs
 
 
 def ps_addresses(spec: ClusterSpec, shards_per_server: int = 1) -> list[str]:
@@ -226,28 +251,63 @@ def ps_addresses(spec: ClusterSpec, shards_per_server: int = 1) -> list[str]:
     return out
 
 
-def placement(spec: ClusterSpec, shards_per_server: int = 1, ranks_per_replica: int = 1) -> Placement:
-    """This replica's role, DDP ranks and world size, rendezvous address and the shard addresses.
+def ew_addresses(spec: ClusterSpec, per_replica: int = 1) -> list[str]:
+    """``host:port`` of every embedding worker: j on replica j // e of pool 3, port = its port + j % e."""
+    out = []
+    for address in spec.pools.get(3, []):
+        host, port = _host_port(address, "cluster.workerpool3")
+        out += [f"{host}:{port + j}" for j in range(per_replica)]
+    return out
 
-    Raises ``ValueError`` when there is no parameter-server pool, or ``shards_per_server`` or
-    ``ranks_per_replica`` is < 1."""
-    if shards_per_server < 1:
-        raise ValueError(f"shards_per_server must be >= 1, got {shards_per_server}")
-    if ranks_per_replica < 1:
-        raise ValueError(f"ranks_per_replica must be >= 1, got {ranks_per_replica}")
+
+def placement(
+    spec: ClusterSpec,
+    shards_per_server: int = 1,
+    ranks_per_replica: int = 1,
+    embedding_workers: int = 0,
+    embedding_workers_per_replica: int = 1,
+) -> Placement:
+    """This replica's role, DDP ranks and world size, rendezvous address, the shard addresses, and with pool 3
+    the embedding workers' (``embedding_workers`` E per NN worker, ``embedding_workers_per_replica`` per replica).
+
+    Raises ``ValueError`` when there is no parameter-server pool, ``shards_per_server``, ``ranks_per_replica`` or
+    ``embedding_workers_per_replica`` is < 1, or pool 3 does not hold E embedding workers for each NN worker."""
+    for name, v in (
+        ("shards_per_server", shards_per_server),
+        ("ranks_per_replica", ranks_per_replica),
+        ("embedding_workers_per_replica", embedding_workers_per_replica),
+    ):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
     if not spec.pools.get(2):
         raise ValueError("CLUSTER_SPEC.cluster.workerpool2: no parameter-server replicas (pool 2)")
     addresses = ps_addresses(spec, shards_per_server)
     master_addr, master_port = _host_port(spec.pools[0][0], "cluster.workerpool0")
     g = ranks_per_replica
     world = g * (1 + len(spec.pools.get(1, [])))
+    ews = ew_addresses(spec, embedding_workers_per_replica)
+    if ews and (embedding_workers < 1 or len(ews) != world * embedding_workers):
+        raise ValueError(
+            f"CLUSTER_SPEC.cluster.workerpool3: {len(spec.pools[3])} replicas x {embedding_workers_per_replica} "
+            f"embedding workers each = {len(ews)}, but {world} NN workers x --embedding-workers "
+            f"{embedding_workers} need {world * embedding_workers}"
+        )
     common: dict[str, Any] = dict(
-        world_size=world, master_addr=master_addr, master_port=master_port, ps_addresses=addresses
+        world_size=world,
+        master_addr=master_addr,
+        master_port=master_port,
+        ps_addresses=addresses,
+        ew_addresses=ews,
+        embedding_workers=embedding_workers if ews else 0,
     )
     if spec.pool == 0:
         return Placement(PRIMARY, rank=0, local_ranks=g, **common)
     if spec.pool == 1:
         return Placement(NN_WORKER, rank=g * (1 + spec.index), local_ranks=g, **common)
+    if spec.pool == 3:
+        _, port = _host_port(spec.pools[3][spec.index], "cluster.workerpool3")
+        k = embedding_workers_per_replica
+        return Placement(EMBEDDING_WORKER, ports=[port + j for j in range(k)], **common)
     _, port = _host_port(spec.pools[2][spec.index], "cluster.workerpool2")
     shards = list(range(spec.index * shards_per_server, (spec.index + 1) * shards_per_server))
     return Placement(PARAMETER_SERVER, shards=shards, ports=[port + j for j in range(shards_per_server)], **common)

@@ -84,10 +84,7 @@ def test_vertex_cluster_spec_without_pool_1_is_a_single_nn_worker():
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (
-            lambda d: d.update(task={"type": "workerpool3", "index": 0}) or d["cluster"].update(workerpool3=["h:1"]),
-            "pool 3",
-        ),
+        (lambda d: d["cluster"].update(workerpool4=["h:1"]), "pool 4 has no role"),
         (lambda d: d["cluster"].update(workerpool0=["a:1", "b:1"]), "exactly 1 replica"),
         (lambda d: d.update(task={"type": "workerpool1", "index": 7}), "not in the cluster"),
         (lambda d: d["cluster"].update(workerpool2=["no-port"]), "host:port"),
@@ -103,6 +100,44 @@ def test_vertex_cluster_spec_errors_name_the_field(mutate, message):
         cluster_spec.parse_cluster_spec(json.dumps(d))
     with pytest.raises(ValueError, match="not JSON"):
         cluster_spec.parse_cluster_spec("{nope")
+
+
+def test_vertex_cluster_spec_pool_3_holds_e_embedding_workers_per_nn_worker_in_rank_order():
+    d = json.loads(_spec("workerpool1", 2))  # 4 NN workers
+    d["cluster"]["workerpool3"] = [f"ew-{i}:3000" for i in range(4)]  # 4 replicas x 2 processes = 4 x E=2
+    spec = cluster_spec.parse_cluster_spec(d)
+    assert spec.role == cluster_spec.NN_WORKER
+    place = cluster_spec.placement(spec, embedding_workers=2, embedding_workers_per_replica=2)
+    assert place.rank == 3
+    # embedding worker j (replica j // 2, port 3000 + j % 2) serves rank j // E
+    assert place.env()["PERSIA_EMBEDDING_WORKER_ADDRESSES"] == "ew-3:3000,ew-3:3001"
+    assert place.rank_ew_addresses(0) == ["ew-0:3000", "ew-0:3001"]
+    d["task"] = {"type": "workerpool3", "index": 1}
+    ew = cluster_spec.placement(
+        cluster_spec.parse_cluster_spec(d), embedding_workers=2, embedding_workers_per_replica=2
+    )
+    assert ew.role == cluster_spec.EMBEDDING_WORKER and ew.ports == [3000, 3001]
+    # without pool 3 the NN worker's environment names none (they run beside it)
+    assert (
+        "PERSIA_EMBEDDING_WORKER_ADDRESSES"
+        not in cluster_spec.placement(cluster_spec.parse_cluster_spec(_spec("workerpool1", 2))).env()
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"workerpool3: 4 replicas x 1 embedding workers each = 4, but 4 NN workers x "
+        r"--embedding-workers 2 need 8",
+    ):
+        cluster_spec.placement(spec, embedding_workers=2, embedding_workers_per_replica=1)
+
+
+def test_vertex_worker_pool_specs_add_the_embedding_worker_pool_as_pool_3():
+    nn = cluster_spec.Machine("a2-highgpu-1g", "NVIDIA_TESLA_A100", 1)
+    ps, ew = cluster_spec.Machine("n2-highmem-32"), cluster_spec.Machine("n2-standard-32")
+    three = cluster_spec.worker_pool_specs(nn, ps, 2, 2, "img", ["--x"])
+    four = cluster_spec.worker_pool_specs(nn, ps, 2, 2, "img", ["--x"], ew_machine=ew, ew_replicas=3)
+    assert len(three) == 3 and four[:3] == three
+    assert four[3]["replicaCount"] == 3 and four[3]["machineSpec"] == {"machineType": "n2-standard-32"}
+    assert four[3]["containerSpec"]["command"] == cluster_spec.ENTRY_COMMAND
 
 
 def test_vertex_cluster_spec_without_parameter_servers_is_refused():
@@ -194,16 +229,17 @@ def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "nn_replicas, ps_replicas",
+    "nn_replicas, ps_replicas, ew_replicas",
     [
-        (2, 2),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
-        (1, 1),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
+        (2, 2, 0),  # primary + 1 NN worker replica, 2 parameter-server replicas of 1 shard
+        (1, 1, 0),  # the primary runs 2 DDP ranks, 1 parameter-server replica serves 2 shards
+        (2, 2, 2),  # and an embedding-worker pool: 2 replicas of 2 processes, E = 2 per NN worker, over gRPC
     ],
 )
 @pytest.mark.processes
-def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas):
+def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data, nn_replicas, ps_replicas, ew_replicas):
     """Replicas started as Vertex AI starts them, with CLUSTER_SPEC pointing at 127.0.0.1: the primary writes
-    a whole Model and the parameter servers exit on its done marker."""
+    a whole Model, the parameter servers exit on its done marker, the embedding workers once served."""
     from support import tiny_config
 
     from persia_core.checkpoints import config_sha256
@@ -224,6 +260,8 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     cluster_map = {"workerpool0": [f"127.0.0.1:{ports[0]}"], "workerpool2": [f"127.0.0.1:{p}" for p in ps_ports]}
     if nn_replicas > 1:
         cluster_map["workerpool1"] = [f"127.0.0.1:{p}" for p in ports[1:nn_replicas]]
+    if ew_replicas:
+        cluster_map["workerpool3"] = [f"127.0.0.1:{_free_port_run(2)}" for _ in range(ew_replicas)]
     base = {"cluster": cluster_map, "environment": "cloud"}
     env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
     cmd = [
@@ -251,12 +289,18 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
         "--ranks-per-replica",
         str(2 // nn_replicas),
     ]
+    if ew_replicas:
+        cmd += ["--embedding-workers", "2", "--embedding-workers-per-replica", "2"]
     replicas = (
-        [("workerpool2", i) for i in range(ps_replicas)]
+        [("workerpool3", i) for i in range(ew_replicas)]
+        + [("workerpool2", i) for i in range(ps_replicas)]
         + [("workerpool1", i) for i in range(nn_replicas - 1)]
         + [("workerpool0", 0)]
     )
-    _run_replicas(tmp_path, cmd, replicas, base, env)
+    logs = _run_replicas(tmp_path, cmd, replicas, base, env)
+    if ew_replicas:
+        assert "2 embedding worker(s) over the network" in logs[("workerpool0", 0)]
+        assert json.load(open(os.path.join(out, "train_metrics.json")))["embedding_workers"] == 2
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
     assert all(r > 0 for r in manifest["summary"]["rows"])
