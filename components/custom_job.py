@@ -5,6 +5,7 @@ Vertex AI numbers the pools as
     pool 0  primary: 1 x NN machine (GPU)       NN worker of DDP rank 0; writes the Model
     pool 1  NN workers: M - 1 x NN machine      the other DDP ranks ({} when M = 1)
     pool 2  parameter servers: N / k x PS machine (high memory), k shards each
+    pool 3  embedding workers: M * E / e x CPU machine, e each (only with ``--embedding-workers E``)
 
 and every replica runs ``python -m persia_core.cluster`` (roles from ``CLUSTER_SPEC``). The template is compiled
 into the pipeline (machine types, images, the command with ``{{dataset}}``, ``{{shards}}``, ``{{model}}``,
@@ -24,13 +25,21 @@ PLACEHOLDERS = ("dataset", "shards", "model", "control")
 
 
 def fill_worker_pool_specs(
-    template: list[dict], paths: dict[str, str], nn_replicas: int, ps_replicas: int, env: dict[str, str]
+    template: list[dict],
+    paths: dict[str, str],
+    nn_replicas: int,
+    ps_replicas: int,
+    env: dict[str, str],
+    ew_replicas: int = 0,
 ) -> list[dict]:
     """The template's placeholders replaced by ``paths``, pool counts set (pool 1 = ``nn_replicas - 1``, an
-    empty spec when 0; pool 2 = ``ps_replicas``) and ``env`` added to every container. Raises ``ValueError``
-    for a template that is not pools 0..2 or a placeholder without a path."""
-    if len(template) != 3 or not template[0] or not template[2]:
-        raise ValueError("worker-pool template: expected [primary, NN workers or {}, parameter servers]")
+    empty spec when 0; pool 2 = ``ps_replicas``; pool 3, where the template has one, = ``ew_replicas``) and
+    ``env`` added to every container. Raises ``ValueError`` for a template that is not pools 0..2 (or 0..3) or
+    a placeholder without a path."""
+    if len(template) not in (3, 4) or not template[0] or not template[2] or (len(template) == 4 and not template[3]):
+        raise ValueError(
+            "worker-pool template: expected [primary, NN workers or {}, parameter servers, embedding workers?]"
+        )
     missing = [p for p in PLACEHOLDERS if p not in paths]
     if missing:
         raise ValueError(f"worker-pool template: no path for {missing}")
@@ -45,8 +54,13 @@ def fill_worker_pool_specs(
     primary = json.loads(json.dumps(template[0]))
     workers = json.loads(json.dumps(template[1] or template[0]))
     servers = json.loads(json.dumps(template[2]))
+    pools = [(primary, 1), (workers, nn_replicas - 1), (servers, ps_replicas)]
+    if len(template) == 4:
+        if ew_replicas < 1:
+            raise ValueError(f"the template has an embedding-worker pool: need >= 1 replica, got {ew_replicas}")
+        pools.append((json.loads(json.dumps(template[3])), ew_replicas))
     out: list[dict] = []
-    for spec, count in ((primary, 1), (workers, nn_replicas - 1), (servers, ps_replicas)):
+    for spec, count in pools:
         if count == 0:
             out.append({})
             continue
@@ -77,8 +91,9 @@ def custom_job_request(
     """Worker-pool specs for this run and the job's base output folder (``<model>_job``, gs:// form).
 
     Counts follow the run config in ``shards_uri``: NN replicas = ``trainer.num_workers / ranks per replica``,
-    parameter-server replicas = ``embedding.num_shards / shards per server``. The token is a fresh random one
-    in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. With
+    parameter-server replicas = ``embedding.num_shards / shards per server``, embedding-worker replicas (with
+    ``--embedding-workers E``) = ``trainer.num_workers * E / embedding workers per replica``. The token is a
+    fresh random one in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. With
     ``checkpoint_every_s`` or ``checkpoint_every_steps`` > 0 every replica gets the checkpoint flags, the folder
     being ``<model>/checkpoints`` on Cloud Storage: the workers write checkpoints there, and the replicas of a
     restarted or retried job resume from the newest complete one. Raises ``ValueError`` when the counts do not
@@ -86,12 +101,14 @@ def custom_job_request(
     template = json.loads(template_json)
     args = template[0]["containerSpec"]["args"]
     k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
+    ew, per = _arg(args, "--embedding-workers", 0), _arg(args, "--embedding-workers-per-replica", 1)
     config = load_config(io.join(shards_uri, "run_config.yaml"))
     n, m = config.embedding.num_shards, config.trainer.num_workers
-    if n % k or m % g:
+    if n % k or m % g or (m * ew) % per:
         raise ValueError(
-            f"embedding.num_shards={n} must be a multiple of shards per server {k} and "
-            f"trainer.num_workers={m} of ranks per replica {g}"
+            f"embedding.num_shards={n} must be a multiple of shards per server {k}, "
+            f"trainer.num_workers={m} of ranks per replica {g}, and its {m} x {ew} embedding workers "
+            f"of embedding workers per replica {per}"
         )
     base = io.to_uri(model_uri).rstrip("/") + "_job"
     paths = {
@@ -101,7 +118,7 @@ def custom_job_request(
         "control": io.to_fuse(io.join(base, "control")),
     }
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
-    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env)
+    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env, m * ew // per)
     if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
         flags = [
             "--",

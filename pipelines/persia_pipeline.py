@@ -203,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--ps-machine-type", help="high-memory machine of the parameter-server pool 2")
     v.add_argument("--shards-per-server", type=int, help="parameter-server shards per pool-2 replica")
     v.add_argument("--ranks-per-replica", type=int, help="NN worker processes (DDP ranks) per NN replica")
+    v.add_argument(
+        "--embedding-workers",
+        type=int,
+        help="embedding workers per NN worker on CPU machines of their own, pool 3 (0: beside the NN workers)",
+    )
+    v.add_argument("--ew-machine-type", help="CPU machine of the embedding-worker pool 3")
+    v.add_argument("--embedding-workers-per-replica", type=int, help="embedding-worker processes per pool-3 replica")
     v.add_argument("--service-account", help="service account of the CustomJob")
     v.add_argument("--network", help="VPC network of the CustomJob")
     v.add_argument("--ps-token-secret", help="Secret Manager version of the parameter servers' token")

@@ -64,6 +64,14 @@ class VertexSettings:
     """Parameter-server shards (processes) per pool-2 replica ($PERSIA_SHARDS_PER_SERVER)."""
     ranks_per_replica: int = 1
     """NN worker processes (DDP ranks) per NN replica ($PERSIA_RANKS_PER_REPLICA), e.g. one per GPU."""
+    embedding_workers: int = 0
+    """Embedding workers per NN worker on CPU machines of their own, pool 3 ($PERSIA_EMBEDDING_WORKERS); 0: none,
+    each NN worker runs ``trainer.embedding_workers`` beside it on its own machine."""
+    ew_machine_type: str = "n2-standard-32"
+    """Machine of the embedding-worker pool 3 ($PERSIA_EW_MACHINE_TYPE)."""
+    embedding_workers_per_replica: int = 30
+    """Embedding-worker processes per pool-3 replica ($PERSIA_EMBEDDING_WORKERS_PER_REPLICA): about one per core
+    of ``ew_machine_type``, less two for the system."""
     nn_replicas: int = 2
     """NN replicas in the compiled template (replaced at run time from ``trainer.num_workers``)."""
     ps_replicas: int = 2
@@ -89,6 +97,9 @@ class VertexSettings:
         "ps_machine_type": "PERSIA_PS_MACHINE_TYPE",
         "shards_per_server": "PERSIA_SHARDS_PER_SERVER",
         "ranks_per_replica": "PERSIA_RANKS_PER_REPLICA",
+        "embedding_workers": "PERSIA_EMBEDDING_WORKERS",
+        "ew_machine_type": "PERSIA_EW_MACHINE_TYPE",
+        "embedding_workers_per_replica": "PERSIA_EMBEDDING_WORKERS_PER_REPLICA",
         "service_account": "PERSIA_SERVICE_ACCOUNT",
         "network": "PERSIA_NETWORK",
         "ps_token_secret": "PERSIA_PS_TOKEN_SECRET",
@@ -105,12 +116,14 @@ class VertexSettings:
             "accelerator_count",
             "shards_per_server",
             "ranks_per_replica",
+            "embedding_workers",
+            "embedding_workers_per_replica",
             "nn_replicas",
             "ps_replicas",
             "boot_disk_gb",
             "timeout_s",
         ):
-            low = 0 if name in ("accelerator_count", "timeout_s") else 1
+            low = 0 if name in ("accelerator_count", "timeout_s", "embedding_workers") else 1
             if getattr(self, name) < low:
                 raise ValueError(f"vertex setting {name} must be >= {low}, got {getattr(self, name)}")
         for name in ("image", "cuda_image"):  # Vertex AI pulls from a registry: a local tag cannot be found there
@@ -126,7 +139,7 @@ class VertexSettings:
                 f"vertex setting region={self.region!r} (PERSIA_VERTEX_REGION) is not a Google Cloud "
                 f"region such as us-central1 or europe-west4"
             )
-        for name in ("nn_machine_type", "ps_machine_type"):
+        for name in ("nn_machine_type", "ps_machine_type", "ew_machine_type"):
             value = getattr(self, name)
             if value and not re.fullmatch(r"[a-z][a-z0-9]*-[a-z0-9]+(-[a-z0-9]+)*", value):
                 raise ValueError(
@@ -221,8 +234,22 @@ class VertexSettings:
             "--ranks-per-replica",
             str(self.ranks_per_replica),
         ]
+        ew_replicas = 0
+        if self.embedding_workers:
+            args += ["--embedding-workers", str(self.embedding_workers)]
+            args += ["--embedding-workers-per-replica", str(self.embedding_workers_per_replica)]
+            workers = self.nn_replicas * self.ranks_per_replica * self.embedding_workers
+            ew_replicas = -(-workers // self.embedding_workers_per_replica)  # replaced at run time
         return worker_pool_specs(
-            nn, ps, self.nn_replicas, self.ps_replicas, self.image, args, nn_image=self.cuda_image or self.image
+            nn,
+            ps,
+            self.nn_replicas,
+            self.ps_replicas,
+            self.image,
+            args,
+            nn_image=self.cuda_image or self.image,
+            ew_machine=Machine(self.ew_machine_type, boot_disk_gb=self.boot_disk_gb),
+            ew_replicas=ew_replicas,
         )
 
 

@@ -185,6 +185,19 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
         assert tail[:3] == ["--", "--checkpoint-dir", "/gcs/b/root/train/model/checkpoints"]
         assert tail[tail.index("--checkpoint-every-s") + 1] == "600.0"
     assert "--" not in specs[0]["containerSpec"]["args"]  # checkpoints off: no flags
+    # an embedding-worker pool: 3 NN workers x E = 4 over 6 processes per replica = 2 replicas of pool 3
+    (shards / "run_config.yaml").write_text(cfg.to_yaml())
+    four = json.dumps(_settings(embedding_workers=4, embedding_workers_per_replica=6).worker_pool_specs())
+    assert [s["replicaCount"] for s in json.loads(four)] == [1, 2, 4, 2]
+    ews, _ = custom_job.custom_job_request(four, "gs://b/d", str(shards), "gs://b/m")
+    assert [s["replicaCount"] for s in ews] == [1, 2, 4, 2]
+    assert ews[3]["machineSpec"] == {"machineType": "n2-standard-32"}
+    args = ews[3]["containerSpec"]["args"]
+    assert args[args.index("--embedding-workers") + 1] == "4" and ews[3]["containerSpec"]["command"] == ENTRY
+    assert args[args.index("--embedding-workers-per-replica") + 1] == "6"
+    with pytest.raises(ValueError, match="embedding workers per replica 5"):
+        five = _settings(embedding_workers=4, embedding_workers_per_replica=5).worker_pool_specs()
+        custom_job.custom_job_request(json.dumps(five), "gs://b/d", str(shards), "gs://b/m")
     bad = tiny_config(num_workers=3).with_overrides({"embedding.num_shards": 3})
     (shards / "run_config.yaml").write_text(bad.to_yaml())
     with pytest.raises(ValueError, match="multiple"):
