@@ -15,7 +15,8 @@ Compute (NN workers): GPUs = ceil(target samples/s / samples/s per GPU), on VMs 
 
 Compute (embedding workers, CPU): cores = ceil(target samples/s x CPU seconds per sample / ``EW_BUSY``), the
 CPU cost per sample measured by ``make bench-feed`` (``embedding_worker_cpu_us_per_sample``, at its 26 IDs per
-sample) and scaled by ``ids_per_sample / 26``; on VMs of ``ew_cores_per_vm`` cores.
+sample) and scaled by ``ids_per_sample / 26``; as pool 3 of the CustomJob, E = ceil(cores / GPUs) processes per
+NN worker, one per core, split over equal VMs of at most ``ew_cores_per_vm``.
 
 Network per NN worker (one GPU, one DDP rank) per step: the batch's IDs, deduplicated (``unique_fraction``),
 go out as uint64 (8 B) and come back as float32 rows (4 D B; the wire carries fp32 whatever the storage); the
@@ -177,6 +178,7 @@ class Plan:
     nn_vms: int
     embedding_worker_cores: int
     embedding_worker_vms: int
+    embedding_workers_per_nn_worker: int
     steps_per_s: float
     net_lookup_bytes_per_step: float
     net_push_bytes_per_step: float
@@ -255,7 +257,11 @@ def plan(inp: PlanInputs) -> Plan:
     steps_per_s = inp.throughput / (gpus * inp.batch_size)
     ew_cpu_s = inp.ew_cpu_us_per_sample * 1e-6 * inp.ids_per_sample / BENCH_FEED_IDS_PER_SAMPLE
     ew_cores = max(1, math.ceil(inp.throughput * ew_cpu_s / EW_BUSY))
-    ew_vms = math.ceil(ew_cores / inp.ew_cores_per_vm)
+    # pool 3: E embedding workers per NN worker (one process per core), spread over replicas of equal size
+    ew_per_nn = math.ceil(ew_cores / gpus)
+    ew_total = gpus * ew_per_nn
+    ew_per_vm = max(d for d in range(1, min(ew_total, inp.ew_cores_per_vm) + 1) if ew_total % d == 0)
+    ew_vms = ew_total // ew_per_vm
     unique = inp.batch_size * inp.ids_per_sample * inp.unique_fraction
     row_wire = 4 * inp.dim
     lookup = unique * (8 + row_wire)
@@ -269,7 +275,18 @@ def plan(inp: PlanInputs) -> Plan:
         nn_replicas=nn_vms,
         ps_replicas=servers,
         image=inp.image,
-        args=["--shards-per-server", str(k), "--ranks-per-replica", str(inp.gpus_per_vm)],
+        args=[
+            "--shards-per-server",
+            str(k),
+            "--ranks-per-replica",
+            str(inp.gpus_per_vm),
+            "--embedding-workers",
+            str(ew_per_nn),
+            "--embedding-workers-per-replica",
+            str(ew_per_vm),
+        ],
+        ew_machine=Machine(inp.ew_machine_type),
+        ew_replicas=ew_vms,
     )
     return Plan(
         inputs=inp,
@@ -285,6 +302,7 @@ def plan(inp: PlanInputs) -> Plan:
         nn_vms=nn_vms,
         embedding_worker_cores=ew_cores,
         embedding_worker_vms=ew_vms,
+        embedding_workers_per_nn_worker=ew_per_nn,
         steps_per_s=steps_per_s,
         net_lookup_bytes_per_step=lookup,
         net_push_bytes_per_step=push,

@@ -76,9 +76,10 @@ def format_table(p: Plan) -> str:
         ),
         (
             "embedding workers",
-            f"{p.embedding_worker_cores:,} cores on {p.embedding_worker_vms:,} x {i.ew_machine_type} "
-            f"({i.ew_cores_per_vm} cores; {i.ew_cpu_us_per_sample:g} us of CPU per sample at 26 IDs, "
-            f"x {i.ids_per_sample:g}/26 IDs here, cores {EW_BUSY:.0%} busy)",
+            f"{p.embedding_worker_cores:,} cores needed ({i.ew_cpu_us_per_sample:g} us of CPU per sample at "
+            f"26 IDs, x {i.ids_per_sample:g}/26 IDs here, cores {EW_BUSY:.0%} busy); "
+            f"{p.embedding_workers_per_nn_worker} per NN worker = {p.embedding_workers_per_nn_worker * p.gpus:,} "
+            f"processes on {p.embedding_worker_vms:,} x {i.ew_machine_type} ({i.ew_cores_per_vm} cores)",
         ),
         ("steps/s", f"{p.steps_per_s:.2f} (batch {i.batch_size} per GPU)"),
         (
@@ -111,8 +112,8 @@ def format_table(p: Plan) -> str:
     rows.append(
         (
             "note",
-            "embedding workers share memory with their NN worker: until the network transport lands, they run "
-            "on the NN-worker VMs, so plan their cores there",
+            "embedding workers (pool 3) feed their NN worker over a gRPC stream: 4 x (S x D + F + 1) bytes per "
+            "sample to it and 4 x S x D back (S slots of dim D, F dense features)",
         )
     )
     if i.weights != "fp32":

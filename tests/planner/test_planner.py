@@ -114,7 +114,7 @@ def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(cap
     assert d["inputs"]["rows"] == 1_200_000 and d["inputs"]["ids_per_sample"] == 2
     assert d["shards_per_server"] == 1 and d["gpus"] == 4 and d["nn_vms"] == 4
     pools = d["worker_pool_specs"]
-    assert [p["replicaCount"] for p in pools] == [1, 3, 1]
+    assert [p["replicaCount"] for p in pools] == [1, 3, 1, d["embedding_worker_vms"]]
     assert pools[0]["machineSpec"] == {
         "machineType": "a2-highgpu-1g",
         "acceleratorType": "NVIDIA_TESLA_A100",
@@ -250,13 +250,27 @@ def test_planner_sizes_the_embedding_workers_from_the_cpu_cost_per_sample_given_
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding workers"))
     default = capacity_plan.PlanInputs(rows=1).ew_cpu_us_per_sample
     cores = math.ceil(2e6 * default * 1e-6 * 2 / 0.8)
-    assert f"{cores:,} cores on {math.ceil(cores / 32):,} x n2-highcpu-32" in line
+    assert f"{cores:,} cores needed" in line and "x n2-highcpu-32 (32 cores)" in line
     args = ["--ew-cpu-us-per-sample", "2.5", "--ew-cores-per-vm", "16", "--ew-machine-type", "c3-highcpu-22"]
     assert planner.main([*SEED_ARGS, "--throughput", "1e6", *args]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("embedding workers"))
-    assert "4 cores on 1 x c3-highcpu-22 (16 cores; 2.5 us of CPU per sample" in line  # ceil(2.5 / 0.8)
+    assert "4 cores needed (2.5 us of CPU per sample" in line  # ceil(2.5 / 0.8)
+    # at least one per NN worker, in equal replicas of at most 16
+    gpus = capacity_plan.plan(capacity_plan.PlanInputs(rows=1, throughput=1e6)).gpus
+    per_vm = max(d for d in range(1, 17) if gpus % d == 0)
+    assert f"1 per NN worker = {gpus} processes on {gpus // per_vm} x c3-highcpu-22 (16 cores)" in line
     p = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**6, throughput=1.6e7, ew_cpu_us_per_sample=1.0))
-    assert (p.embedding_worker_cores, p.embedding_worker_vms) == (20, 1)
+    assert p.embedding_worker_cores == 20
+    # pool 3 holds E per NN worker, at least one each, in equal replicas of at most 32 processes
+    e = p.embedding_workers_per_nn_worker
+    assert e == max(1, math.ceil(20 / p.gpus)) and p.embedding_worker_vms * 32 >= p.gpus * e
+    ew = p.worker_pool_specs[3]
+    assert ew["replicaCount"] == p.embedding_worker_vms and ew["machineSpec"] == {"machineType": "n2-highcpu-32"}
+    args = ew["containerSpec"]["args"]
+    per = int(args[args.index("--embedding-workers-per-replica") + 1])
+    assert args[args.index("--embedding-workers") + 1] == str(e) and per * p.embedding_worker_vms == p.gpus * e
+    small = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**6, throughput=2e5, ew_cpu_us_per_sample=40.0))
+    assert small.gpus < small.embedding_worker_cores and small.embedding_workers_per_nn_worker > 1
     assert "make bench-feed" in planner_help()
 
 
