@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from persia_core import io
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.model_store import shard_file_name
-from persia_core.ps.protocol import EXIT_BAD_INIT
+from persia_core.ps.protocol import EXIT_BAD_INIT, TOKEN_ENV
 from persia_core.ps.shm import remove_orphans, remove_segments_of
 from persia_core.ps.storage_roots import resolve_storage_roots
 from persia_core.train.feeders import remove_examples_of
@@ -173,7 +173,9 @@ class LocalCluster:
         self.delta_dir = delta_dir
         self.delta_every_s = delta_every_s
         self.storage_roots = resolve_storage_roots(storage_roots)  # TypeError/ValueError for a bad root
-        self.token = secrets.token_hex(16)
+        # the job's token: ``$PERSIA_PS_TOKEN`` where set (so processes started beside the job, such as embedding
+        # workers listening for its NN workers, share it), else a fresh random one
+        self.token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
         remove_orphans()  # shared-memory files of an earlier job that was killed outright
@@ -182,7 +184,7 @@ class LocalCluster:
 
     def _env(self, **extra) -> dict:
         env = dict(os.environ)
-        env["PERSIA_PS_TOKEN"] = self.token
+        env[TOKEN_ENV] = self.token
         env.setdefault("OMP_NUM_THREADS", "1")
         # idle OpenMP threads sleep instead of spinning, so an NN worker's intra-op threads do not starve the
         # parameter servers and preparation threads sharing the cores
