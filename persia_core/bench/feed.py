@@ -23,9 +23,12 @@ dense ceiling measured on the H200), and the NN worker's ``phase_seconds``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
 import shutil
+import subprocess
 import sys
 import time
 
@@ -71,6 +74,49 @@ def feed_config(batch_size: int, staleness: int, seed: int, embedding_workers: i
     return RunConfig.from_dict(d)
 
 
+@contextlib.contextmanager
+def listening_embedding_workers(count: int, work_dir: str):
+    """``count`` embedding-worker processes listening on 127.0.0.1, named to the job's NN worker through
+    ``PERSIA_EMBEDDING_WORKER_ADDRESSES`` and sharing its token (``PERSIA_PS_TOKEN``, set here) while the block
+    runs; none for 0."""
+    if count == 0:
+        yield
+        return
+    from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_ENV
+
+    saved = {k: os.environ.get(k) for k in (EW_ADDRESSES_ENV, TOKEN_ENV)}
+    os.environ[TOKEN_ENV] = saved[TOKEN_ENV] or secrets.token_hex(16)
+    procs, addresses = [], []
+    try:
+        for e in range(count):
+            pf = os.path.join(work_dir, f"ew-{e}.port")
+            if os.path.exists(pf):
+                os.remove(pf)
+            cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--listen", "127.0.0.1:0"]
+            procs.append(subprocess.Popen([*cmd, "--port-file", pf]))
+            deadline = time.monotonic() + 120
+            while not os.path.exists(pf):
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"embedding worker {e} did not start listening")
+                time.sleep(0.05)
+            with open(pf) as f:
+                addresses.append(f"127.0.0.1:{int(f.read())}")
+        os.environ[EW_ADDRESSES_ENV] = ",".join(addresses)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="persia_core.bench.feed", description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int_at_least(4096), default=3_000_000, help="training samples (one epoch)")
@@ -84,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--work", default="bench_outputs/feed", help="work folder (the data set is kept for reruns)")
     p.add_argument("--skip-plain", action="store_true", help="do not run the plain-PyTorch baseline")
+    p.add_argument(
+        "--network",
+        action="store_true",
+        help="embedding workers listening on 127.0.0.1 (the gRPC stream transport of other hosts) instead of "
+        "beside the NN worker in shared memory; --embedding-workers of them (0: 2)",
+    )
     args = p.parse_args(argv)
     from persia_core.bench.baselines import load_indexed, run_plain_torch
     from persia_core.bench.engine_runs import run_hybrid
@@ -94,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_criteo(data_dir, args.samples, args.eval_rows, args.vocab)
     cfg = feed_config(args.batch, args.staleness, args.seed, args.embedding_workers)
     run_dir = os.path.join(args.work, "run")
-    with ProcessTreeSampler() as sampler:
+    with ProcessTreeSampler() as sampler, listening_embedding_workers(
+        args.embedding_workers or 2 if args.network else 0, args.work
+    ):
         hybrid = run_hybrid(cfg, data_dir, run_dir, args.staleness, 1, 1, args.seed, args.batch)
     with open(os.path.join(hybrid["model_dir"], "train_metrics.json")) as f:
         metrics = json.load(f)
@@ -106,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "staleness": args.staleness,
         "embedding_workers": int(metrics.get("embedding_workers", 0)),
+        "transport": "network" if args.network else "shared_memory",
         "sps": round(samples / max(t1 - t0, 1e-9), 1),
         "trainer_sps": round(hybrid["sps"], 1),
         "max_staleness": hybrid["max_staleness"],
