@@ -44,7 +44,7 @@ from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
-from persia_core.train.processes import die_with_parent
+from persia_core.train.processes import die_with_parent, keep_freed_memory
 from persia_core.train.ready_stream import FeedServer
 from persia_core.train.schedule import make_schedule
 
@@ -407,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="", help="HOST:PORT: serve an NN worker on another host over gRPC")
     p.add_argument("--port-file", default="", help="with --listen: write the bound port here once listening")
     args = p.parse_args(argv)
+    keep_freed_memory()  # every batch allocates the same multi-MiB arrays: reuse them, no page faults
     if args.parent:
         die_with_parent()
         if os.getppid() != args.parent:  # it died before the line above
