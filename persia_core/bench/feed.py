@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_criteo(data_dir, args.samples, args.eval_rows, args.vocab)
     cfg = feed_config(args.batch, args.staleness, args.seed, args.embedding_workers)
     run_dir = os.path.join(args.work, "run")
-    with ProcessTreeSampler() as sampler, listening_embedding_workers(
-        args.embedding_workers or 2 if args.network else 0, args.work
+    with (
+        ProcessTreeSampler() as sampler,
+        listening_embedding_workers(args.embedding_workers or 2 if args.network else 0, args.work),
     ):
         hybrid = run_hybrid(cfg, data_dir, run_dir, args.staleness, 1, 1, args.seed, args.batch)
     with open(os.path.join(hybrid["model_dir"], "train_metrics.json")) as f:
