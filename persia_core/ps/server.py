@@ -33,6 +33,7 @@ import threading
 import time
 
 from persia_core import io
+from persia_core.allocator import keep_freed_memory
 from persia_core.argchecks import storage_root
 from persia_core.config import load_config
 from persia_core.logging_utils import setup_logging
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)",
     )
     args = p.parse_args(argv)
+    keep_freed_memory()  # every call allocates its rows and IDs afresh: reuse the memory, no page faults
     env_roots = os.environ.get(STORAGE_ROOTS_ENV, "")
     roots = (
         args.storage_root

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from persia_core.allocator import keep_freed_memory
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
@@ -44,7 +45,7 @@ from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
-from persia_core.train.processes import die_with_parent, keep_freed_memory
+from persia_core.train.processes import die_with_parent
 from persia_core.train.ready_stream import FeedServer
 from persia_core.train.schedule import make_schedule
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from persia_core import checkpoints as ckpt
 from persia_core import io
+from persia_core.allocator import keep_freed_memory
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import read_schema
 from persia_core.embedding.backend import EmbeddingBackend
@@ -380,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-dense", default="", help="dense.pt whose weights start the model (warm start)")
     p.add_argument("--lineage", default="", help="JSON file with the run's lineage (default: computed here)")
     args = p.parse_args(argv)
+    keep_freed_memory()  # the gradient handed back is a fresh multi-MiB tensor every step
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging("nn_worker", rank)
     config = load_config(args.config)
