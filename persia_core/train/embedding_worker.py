@@ -338,7 +338,7 @@ def build_worker(
             f"not the examples of NN worker {rank}: {len(examples)} rows, slots {examples.slots}; its NN worker has "
             f"{counts[rank]} rows, slots {model_slot_order(config)} (another data folder?)"
         )
-    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
+    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle, rank)
     client = EmbeddingClient(
         spec["addresses"],
         config.embedding,

@@ -114,7 +114,7 @@ def run_worker(
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, counts[0])
         counts = [int(c) for c in gathered]
-    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle)
+    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle, rank)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters

@@ -9,6 +9,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 from support import tiny_config, write_dataset
 
@@ -180,3 +181,19 @@ def test_an_embedding_worker_process_imports_no_torch():
     code = "import sys, persia_core.train.embedding_worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_schedule_of_one_rank_holds_that_ranks_batches_and_every_steps_global_batch(shuffle):
+    counts, batch = [37, 0, 50, 12], 8  # uneven ranks, one without data
+    full = make_schedule(counts, batch, 2, 3, shuffle)
+    steps = len(full.global_batch)
+    assert steps == 2 * 7  # ceil(50 / 8) per epoch
+    assert full.global_batch == [sum(len(full.rows[r][t]) for r in range(4)) for t in range(steps)]
+    for r in range(4):
+        one = make_schedule(counts, batch, 2, 3, shuffle, rank=r)
+        assert one.global_batch == full.global_batch
+        assert all(one.rows[q] == [] for q in range(4) if q != r)
+        assert [a.tolist() for a in one.rows[r]] == [a.tolist() for a in full.rows[r]]
+    # each epoch covers each rank's rows once
+    assert sorted(np.concatenate(full.rows[2][:7]).tolist()) == list(range(50))
