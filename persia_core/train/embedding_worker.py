@@ -176,6 +176,9 @@ class EmbeddingWorker:
         self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
         self.slot0 = [int(x) for x in np.cumsum([0] + [len(t.slots) for t in layouts])[:-1]]
         self.free = list(range(layout.slots_per_worker - 1, -1, -1))
+        # a half ring: rows are pooled here, then converted into the slot's fp16 view; an fp16 gradient is
+        # converted back here before its per-ID sums (one buffer: both happen in this worker's own thread)
+        self.scratch = np.empty((layout.batch, layout.num_slots, layout.dim), np.float32) if layout.half else None
         self.pending: dict[int, tuple[int, dict, int]] = {}  # slot -> (step, prepared IDs, rows)
         self.lock = threading.Lock()
         self.done: set[int] = set()
@@ -222,9 +225,12 @@ class EmbeddingWorker:
             slot = self.free.pop()
             emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
             b = batch.size
+            pooled = emb if self.scratch is None else self.scratch
             for t, slot0 in zip(self.layouts, self.slot0, strict=True):
                 p = prepared[t.name]
-                pool_into(self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), b, emb, slot0)
+                pool_into(self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), b, pooled, slot0)
+            if self.scratch is not None:
+                np.copyto(self.layout.slot_half(self.buf, self.index, slot)[:b], pooled[:b], casting="same_kind")
             dense[:b] = batch.dense
             labels[:b] = batch.labels
             self.pending[slot] = (step, prepared, b)
@@ -255,17 +261,23 @@ class EmbeddingWorker:
             raise _Stopped()
         if kind != rr.GRAD:
             raise ValueError(f"embedding worker {self.rank}.{self.index}: unexpected control message {kind}")
-        self._push(slot, step)
+        self._push(slot, step, bool(msg[3]))
 
-    def _push(self, slot: int, step: int) -> None:
-        """The per-ID gradients of step ``step`` from slot ``slot`` (``bag_grads``, divided by M), then its pushes.
-        Raises ``FloatingPointError`` when a gradient holds inf or NaN: nothing of that step is then pushed."""
+    def _push(self, slot: int, step: int, half: bool = False) -> None:
+        """The per-ID gradients of step ``step`` from slot ``slot`` (``bag_grads``, divided by M), then its pushes;
+        ``half``: the gradient is fp16 (``slot_half``). Raises ``FloatingPointError`` when a gradient holds inf or
+        NaN: nothing of that step is then pushed."""
         owned = self.pending.pop(slot, None)
         if owned is None or owned[0] != step:
             raise ValueError(f"embedding worker {self.rank}.{self.index}: gradient of step {step} in slot {slot}")
         _, prepared, b = owned
         t0 = time.perf_counter()
         grad = self.layout.slot(self.buf, self.index, slot)[0]
+        if half:
+            if self.scratch is None:
+                raise ValueError(f"embedding worker {self.rank}.{self.index}: an fp16 gradient in a float32 ring")
+            np.copyto(self.scratch[:b], self.layout.slot_half(self.buf, self.index, slot)[:b])
+            grad = self.scratch
         per_table = []
         for t, slot0 in zip(self.layouts, self.slot0, strict=True):
             p = prepared[t.name]
@@ -352,7 +364,7 @@ def build_worker(
         client,
         table_layouts(config),
         BatchSource(examples, schedule.rows[rank], schedule.global_batch),
-        rr.RingLayout(*spec["layout"]),
+        rr.RingLayout.from_list(spec["layout"]),
         buf,
         sock,
         index,
@@ -422,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(f"embedding_worker[{int(spec['rank'])}.{int(spec['index'])}]")
     sock = socket.socket(fileno=args.fd)
     try:
-        layout = rr.RingLayout(*spec["layout"])
+        layout = rr.RingLayout.from_list(spec["layout"])
         seg = rr.Segment.attach(spec["segment"], layout)
         worker, client = build_worker(spec, ParquetExamples.mapped(spec["examples"]), seg.buf, sock)
     except BaseException as e:

@@ -119,11 +119,17 @@ class Feeders:
                 raise EmbeddingWorkerFailed(f"{self.name(e)}: sent message {kind} for step {got}, expected step {step}")
             return slot, a, b
 
-    def give_grad(self, step: int, slot: int) -> None:
-        """Hand slot ``slot`` (now holding d loss / d emb of step ``step``) back to its embedding worker."""
+    def views_half(self, e: int, slot: int) -> np.ndarray:
+        """``float16[B, S, D]``: a half ring's embeddings of slot ``slot`` of worker ``e``, or room for an fp16
+        gradient."""
+        return self.layout.slot_half(self.segment.buf, e, slot)
+
+    def give_grad(self, step: int, slot: int, half: bool = False) -> None:
+        """Hand slot ``slot`` (now holding d loss / d emb of step ``step``; ``half``: as fp16, in
+        ``views_half``) back to its embedding worker."""
         e = step % self.E
         try:
-            rr.send(self.socks[e], rr.GRAD, slot, step)
+            rr.send(self.socks[e], rr.GRAD, slot, step, int(half))
         except OSError as err:
             raise self._failed(e, f"its control socket failed ({err})") from None
 

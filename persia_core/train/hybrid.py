@@ -38,6 +38,7 @@ a step move a row about as far as one synchronous update (without it, K > 0 lose
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -47,20 +48,21 @@ import torch.nn.functional as F
 
 from persia_core.train.feeders import Feeders
 
+log = logging.getLogger("persia.hybrid")
 
-def grads_to_host(g: torch.Tensor, fp16: bool) -> tuple[np.ndarray, bool]:
-    """Embedding gradients ``g: float32[U, D]`` (per unique ID, any device) -> host ``float32[U, D]``.
 
-    With ``fp16``: sent across as fp16 (half the PCIe bytes) unless a value overflows fp16 (|g| > 65504), in
-    which case the fp32 values are sent instead. Returns (gradients, whether fp16 overflowed). Raises
-    ``FloatingPointError`` when ``g`` itself holds inf or NaN, so no inf ever reaches a parameter server."""
-    if not bool(torch.isfinite(g).all()):
-        raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
-    if fp16:
-        h = g.half()
-        if bool(torch.isfinite(h).all()):
-            return h.to("cpu").float().numpy(), False
-    return g.detach().to("cpu").numpy().astype(np.float32, copy=False), fp16
+def pin_host_memory(buf: np.ndarray) -> bool:
+    """Page-lock ``buf`` (a page-aligned mapping) for the current CUDA device (``cudaHostRegister``), so that
+    copies between it and the GPU are DMA transfers. Returns False, logging why, where CUDA refuses (e.g. a locked-
+    memory limit): copies then go through CUDA's staging buffers, as from any pageable memory."""
+    err = int(torch.cuda.cudart().cudaHostRegister(buf.ctypes.data, buf.nbytes, 0))
+    if err != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it, so the next CUDA call does not report it
+        log.warning(
+            "could not pin the %d MiB ready ring for the GPU (cudaHostRegister error %d)", buf.nbytes >> 20, err
+        )
+        return False
+    return True
 
 
 @dataclass
@@ -87,8 +89,10 @@ class HybridTrainPipeline:
         start: the first step. num_workers: M.
         device: where the dense model runs. On CUDA the ready batch is copied to the GPU and the gradient with
             respect to the pooled embeddings comes back.
-        fp16_transfer: embeddings and gradients cross between host and device as fp16; a gradient that overflows
-            fp16 is sent in fp32 for that step instead (counted in ``fp16_fallbacks``), never as inf.
+
+    A ``half`` ring (``trainer.fp16_transfer``; ``ready_ring``) hands the embeddings over as fp16, converted by the
+    embedding workers, and takes the gradient back as fp16; a gradient that overflows fp16 goes back as fp32 for
+    that step instead (counted in ``fp16_fallbacks``), never as inf. On CUDA the ring is pinned where CUDA allows.
     """
 
     def __init__(
@@ -100,12 +104,13 @@ class HybridTrainPipeline:
         start: int,
         num_workers: int,
         device: str | torch.device = "cpu",
-        fp16_transfer: bool = False,
     ):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.fp16 = fp16_transfer
+        self.half = feeders.layout.half
         self.fp16_fallbacks = 0
+        # the ring pinned (page-locked) for the GPU: batches and gradients then cross by DMA, without a staging copy
+        self.pinned = self.cuda and pin_host_memory(feeders.segment.buf)
         self.model = model
         self.optimizer = optimizer
         self.feeders = feeders
@@ -134,14 +139,16 @@ class HybridTrainPipeline:
         t0 = time.perf_counter()
         slot, b, staleness = self.feeders.ready(step)
         t1 = time.perf_counter()
-        emb_buf, dense_buf, labels_buf = self.feeders.views(step % self.feeders.E, slot)
-        emb_host = torch.from_numpy(emb_buf[:b])
+        e = step % self.feeders.E
+        emb_buf, dense_buf, labels_buf = self.feeders.views(e, slot)
+        emb_host = torch.from_numpy(self.feeders.views_half(e, slot)[:b] if self.half else emb_buf[:b])
         dense, labels = torch.from_numpy(dense_buf[:b]), torch.from_numpy(labels_buf[:b])
-        if self.cuda:
-            emb = (emb_host.half() if self.fp16 else emb_host).to(self.device).float()
-            dense, labels = dense.to(self.device), labels.to(self.device)
+        if self.cuda:  # from the ring as it is: DMA where it is pinned, and fp16 where the ring is half
+            emb = emb_host.to(self.device, non_blocking=self.pinned).float()
+            dense = dense.to(self.device, non_blocking=self.pinned)
+            labels = labels.to(self.device, non_blocking=self.pinned)
         else:
-            emb = emb_host
+            emb = emb_host.float() if self.half else emb_host
         emb.requires_grad_(True)
         logits = self.model(emb, dense)
         loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
@@ -152,16 +159,23 @@ class HybridTrainPipeline:
         t3 = time.perf_counter()
         g = emb.grad
         out = emb_buf[:b]
+        half = False
         if g is None:  # the dense model ignores the embeddings: zero gradients, pushed all the same
             out[...] = 0.0
+        elif self.half:
+            h = g.half()
+            if bool(torch.isfinite(h).all()):  # else fp32: an overflow, or inf/NaN the embedding worker refuses
+                torch.from_numpy(self.feeders.views_half(e, slot)[:b]).copy_(h)
+                half = True
+            else:
+                self.fp16_fallbacks += 1
+                torch.from_numpy(out).copy_(g)
         elif self.cuda:
-            grad, fell_back = grads_to_host(g, self.fp16)
-            self.fp16_fallbacks += int(fell_back)
-            out[...] = grad
+            torch.from_numpy(out).copy_(g)  # straight into the ring (DMA where it is pinned)
         else:
             np.copyto(out, g.numpy())  # checked for inf/NaN as the embedding worker sums it per ID
         emb.grad = None
-        self.feeders.give_grad(step, slot)
+        self.feeders.give_grad(step, slot, half)
         t4 = time.perf_counter()
         self.optimizer.step()
         t5 = time.perf_counter()
@@ -183,4 +197,8 @@ class HybridTrainPipeline:
 
     def close(self) -> None:
         """Stop the embedding workers (after ``drain`` for a clean end)."""
+        if self.pinned:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(self.feeders.segment.buf.ctypes.data)
+            self.pinned = False
         self.feeders.close()

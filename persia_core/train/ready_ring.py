@@ -5,12 +5,16 @@ own steps below ``frontier[e]`` applied; written by e only, read by all), ``phas
 (seconds embedding worker e spent in each of ``PHASES``; written by e only), then for each embedding worker e and
 each of its R ready slots k: ``emb float32[B, S, D]`` (the pooled embeddings; the NN worker overwrites it with
 d loss / d emb after the backward), ``dense float32[B, F]``, ``labels float32[B]`` (B: the batch size, the
-slot's capacity). Sizes: ``ring_bytes``.
+slot's capacity). Sizes: ``ring_bytes``. A ``half`` ring (``trainer.fp16_transfer``) holds the embeddings as
+``float16[B, S, D]`` at the start of the same region (``slot_half``), converted by the embedding worker, so that
+the NN worker copies them to the GPU as they are; a gradient comes back there as fp16 too (GRAD ``a`` = 1), or,
+where it overflows fp16, as float32 over the whole region (``a`` = 0).
 
 Control messages (``MSG``: kind, slot, step, a, b as ``<iiqqq``; an error's UTF-8 text follows its header) go over
 a Unix socket pair, one per embedding worker: embedding worker -> NN worker ``STARTED`` (set up: its data read,
 its client connected), ``READY`` (slot, step, a = rows,
-b = staleness) and ``ERROR`` (a = text bytes); NN worker -> embedding worker ``GRAD`` (slot, step) and ``STOP``.
+b = staleness) and ``ERROR`` (a = text bytes); NN worker -> embedding worker ``GRAD`` (slot, step, a = 1 for an
+fp16 gradient) and ``STOP``.
 End of file on the socket is the peer's death. Nothing is pickled.
 
 The segment is a file ``/dev/shm/persia_<pid><hex>`` of the NN worker (mode 0600, the same naming and cleanup as
@@ -50,7 +54,7 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class RingLayout:
     """Where everything lies in the segment: ``workers`` E, ``slots_per_worker`` R, ``batch`` B, ``num_slots`` S,
-    ``dim`` D, ``num_dense`` F."""
+    ``dim`` D, ``num_dense`` F; ``half``: embeddings handed over as fp16."""
 
     workers: int
     slots_per_worker: int
@@ -58,6 +62,7 @@ class RingLayout:
     num_slots: int
     dim: int
     num_dense: int
+    half: bool = False
 
     @property
     def header_bytes(self) -> int:
@@ -93,8 +98,31 @@ class RingLayout:
         labels = buf[off : off + 4 * b].view(np.float32)
         return emb, dense, labels
 
+    def slot_half(self, buf: np.ndarray, worker: int, k: int) -> np.ndarray:
+        """``float16[B, S, D]`` view of the start of slot ``k``'s embedding region (a ``half`` ring's embeddings,
+        or an fp16 gradient)."""
+        b, s, d = self.batch, self.num_slots, self.dim
+        off = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
+        return buf[off : off + 2 * b * s * d].view(np.float16).reshape(b, s, d)
+
+    @classmethod
+    def from_list(cls, values: list) -> RingLayout:
+        """Inverse of ``to_list``. Raises ``ValueError`` for a list of another length."""
+        if len(values) != 7:
+            raise ValueError(f"a ring layout is 7 integers, got {values!r}")
+        e, r, b, s, d, f = (int(v) for v in values[:6])
+        return cls(e, r, b, s, d, f, half=bool(values[6]))
+
     def to_list(self) -> list[int]:
-        return [self.workers, self.slots_per_worker, self.batch, self.num_slots, self.dim, self.num_dense]
+        return [
+            self.workers,
+            self.slots_per_worker,
+            self.batch,
+            self.num_slots,
+            self.dim,
+            self.num_dense,
+            int(self.half),
+        ]
 
 
 class Segment:

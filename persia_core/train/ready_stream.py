@@ -10,18 +10,20 @@ code as on one host. Messages are ``persia_core.ps.wire`` (a JSON header and raw
         spec        {config, data, world, counts, rank, index, start, addresses, layout, frontier, client_id}
                     (the first message: what the embedding worker needs; it reads its NN worker's share of the
                     data itself, from ``data``)
-        grad        {slot, step}           grad float32[b, S, D]  (d loss / d pooled embeddings)
+        grad        {slot, step}           grad float32 or float16[b, S, D]  (d loss / d pooled embeddings)
         frontier    {}                     frontier int64[E]      (the other embedding workers' frontiers)
         stop        {}
     embedding worker -> NN worker
         started     {}
-        ready       {slot, step, rows, staleness, frontier}   emb float32[b, S, D], dense float32[b, F],
+        ready       {slot, step, rows, staleness, frontier}   emb float32[b, S, D] (float16: a half ring),
+                                                             dense float32[b, F],
                                                              labels float32[b], phase float64[P]
         frontier    {frontier}             phase float64[P]       (after a push of its own steps is applied)
         error       {text}
 
 Bytes per sample on the wire: ``4 * (S * D + F + 1)`` towards the NN worker and ``4 * S * D`` back (S slots of
-dim D, F dense features), plus a few hundred bytes of header per batch (``wire_bytes_per_sample``).
+dim D, F dense features), plus a few hundred bytes of header per batch (``wire_bytes_per_sample``); with
+``trainer.fp16_transfer`` (a half ring) the embeddings and gradients take 2 bytes a value instead of 4.
 
 The staleness bound stays exact: an embedding worker sees the others' frontiers as its NN worker last relayed
 them, never ahead of the truth (frontiers only grow), so it may wait longer than on one host, never less.
@@ -65,9 +67,11 @@ SERVER_OPTIONS = GRPC_OPTIONS + KEEPALIVE + [("grpc.http2.min_recv_ping_interval
 CHANNEL_OPTIONS = GRPC_OPTIONS + KEEPALIVE
 
 
-def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int) -> dict[str, int]:
-    """Array bytes per sample of the network transport: ``{"to_nn_worker", "to_embedding_worker"}``."""
-    return {"to_nn_worker": 4 * (num_slots * dim + num_dense + 1), "to_embedding_worker": 4 * num_slots * dim}
+def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int, half: bool = False) -> dict[str, int]:
+    """Array bytes per sample of the network transport: ``{"to_nn_worker", "to_embedding_worker"}``; ``half``:
+    embeddings and gradients as fp16."""
+    e = (2 if half else 4) * num_slots * dim
+    return {"to_nn_worker": e + 4 * (num_dense + 1), "to_embedding_worker": e}
 
 
 def _ident(b: bytes) -> bytes:
@@ -132,6 +136,8 @@ class StreamBridge:
                 if kind == "ready":
                     slot, rows = int(meta["slot"]), int(meta["rows"])
                     emb, dense, labels = self.layout.slot(self.buf, e, slot)
+                    if self.layout.half:
+                        emb = self.layout.slot_half(self.buf, e, slot)
                     emb[:rows] = arrays["emb"]
                     dense[:rows] = arrays["dense"]
                     labels[:rows] = arrays["labels"]
@@ -171,9 +177,10 @@ class StreamBridge:
             while True:
                 msg = rr.recv(self.sock, None)
                 assert msg is not None
-                kind, slot, step = msg[0], msg[1], msg[2]
+                kind, slot, step, half = msg[0], msg[1], msg[2], msg[3]
                 if kind == rr.GRAD:
-                    grad = self.layout.slot(self.buf, self.e, slot)[0][: self.rows[slot]]
+                    view = self.layout.slot_half if half else lambda *a: self.layout.slot(*a)[0]
+                    grad = view(self.buf, self.e, slot)[: self.rows[slot]]
                     self.out.put(wire.encode({"kind": "grad", "slot": slot, "step": step}, {"grad": grad}))
                 elif kind == rr.STOP:
                     self.out.put(wire.encode({"kind": "stop"}))
@@ -207,7 +214,7 @@ class _Session:
         if meta.pop("kind", None) != "spec":
             raise ValueError("the first message of a stream must be its spec")
         self.spec = meta
-        self.layout = rr.RingLayout(*meta["layout"])
+        self.layout = rr.RingLayout.from_list(meta["layout"])
         self.segment = rr.Segment(self.layout, shared=False)
         self.buf = self.segment.buf
         self.index = int(meta["index"])
@@ -260,6 +267,8 @@ class _Session:
                 kind, slot, step, a, b, text = msg
                 if kind == rr.READY:
                     emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
+                    if self.layout.half:
+                        emb = self.layout.slot_half(self.buf, self.index, slot)
                     meta = {"kind": "ready", "slot": slot, "step": step, "rows": a, "staleness": b}
                     meta["frontier"] = int(self.frontier[self.index])
                     arrays = {"emb": emb[:a], "dense": dense[:a], "labels": labels[:a], "phase": self.phase.copy()}
@@ -282,8 +291,12 @@ class _Session:
                 if kind == "grad":
                     slot = int(meta["slot"])
                     grad = arrays["grad"]
-                    self.layout.slot(self.buf, self.index, slot)[0][: len(grad)] = grad
-                    rr.send(self.ours, rr.GRAD, slot, int(meta["step"]))
+                    half = grad.dtype == np.float16
+                    if half:
+                        self.layout.slot_half(self.buf, self.index, slot)[: len(grad)] = grad
+                    else:
+                        self.layout.slot(self.buf, self.index, slot)[0][: len(grad)] = grad
+                    rr.send(self.ours, rr.GRAD, slot, int(meta["step"]), int(half))
                 elif kind == "frontier":
                     mine = int(self.frontier[self.index])
                     self.frontier[:] = np.maximum(self.frontier, arrays["frontier"])

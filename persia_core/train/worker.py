@@ -160,6 +160,7 @@ def run_worker(
         sum(len(t.slots) for t in layouts),
         layouts[0].dim,
         len(schema["dense"]),
+        half=tc.fp16_transfer and device.type == "cuda",  # fp16 across PCIe, converted by the embedding workers
     )
     feeders: Feeders
     if remote:  # on other hosts: they read this NN worker's share of the data themselves
@@ -184,9 +185,7 @@ def run_worker(
         feeders.close()
         raise
     loop_started_unix = time.time()  # the embedding workers start preparing the first batches at once
-    pipe = HybridTrainPipeline(
-        net, opt, feeders, schedule.global_batch, start, world, device=device, fp16_transfer=tc.fp16_transfer
-    )
+    pipe = HybridTrainPipeline(net, opt, feeders, schedule.global_batch, start, world, device=device)
     total_steps = len(schedule.global_batch)
     # everything built so far lives until the end: keep it out of the garbage collector's scans. Unfrozen (in
     # ``finally`` below) before returning: the DDP model and this pipeline sit in reference cycles, and frozen

@@ -334,17 +334,76 @@ def test_parquet_batches_hold_each_rows_ids_slot_major_on_both_paths(tmp_path, s
         assert x.dtype == y.dtype
 
 
-def test_fp16_gradient_overflow_never_reaches_a_server():
-    from persia_core.train.hybrid import grads_to_host
+def _half_ring_run(tmp_path, half: bool, scale: float = 1.0):
+    """One worker on an in-process table with a ring of fp32 or fp16 embeddings (``half``); the dense model's
+    logits are multiplied by ``scale``. Returns (first step's embeddings as the model saw them, losses, pipeline,
+    the table)."""
+    from persia_core.data.reader import read_schema
 
-    g = torch.tensor([[1e-3, 2.0], [70000.0, -1.0]])  # 70000 overflows fp16
-    host, fell_back = grads_to_host(g, fp16=True)
-    assert fell_back and np.isfinite(host).all()
-    np.testing.assert_array_equal(host, g.numpy())
-    small, fell_back = grads_to_host(g[:1], fp16=True)
-    assert not fell_back and np.allclose(small, g[:1].numpy(), rtol=1e-3)
-    with pytest.raises(FloatingPointError):
-        grads_to_host(torch.tensor([[float("inf"), 0.0]]), fp16=False)
+    data = str(tmp_path / "data")
+    if not os.path.exists(data):
+        write_dataset(data, rows=128)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2, shuffle=True)
+    examples = ParquetExamples(shard_files(data, "train"), model_slot_order(cfg))
+    sched = make_schedule([len(examples)], cfg.trainer.batch_size, cfg.trainer.epochs, 0, True)
+    torch.manual_seed(0)
+    model = build_dense(cfg, read_schema(data))
+    seen: list[torch.Tensor] = []
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, emb, dense):
+            seen.append(emb.detach().clone())
+            return self.inner(emb, dense) * scale
+
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr)
+    table = LocalEmbedding(cfg.embedding, 1)
+    layouts = table_layouts(cfg)
+    ring = RingLayout(1, 2, cfg.trainer.batch_size, 3, layouts[0].dim, 1, half=half)
+    feeders = ThreadFeeders(
+        table,
+        layouts,
+        BatchSource(examples, sched.rows[0], sched.global_batch),
+        ring,
+        0,
+        StepRules(staleness=0, num_workers=1, rank=0),
+    )
+    feeders.wait_started()
+    pipe = HybridTrainPipeline(Scaled(), opt, feeders, sched.global_batch, 0, num_workers=1)
+    losses = []
+    try:
+        while True:
+            try:
+                losses.append(pipe.progress().loss_sum)
+            except StopIteration:
+                break
+        pipe.drain()
+    finally:
+        pipe.close()
+    return seen[0], losses, pipe, table
+
+
+def test_a_half_ring_hands_over_the_fp16_rounding_of_the_pooled_embeddings_and_trains_as_fp32(tmp_path):
+    emb32, loss32, _, t32 = _half_ring_run(tmp_path, half=False)
+    emb16, loss16, pipe, t16 = _half_ring_run(tmp_path, half=True)
+    assert emb16.dtype == torch.float32
+    assert torch.equal(emb16, emb32.half().float())  # the embedding worker's conversion, nothing else
+    assert not torch.equal(emb16, emb32)  # the ring did carry fp16
+    assert pipe.fp16_fallbacks == 0 and len(loss16) == len(loss32) == 16
+    np.testing.assert_allclose(loss16, loss32, rtol=2e-3)
+    keys = t32.shards[0]["default"].state_dict()["keys"]
+    np.testing.assert_allclose(t16.lookup_readonly("default", keys), t32.lookup_readonly("default", keys), atol=2e-3)
+
+
+def test_a_half_ring_sends_a_gradient_that_overflows_fp16_as_fp32_never_as_inf(tmp_path):
+    _, losses, pipe, table = _half_ring_run(tmp_path, half=True, scale=1e9)  # d loss / d emb >> 65504
+    assert pipe.fp16_fallbacks == len(losses) == 16
+    state = table.shards[0]["default"].state_dict()
+    assert np.isfinite(state["weights"]).all() and np.isfinite(state["acc"]).all()
+    assert state["acc"].max() > 1e6  # the fp32 gradients were applied, not clipped to fp16
 
 
 @pytest.mark.parametrize("embedding_workers", [1, 3])

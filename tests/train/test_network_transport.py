@@ -219,3 +219,61 @@ def test_an_embedding_worker_in_its_own_network_namespace_trains_as_the_same_hos
     a, b = _dense(tmp_path / "remote" / "dense.pt"), _dense(tmp_path / "same" / "dense.pt")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.processes
+def test_a_half_ring_over_the_network_carries_fp16_embeddings_and_gradients(tmp_path):
+    from persia_core.data.reader import read_schema
+    from persia_core.embedding.layout import table_layouts
+    from persia_core.train.feeders import NetworkFeeders
+    from persia_core.train.hybrid import HybridTrainPipeline
+    from persia_core.train.ready_ring import RingLayout
+    from persia_core.train.schedule import make_schedule
+    from persia_core.train.worker import build_dense
+
+    data = write_dataset(str(tmp_path / "data"), rows=128)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=2)
+    assert wire_bytes_per_sample(3, 4, 1, half=True) == {"to_nn_worker": 2 * 12 + 8, "to_embedding_worker": 24}
+    from persia_core.train.embedding_worker import rank_examples
+
+    rows = len(rank_examples(cfg, data, 0, 1))  # one NN worker: all the train rows
+    sched = make_schedule([rows], cfg.trainer.batch_size, cfg.trainer.epochs, 0, False)
+    ring = RingLayout(1, 2, cfg.trainer.batch_size, 3, table_layouts(cfg)[0].dim, 1, half=True)
+    seen = []
+    model = build_dense(cfg, read_schema(data))
+
+    class Recording(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, emb, dense):
+            seen.append(emb.detach().clone())
+            return self.inner(emb, dense)
+
+    spec = {"config": cfg.to_dict(), "world": 1, "counts": [rows], "client_id": "w0-ew", "data": data}
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 1) as (procs, ews):
+        feeders = NetworkFeeders(ring, 0, 0, spec, addresses, TOKEN, ews)
+        feeders.wait_started()
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr)
+        pipe = HybridTrainPipeline(Recording(), opt, feeders, sched.global_batch, 0, num_workers=1)
+        try:
+            while True:
+                try:
+                    pipe.progress()
+                except StopIteration:
+                    break
+            pipe.drain()
+        finally:
+            pipe.close()
+        assert procs[0].wait(timeout=30) == 0
+        client = EmbeddingClient(addresses, cfg.embedding, token=TOKEN)
+        try:
+            ids = np.unique(rank_examples(cfg, data, 0, 1).batch(np.arange(rows)).ids.values)
+            rows_now = client.lookup_readonly("default", ids)
+        finally:
+            client.close()
+    assert len(seen) == 16 and pipe.fp16_fallbacks == 0
+    assert all(torch.equal(e, e.half().float()) for e in seen)  # every value the NN worker got was an fp16 one
+    initial = LocalEmbedding(cfg.embedding, num_shards=1, seed=cfg.trainer.seed).lookup("default", ids)
+    assert np.isfinite(rows_now).all() and np.abs(rows_now - initial).max() > 1e-3  # fp16 gradients were pushed
