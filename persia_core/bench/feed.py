@@ -17,7 +17,9 @@ Output: one line per phase, then one JSON object as the last line: ``sps``, ``pl
 ``<role>_cpu_us_per_sample``, ``total_cpu_us_per_sample`` (every process of the job),
 ``plain_torch_cpu_us_per_sample``, ``embedding_workers``, ``projected_16core_sps`` (= min(4.75e6, 15 / total CPU
 seconds per sample): what 15 busy cores of a 16-core machine would feed one GPU at this cost, capped at the
-dense ceiling measured on the H200), and the NN worker's ``phase_seconds``.
+dense ceiling measured on the H200), the NN worker's ``phase_seconds``, and ``dense_step_cpu_us_per_sample``: the
+same dense step alone in this process on batches in memory, the part of the NN worker's cost that is not the
+sparse path's (on a GPU it runs on the GPU).
 """
 
 from __future__ import annotations
@@ -72,6 +74,46 @@ def feed_config(batch_size: int, staleness: int, seed: int, embedding_workers: i
     d["trainer"]["threads_per_worker"] = 1
     d["trainer"]["embedding_workers"] = embedding_workers
     return RunConfig.from_dict(d)
+
+
+def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 100) -> float:
+    """CPU microseconds per sample of the NN worker's dense step alone (forward, backward to the embeddings,
+    Adam), one thread, on batches already in memory: the floor under ``nn_worker_cpu_us_per_sample``."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from persia_core.data.reader import read_schema
+    from persia_core.train.worker import build_dense
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_dense(cfg, read_schema(data_dir))
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr, fused=True)
+        rng = np.random.default_rng(0)
+        s = len(cfg.slots)
+        dim = cfg.embedding.tables[0].dim
+        embs = [torch.from_numpy(rng.normal(0, 0.01, (batch, s, dim)).astype(np.float32)) for _ in range(4)]
+        dense = torch.from_numpy(rng.random((batch, len(read_schema(data_dir)["dense"]))).astype(np.float32))
+        labels = torch.from_numpy((rng.random(batch) < 0.25).astype(np.float32))
+
+        def step(i: int) -> None:
+            emb = embs[i % 4].requires_grad_(True)
+            loss = F.binary_cross_entropy_with_logits(model(emb, dense), labels, reduction="sum") / batch
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            emb.grad = None
+            opt.step()
+
+        for i in range(5):
+            step(i)
+        c0 = time.process_time()
+        for i in range(steps):
+            step(i)
+        return round((time.process_time() - c0) / (steps * batch) * 1e6, 3)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -179,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     shutil.rmtree(run_dir, ignore_errors=True)
+    out["dense_step_cpu_us_per_sample"] = dense_step_cpu_us_per_sample(cfg, data_dir, args.batch)
+    print(
+        f"the dense step alone (1 thread, batches in memory): {out['dense_step_cpu_us_per_sample']} CPU us/sample",
+        flush=True,
+    )
     plain_sps = plain_cpu = None
     if not args.skip_plain:
         data = load_indexed(data_dir)

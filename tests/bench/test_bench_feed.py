@@ -1,6 +1,7 @@
 """make bench-feed: per-role CPU accounting from /proc, and a tiny end-to-end run."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,3 +69,14 @@ def test_bench_feed_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     expected = min(feed.DENSE_CEILING_SPS, 15 / (out["total_cpu_us_per_sample"] * 1e-6))
     assert abs(out["projected_16core_sps"] - expected) <= 1
     assert out["sps"] > 0 and out["train_loop_seconds"] > 0
+    assert out["transport"] == "shared_memory" and out["dense_step_cpu_us_per_sample"] > 0
+
+
+@pytest.mark.processes
+def test_bench_feed_over_the_network_transport_counts_the_listening_embedding_workers(tmp_path, capsys):
+    args = ["--samples", "8192", "--eval-rows", "1000", "--vocab", "1000", "--batch", "1024", "--work", str(tmp_path)]
+    assert feed.main([*args, "--network", "--skip-plain"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["transport"] == "network" and out["embedding_workers"] == 2
+    assert out["embedding_worker_cpu_us_per_sample"] > 0  # its listening processes, children of the benchmark
+    assert "PERSIA_EMBEDDING_WORKER_ADDRESSES" not in os.environ
