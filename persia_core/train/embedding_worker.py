@@ -46,7 +46,7 @@ from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
 from persia_core.train.processes import die_with_parent
-from persia_core.train.ready_stream import FeedServer
+from persia_core.train.ready_stream import FeedServer, is_loopback, parse_listen
 from persia_core.train.schedule import make_schedule
 
 log = logging.getLogger("persia.embedding_worker")
@@ -378,9 +378,13 @@ def build_worker(
 def _serve_network(args) -> int:
     """``--listen``: serve one NN worker's stream (``persia_core.train.ready_stream``); it sends the spec, and this
     process reads that NN worker's share of the data itself. Exit code 0 after its ``stop``, 1 otherwise."""
-    host, _, port = args.listen.rpartition(":")
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     token = os.environ.get(TOKEN_ENV) or None
-    if token is None and host not in ("127.0.0.1", "localhost", "::1"):
+    if token is None and not is_loopback(host):
         log.error("refusing to listen on %s without a token: set %s", host, TOKEN_ENV)
         return 2
     clients: list[EmbeddingClient] = []
@@ -392,7 +396,7 @@ def _serve_network(args) -> int:
         clients.append(client)
         return worker
 
-    server = FeedServer(build, host, int(port), token)
+    server = FeedServer(build, f"[{host}]" if ":" in host else host, port, token)
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:
@@ -405,6 +409,7 @@ def _serve_network(args) -> int:
         for c in clients:
             c.close()
         server.stop()
+    log.info("served its NN worker: %s", "stopped cleanly" if server.clean else "the stream ended in error")
     return 0 if server.clean else 1
 
 

@@ -375,5 +375,6 @@ class NetworkFeeders(Feeders):
         return self.bridges[e].error if e < len(self.bridges) else ""
 
     def _join(self) -> None:
+        deadline = time.monotonic() + 10.0  # one deadline for all: a stuck stream is cancelled, not waited on E times
         for b in self.bridges:
-            b.close()
+            b.close(deadline)

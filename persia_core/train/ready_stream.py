@@ -38,10 +38,12 @@ ends its embedding worker's process.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import queue
 import socket
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -56,15 +58,48 @@ log = logging.getLogger("persia.ready_stream")
 
 SERVICE = "persia.EmbeddingWorker"
 FEED = f"/{SERVICE}/Feed"
-KEEPALIVE = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-"""Channel and server options: a ping every 10 s, a peer silent for 10 s more is gone."""
-SERVER_OPTIONS = GRPC_OPTIONS + KEEPALIVE + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
-CHANNEL_OPTIONS = GRPC_OPTIONS + KEEPALIVE
+KEEPALIVE_S = 10.0
+"""Seconds between keepalive pings on a stream, and how long an unanswered ping may wait: a peer that stops
+answering (its host gone, its process stopped) is found within about twice this."""
+SPEC_TIMEOUT_S = 30.0
+"""How long an embedding worker waits for a new stream's spec before it refuses the stream."""
+
+
+def keepalive_options(interval_s: float, server: bool) -> list[tuple[str, int]]:
+    """gRPC options of either end of a stream: a ping every ``interval_s`` whether or not messages flow, a ping
+    unanswered after ``interval_s`` ends the stream; a server lets the client ping that often (at half the
+    interval, so a client's pings are never taken for abuse, which gRPC answers with GOAWAY "too_many_pings")."""
+    ms = max(1, int(interval_s * 1000))
+    opts = [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if server:
+        opts.append(("grpc.http2.min_ping_interval_without_data_ms", max(1, ms // 2)))
+    return GRPC_OPTIONS + opts
+
+
+def parse_listen(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port). Raises ``ValueError`` naming the address."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen {address!r}: expected HOST:PORT, e.g. 127.0.0.1:0 or 0.0.0.0:2222")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int, half: bool = False) -> dict[str, int]:
@@ -76,6 +111,14 @@ def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int, half: bool =
 
 def _ident(b: bytes) -> bytes:
     return b
+
+
+def _index(meta: dict, key: str, bound: int) -> int:
+    """``meta[key]`` as an integer in ``0 .. bound - 1``. Raises ``ValueError`` naming the field."""
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound:
+        raise ValueError(f"{key}={v!r}: expected an integer in 0..{bound - 1}")
+    return v
 
 
 # ---- the NN worker's side ------------------------------------------------------------------------------------
@@ -98,6 +141,7 @@ class StreamBridge:
         spec: dict,
         on_frontier,
         connect_timeout_s: float,
+        keepalive_s: float = KEEPALIVE_S,
     ):
         self.address, self.layout, self.buf, self.e, self.sock = address, layout, buf, e, sock
         self.on_frontier = on_frontier
@@ -106,7 +150,7 @@ class StreamBridge:
         self.rows = [0] * layout.slots_per_worker
         self.error = ""
         self.out: queue.Queue = queue.Queue()
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=keepalive_options(keepalive_s, server=False))
         try:
             grpc.channel_ready_future(self.channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -134,7 +178,10 @@ class StreamBridge:
                 meta, arrays = wire.decode(data)
                 kind = meta.get("kind")
                 if kind == "ready":
-                    slot, rows = int(meta["slot"]), int(meta["rows"])
+                    slot, rows = (
+                        _index(meta, "slot", self.layout.slots_per_worker),
+                        _index(meta, "rows", self.layout.batch + 1),
+                    )
                     emb, dense, labels = self.layout.slot(self.buf, e, slot)
                     if self.layout.half:
                         emb = self.layout.slot_half(self.buf, e, slot)
@@ -156,8 +203,9 @@ class StreamBridge:
             code = err.code() if hasattr(err, "code") else None
             if code != grpc.StatusCode.CANCELLED:
                 self.error = f"its stream from {self.address} failed: {code.name if code else ''} {err.details()}"
-        except (ValueError, KeyError, OSError) as err:
-            self.error = f"its stream from {self.address} sent a bad message: {err}"
+        except Exception as err:  # a bad message (or this side's socket gone): the stream is over
+            self.error = f"its stream from {self.address} sent a bad message: {type(err).__name__}: {err}"
+            self.call.cancel()
         finally:
             if not self.error and self.frontier[e] != rr.NEVER:
                 self.error = f"its stream from {self.address} ended early"
@@ -190,47 +238,98 @@ class StreamBridge:
         finally:
             self.out.put(None)  # ends the request stream
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Wait for the stream to end (after the ``STOP`` the NN worker sent), else cancel it; close the channel."""
+    def close(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic``) for the stream to end (after the ``STOP`` the NN worker
+        sent), else cancel it; close the channel."""
         for t in self.threads:
-            t.join(timeout=timeout_s)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in self.threads):
             self.call.cancel()
+            for t in self.threads:
+                t.join(timeout=2.0)
         self.channel.close()
 
 
 # ---- the embedding worker's side -----------------------------------------------------------------------------
 
 
+MAX_RING_BYTES = 1 << 36
+"""Largest ready ring a spec may ask for (64 GiB): anything past it is a bad spec, not an allocation to try."""
+
+
+def _first_message(request_iterator, context, timeout_s: float) -> bytes | None:
+    """The stream's first message, or None when it ended first; aborts the call (DEADLINE_EXCEEDED) when none
+    arrives within ``timeout_s``."""
+    got: list = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            got.append(next(request_iterator, None))
+        except Exception:  # the call ended (cancelled by the peer, or aborted below)
+            got.append(None)
+        done.set()
+
+    threading.Thread(target=read, name="ready-stream-spec", daemon=True).start()
+    if not done.wait(timeout_s):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no spec within {timeout_s:.0f} s")
+    return got[0]
+
+
+def _check_spec(meta: dict) -> rr.RingLayout:
+    """The ring layout a spec asks for, checked. Raises ``ValueError`` naming the bad field."""
+    values = meta.get("layout")
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"layout={values!r}: expected 7 integers")
+    layout = rr.RingLayout.from_list(values)
+    if min(layout.workers, layout.slots_per_worker, layout.batch, layout.num_slots, layout.dim) < 1:
+        raise ValueError(f"layout={values!r}: workers, slots, batch, slots per example and dim must be >= 1")
+    if layout.num_dense < 0 or layout.ring_bytes > MAX_RING_BYTES:
+        raise ValueError(f"layout={values!r}: {layout.ring_bytes} bytes (at most {MAX_RING_BYTES})")
+    _index(meta, "index", layout.workers)
+    frontier = meta.get("frontier")
+    if (
+        not isinstance(frontier, list)
+        or len(frontier) != layout.workers
+        or not all(isinstance(f, int) and not isinstance(f, bool) for f in frontier)
+    ):
+        raise ValueError(f"frontier={frontier!r}: expected {layout.workers} integers")
+    return layout
+
+
 class _Session:
     """One NN worker's stream, seen from its embedding worker: the worker runs in a thread of this process
-    against a ring of its own; ``responses`` yields what it hands over."""
+    against a ring of its own; ``responses`` yields what it hands over. Raises ``ValueError`` for a bad first
+    message (nothing is then allocated); a set-up failure (``build``) is reported on the stream instead."""
 
-    def __init__(self, build, request_iterator, context):
-        first = next(request_iterator, None)
+    def __init__(self, build, request_iterator, context, spec_timeout_s: float):
+        first = _first_message(request_iterator, context, spec_timeout_s)
         if first is None:
             raise ValueError("the stream ended before its spec")
         meta, _ = wire.decode(first)
         if meta.pop("kind", None) != "spec":
             raise ValueError("the first message of a stream must be its spec")
+        self.layout = _check_spec(meta)
         self.spec = meta
-        self.layout = rr.RingLayout.from_list(meta["layout"])
+        self.index = int(meta["index"])
         self.segment = rr.Segment(self.layout, shared=False)
         self.buf = self.segment.buf
-        self.index = int(meta["index"])
         self.frontier = self.layout.frontier(self.buf)
         self.frontier[:] = np.asarray(meta["frontier"], dtype=np.int64)
+        self.others = np.arange(self.layout.workers) != self.index
         self.phase = self.layout.phase_seconds(self.buf)[self.index]
         self.ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.out: queue.Queue = queue.Queue()
         self.stopped = False
         self.requests = request_iterator
         self.worker: Any = None
+        self.threads: list[threading.Thread] = []
         self.build_error: BaseException | None = None
         try:
             self.worker = build(meta, self.buf, theirs, self._notify)
-        except BaseException as e:  # reported to the NN worker, then raised by ``serve_one``
+        except Exception as e:  # reported to the NN worker; the process then exits 1
             self.build_error = e
+            log.error("set-up failed: %s: %s", type(e).__name__, e)
             self.out.put(wire.encode({"kind": "error", "text": f"set-up failed: {type(e).__name__}: {e}"}))
             self.out.put(None)
             theirs.close()
@@ -284,36 +383,47 @@ class _Session:
             self.out.put(None)
 
     def _from_nn_worker(self) -> None:
+        """Requests -> the worker's control socket; whatever ends them (``stop``, the NN worker gone, a bad
+        message) stops the worker."""
+        why = "its NN worker went away without a stop"
         try:
             for data in self.requests:
                 meta, arrays = wire.decode(data)
                 kind = meta.get("kind")
                 if kind == "grad":
-                    slot = int(meta["slot"])
+                    slot = _index(meta, "slot", self.layout.slots_per_worker)
+                    step = _index(meta, "step", rr.NEVER)
                     grad = arrays["grad"]
                     half = grad.dtype == np.float16
-                    if half:
-                        self.layout.slot_half(self.buf, self.index, slot)[: len(grad)] = grad
-                    else:
-                        self.layout.slot(self.buf, self.index, slot)[0][: len(grad)] = grad
-                    rr.send(self.ours, rr.GRAD, slot, int(meta["step"]), int(half))
+                    view = self.layout.slot_half if half else lambda *a: self.layout.slot(*a)[0]
+                    dst = view(self.buf, self.index, slot)
+                    if grad.ndim != 3 or grad.shape[1:] != dst.shape[1:] or len(grad) > len(dst):
+                        raise ValueError(f"grad of shape {grad.shape}: the ring's slots are {dst.shape}")
+                    dst[: len(grad)] = grad
+                    rr.send(self.ours, rr.GRAD, slot, step, int(half))
                 elif kind == "frontier":
-                    mine = int(self.frontier[self.index])
-                    self.frontier[:] = np.maximum(self.frontier, arrays["frontier"])
-                    self.frontier[self.index] = mine  # written by the worker only
+                    relayed = arrays["frontier"]
+                    if relayed.shape != self.frontier.shape:
+                        raise ValueError(f"frontier of shape {relayed.shape}, expected {self.frontier.shape}")
+                    o = self.others  # never this worker's own entry: only it writes that one
+                    self.frontier[o] = np.maximum(self.frontier[o], relayed[o])
                 elif kind == "stop":
                     self.stopped = True
-                    rr.send(self.ours, rr.STOP)
+                    why = ""
                     return
+                else:
+                    raise ValueError(f"unknown message kind {kind!r}")
         except grpc.RpcError:
             pass
-        except (ValueError, KeyError, OSError) as e:
-            log.error("bad message from the NN worker: %s", e)
-        # the NN worker went away without STOP: stop the worker
-        try:
-            rr.send(self.ours, rr.STOP)
-        except OSError:
-            pass
+        except Exception as e:  # a bad message: this stream is over
+            why = f"a bad message from its NN worker: {type(e).__name__}: {e}"
+        finally:
+            if why:
+                log.error("stopping: %s", why)
+            try:
+                rr.send(self.ours, rr.STOP)
+            except OSError:
+                pass
 
     def responses(self):
         while True:
@@ -323,7 +433,7 @@ class _Session:
             yield self._frontier_msg() if item == "frontier" else item
 
     def close(self) -> None:
-        for t in getattr(self, "threads", []):
+        for t in self.threads:
             t.join(timeout=10)
         self.ours.close()
         self.segment.close()
@@ -334,13 +444,25 @@ class FeedServer:
     stream at a time. ``build(spec, buf, sock, notify) -> EmbeddingWorker`` sets a worker up from a stream's spec.
     ``sessions``: streams served before ``wait`` returns. Raises ``RuntimeError`` when the port cannot be bound."""
 
-    def __init__(self, build, host: str = "127.0.0.1", port: int = 0, token: str | None = None, sessions: int = 1):
+    def __init__(
+        self,
+        build,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        sessions: int = 1,
+        keepalive_s: float = KEEPALIVE_S,
+        spec_timeout_s: float = SPEC_TIMEOUT_S,
+    ):
         self.build, self.token = build, token
         self.left = sessions
+        self.spec_timeout_s = spec_timeout_s
         self.busy = threading.Lock()
+        self.lock = threading.Lock()
         self.done = threading.Event()
         self.clean = True
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+        options = keepalive_options(keepalive_s, server=True)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
         handler = grpc.stream_stream_rpc_method_handler(
             self._feed, request_deserializer=_ident, response_serializer=_ident
         )
@@ -357,23 +479,28 @@ class FeedServer:
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         if not self.busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this embedding worker already serves an NN worker")
-        session = None
+        if self.done.is_set():
+            self.busy.release()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this embedding worker has served its NN worker and stops")
         try:
-            try:
-                session = _Session(self.build, request_iterator, context)
-            except (ValueError, KeyError, TypeError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad spec: {e}")
-                return
+            session = _Session(self.build, request_iterator, context, self.spec_timeout_s)
+        except (ValueError, KeyError, TypeError) as e:  # refused before it began: not one of the sessions
+            self.busy.release()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad spec: {e}")
+            return
+        except BaseException:
+            self.busy.release()
+            raise
+        try:
             yield from session.responses()
         finally:
-            ok = session is not None and session.stopped and session.build_error is None
-            if session is not None:
-                session.close()
-            self.clean = self.clean and ok
-            self.left -= 1
+            session.close()
+            with self.lock:
+                self.clean = self.clean and session.stopped and session.build_error is None
+                self.left -= 1
+                if self.left <= 0:
+                    self.done.set()
             self.busy.release()
-            if self.left <= 0:
-                self.done.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the sessions are served (True) or ``timeout_s`` passes (False)."""

@@ -277,3 +277,131 @@ def test_a_half_ring_over_the_network_carries_fp16_embeddings_and_gradients(tmp_
     assert all(torch.equal(e, e.half().float()) for e in seen)  # every value the NN worker got was an fp16 one
     initial = LocalEmbedding(cfg.embedding, num_shards=1, seed=cfg.trainer.seed).lookup("default", ids)
     assert np.isfinite(rows_now).all() and np.abs(rows_now - initial).max() > 1e-3  # fp16 gradients were pushed
+
+
+def _raw_stream(port: int, keepalive_s: float = 10.0, token: str = TOKEN):
+    """A Feed stream to 127.0.0.1:``port`` whose requests are put on the returned queue (None ends them)."""
+    import queue
+
+    import grpc
+
+    from persia_core.ps.protocol import TOKEN_HEADER
+    from persia_core.train import ready_stream as rs
+
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=rs.keepalive_options(keepalive_s, server=False))
+    q: queue.Queue = queue.Queue()
+    call = ch.stream_stream(rs.FEED, request_serializer=bytes, response_deserializer=bytes)(
+        iter(q.get, None), metadata=((TOKEN_HEADER, token),)
+    )
+    return ch, q, call
+
+
+def _refused_build(*args):
+    raise AssertionError("no stream here gets as far as its set-up")
+
+
+def test_an_idle_stream_survives_keepalive_pings_and_a_silent_one_times_out():
+    import grpc
+
+    from persia_core.ps import wire
+    from persia_core.train.ready_stream import FeedServer
+
+    # pings every 0.2 s for 3 s: a server that took them for abuse would end the stream (GOAWAY too_many_pings)
+    server = FeedServer(_refused_build, token=TOKEN, keepalive_s=0.2, spec_timeout_s=3.0)
+    try:
+        ch, q, call = _raw_stream(server.port, keepalive_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        assert 2.5 < time.monotonic() - t0 < 10  # the spec deadline ended it, nothing earlier
+        ch.close()
+        for spec, says in (
+            ({"layout": [1, 2, 4, 3, 4, 1, 0], "index": 5, "frontier": [0]}, "index=5"),
+            ({"layout": [1, 2, 1 << 40, 26, 16, 13, 0], "index": 0, "frontier": [0]}, "bytes"),
+            ({"layout": [1, 2, 4, 3, 4, 1, 0], "index": 0, "frontier": "0"}, "frontier"),
+        ):
+            ch, q, call = _raw_stream(server.port)
+            q.put(wire.encode({"kind": "spec", **spec}))
+            with pytest.raises(grpc.RpcError) as err:
+                next(call)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
+            ch.close()
+        # streams refused before their session began neither used it up nor marked it failed
+        assert not server.wait(0) and server.clean
+        # the server lets clients ping at the interval (gRPC's name for it; a misspelt one is silently ignored)
+        from persia_core.train.ready_stream import keepalive_options
+
+        opts = dict(keepalive_options(10.0, server=True))
+        assert opts["grpc.http2.min_ping_interval_without_data_ms"] == 5_000
+        assert opts["grpc.http2.ping_timeout_ms"] == opts["grpc.keepalive_time_ms"] == 10_000
+    finally:
+        server.stop()
+
+
+@pytest.mark.processes
+def test_a_stopped_embedding_worker_is_found_by_the_keepalive_pings(tmp_path):
+    import grpc
+
+    code = (
+        "import sys, time\n"
+        "from persia_core.train.ready_stream import FeedServer\n"
+        "s = FeedServer(lambda *a: None, keepalive_s=0.5, spec_timeout_s=600)\n"
+        "print(s.port, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        port = int(proc.stdout.readline())
+        ch, q, call = _raw_stream(port, keepalive_s=0.5)
+        time.sleep(1.5)  # the stream is up and pinged
+        os.kill(proc.pid, signal.SIGSTOP)  # alive, silent: no end of file, only unanswered pings
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 5  # about two keepalive intervals, not gRPC's default minute
+        ch.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.processes
+def test_a_bad_gradient_message_stops_the_embedding_worker_which_exits_1(tmp_path):
+    import grpc
+
+    from persia_core.embedding.layout import table_layouts
+    from persia_core.ps import wire
+    from persia_core.train.embedding_worker import rank_examples
+
+    data = write_dataset(str(tmp_path / "data"), rows=64)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0)
+    rows = len(rank_examples(cfg, data, 0, 1))
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 1) as (procs, ews):
+        layout = [1, 2, cfg.trainer.batch_size, 3, table_layouts(cfg)[0].dim, 1, 0]
+        spec = {"kind": "spec", "config": cfg.to_dict(), "world": 1, "counts": [rows], "client_id": "x", "data": data}
+        spec.update(rank=0, index=0, start=0, addresses=addresses, layout=layout, frontier=[0])
+        ch, q, call = _raw_stream(int(ews[0].rsplit(":", 1)[1]))
+        q.put(wire.encode(spec))
+        kinds = []
+        while "ready" not in kinds and len(kinds) < 10:
+            kinds.append(wire.decode(next(call))[0]["kind"])
+        assert "started" in kinds and kinds[-1] == "ready", kinds
+        q.put(wire.encode({"kind": "grad", "slot": 99, "step": 0}, {"grad": np.zeros((4, 3, 4), np.float32)}))
+        assert procs[0].wait(timeout=30) == 1  # it stopped, reported the stream's error, and exited
+        with contextlib.suppress(grpc.RpcError):
+            for _ in call:  # the stream ended: nothing left hanging
+                pass
+        ch.close()
+
+
+def test_listen_addresses_parse_ipv4_ipv6_and_refuse_a_missing_port():
+    from persia_core.train.ready_stream import is_loopback, parse_listen
+
+    assert parse_listen("127.0.0.1:0") == ("127.0.0.1", 0) and parse_listen("[::1]:2222") == ("::1", 2222)
+    assert is_loopback("::1") and is_loopback("127.0.0.2") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+    for bad in ("127.0.0.1", "127.0.0.1:", ":80", "h:99999"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_listen(bad)
