@@ -321,15 +321,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
                 return 0
             time.sleep(args.poll_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
 
 
 def _run_embedding_workers(args, place: Placement, token: str) -> int:
@@ -359,15 +351,20 @@ def _run_embedding_workers(args, place: Placement, token: str) -> int:
                 return 0
             time.sleep(min(args.poll_s, 1.0))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, then wait for each, SIGKILLing one that takes over 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _marker_time(path: str) -> float:
