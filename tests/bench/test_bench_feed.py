@@ -74,7 +74,7 @@ def test_bench_feed_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
 
 @pytest.mark.processes
 def test_bench_feed_over_the_network_transport_counts_the_listening_embedding_workers(tmp_path, capsys):
-    args = ["--samples", "8192", "--eval-rows", "1000", "--vocab", "1000", "--batch", "1024", "--work", str(tmp_path)]
+    args = ["--samples", "4096", "--eval-rows", "500", "--vocab", "500", "--batch", "1024", "--work", str(tmp_path)]
     assert feed.main([*args, "--network", "--skip-plain"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["transport"] == "network" and out["embedding_workers"] == 2
