@@ -3,6 +3,7 @@ parameter servers, real embedding-worker processes listening on an address, and 
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,6 +180,8 @@ def _namespace():
     ns, here, there = f"persia-ew-{tag}", f"pvh{tag}", f"pve{tag}"
     octet = os.getpid() % 250 + 1
     host_ip, ns_ip = f"10.231.{octet}.1", f"10.231.{octet}.2"
+    if shutil.which("ip") is None:
+        pytest.skip("network namespaces: no `ip` command (iproute2) on this machine")
     made = _sh("ip", "netns", "add", ns)
     if made.returncode != 0:
         pytest.skip(f"network namespaces not allowed here: {made.stderr.strip()}")
