@@ -151,6 +151,22 @@ class ParquetExamples:
         return Batch(ids, dense, labels)
 
 
+def count_rows(files: list[str]) -> int:
+    """Rows of the Parquet shards ``files``, from their footers (no column is decoded). Raises
+    ``FileNotFoundError`` naming a missing shard."""
+    total = 0
+    for f in files:
+        if not io.exists(f):
+            raise FileNotFoundError(f"Parquet shard not found: {f}")
+        if io.is_gcs(f):
+            import io as _io
+
+            total += pq.ParquetFile(_io.BytesIO(io.read_bytes(f))).metadata.num_rows
+        else:
+            total += pq.ParquetFile(f).metadata.num_rows
+    return total
+
+
 def shard_files(data_dir: str, split: str) -> list[str]:
     """Paths of the Parquet shards of ``split`` (``train`` or ``eval``) listed in ``schema.json``."""
     sch = read_schema(data_dir)

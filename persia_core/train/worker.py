@@ -36,7 +36,7 @@ from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.allocator import keep_freed_memory
 from persia_core.config import RunConfig, load_config
-from persia_core.data.reader import read_schema
+from persia_core.data.reader import count_rows, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
@@ -108,8 +108,10 @@ def run_worker(
     Returns the training history (global mean loss per step, samples, elapsed seconds, staleness)."""
     tc = config.trainer
     schema = read_schema(data_dir)
-    examples = rank_examples(config, data_dir, rank, world)
-    counts = [len(examples)]
+    remote = list(embedding_worker_addresses or [])
+    # embedding workers on other hosts read this rank's rows themselves: here only their count is needed
+    examples = None if remote else rank_examples(config, data_dir, rank, world)
+    counts = [count_rows(shard_files(data_dir, "train")[rank::world]) if examples is None else len(examples)]
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, counts[0])
@@ -147,7 +149,6 @@ def run_worker(
                 model, device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False
             )
     layouts = table_layouts(config)
-    remote = list(embedding_worker_addresses or [])
     if remote and tc.embedding_workers and tc.embedding_workers != len(remote):
         raise ValueError(
             f"trainer.embedding_workers={tc.embedding_workers} but NN worker {rank} was given {len(remote)} "
@@ -163,20 +164,21 @@ def run_worker(
         half=tc.fp16_transfer and device.type == "cuda",  # fp16 across PCIe, converted by the embedding workers
     )
     feeders: Feeders
-    if remote:  # on other hosts: they read this NN worker's share of the data themselves
-        if not isinstance(backend, EmbeddingClient):
-            raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
-        spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
-        spec["data"] = data_dir
-        token = dict(backend.metadata).get(TOKEN_HEADER)
-        del examples
-        feeders = NetworkFeeders(ring, start, rank, spec, list(backend.addresses), token, remote)
-    elif isinstance(backend, EmbeddingClient):  # embedding workers of their own, sharing one copy of the examples
+    if remote and not isinstance(backend, EmbeddingClient):
+        raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
+    if isinstance(backend, EmbeddingClient):  # embedding workers of their own, each with its own client
         spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
         token = dict(backend.metadata).get(TOKEN_HEADER)
-        feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
-        del examples  # freed: the embedding workers map the saved copy
+        if remote:  # on other hosts: they read this NN worker's share of the data themselves
+            feeders = NetworkFeeders(
+                ring, start, rank, dict(spec, data=data_dir), list(backend.addresses), token, remote
+            )
+        else:  # beside it, sharing one saved copy of its examples
+            assert examples is not None  # read above unless remote
+            feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
+            del examples  # freed: the embedding workers map the saved copy
     else:
+        assert examples is not None
         source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
         feeders = ThreadFeeders(backend, layouts, source, ring, start, StepRules.of(config, rank, world))
     try:
