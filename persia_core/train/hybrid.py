@@ -162,18 +162,14 @@ class HybridTrainPipeline:
         half = False
         if g is None:  # the dense model ignores the embeddings: zero gradients, pushed all the same
             out[...] = 0.0
-        elif self.half:
-            h = g.half()
-            if bool(torch.isfinite(h).all()):  # else fp32: an overflow, or inf/NaN the embedding worker refuses
-                torch.from_numpy(self.feeders.views_half(e, slot)[:b]).copy_(h)
-                half = True
-            else:
-                self.fp16_fallbacks += 1
-                torch.from_numpy(out).copy_(g)
-        elif self.cuda:
-            torch.from_numpy(out).copy_(g)  # straight into the ring (DMA where it is pinned)
         else:
-            np.copyto(out, g.numpy())  # checked for inf/NaN as the embedding worker sums it per ID
+            if self.half:
+                h = g.half()
+                half = bool(torch.isfinite(h).all())  # else fp32: an overflow, or inf/NaN the embedding worker refuses
+                self.fp16_fallbacks += not half
+            # straight into the ring (from the GPU: DMA where it is pinned); inf/NaN are refused by the embedding
+            # worker as it sums the gradient per ID
+            torch.from_numpy(self.feeders.views_half(e, slot)[:b] if half else out).copy_(h if half else g)
         emb.grad = None
         self.feeders.give_grad(step, slot, half)
         t4 = time.perf_counter()

@@ -98,6 +98,11 @@ class RingLayout:
         labels = buf[off : off + 4 * b].view(np.float32)
         return emb, dense, labels
 
+    def emb(self, buf: np.ndarray, worker: int, k: int, half: bool) -> np.ndarray:
+        """Slot ``k``'s embeddings or gradient as they lie in it: ``float16[B, S, D]`` (``half``, ``slot_half``) or
+        ``float32[B, S, D]``."""
+        return self.slot_half(buf, worker, k) if half else self.slot(buf, worker, k)[0]
+
     def slot_half(self, buf: np.ndarray, worker: int, k: int) -> np.ndarray:
         """``float16[B, S, D]`` view of the start of slot ``k``'s embedding region (a ``half`` ring's embeddings,
         or an fp16 gradient)."""

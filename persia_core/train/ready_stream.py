@@ -182,10 +182,8 @@ class StreamBridge:
                         _index(meta, "slot", self.layout.slots_per_worker),
                         _index(meta, "rows", self.layout.batch + 1),
                     )
-                    emb, dense, labels = self.layout.slot(self.buf, e, slot)
-                    if self.layout.half:
-                        emb = self.layout.slot_half(self.buf, e, slot)
-                    emb[:rows] = arrays["emb"]
+                    _, dense, labels = self.layout.slot(self.buf, e, slot)
+                    self.layout.emb(self.buf, e, slot, self.layout.half)[:rows] = arrays["emb"]
                     dense[:rows] = arrays["dense"]
                     labels[:rows] = arrays["labels"]
                     self.rows[slot] = rows
@@ -227,8 +225,7 @@ class StreamBridge:
                 assert msg is not None
                 kind, slot, step, half = msg[0], msg[1], msg[2], msg[3]
                 if kind == rr.GRAD:
-                    view = self.layout.slot_half if half else lambda *a: self.layout.slot(*a)[0]
-                    grad = view(self.buf, self.e, slot)[: self.rows[slot]]
+                    grad = self.layout.emb(self.buf, self.e, slot, bool(half))[: self.rows[slot]]
                     self.out.put(wire.encode({"kind": "grad", "slot": slot, "step": step}, {"grad": grad}))
                 elif kind == rr.STOP:
                     self.out.put(wire.encode({"kind": "stop"}))
@@ -365,9 +362,8 @@ class _Session:
                 assert msg is not None
                 kind, slot, step, a, b, text = msg
                 if kind == rr.READY:
-                    emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
-                    if self.layout.half:
-                        emb = self.layout.slot_half(self.buf, self.index, slot)
+                    _, dense, labels = self.layout.slot(self.buf, self.index, slot)
+                    emb = self.layout.emb(self.buf, self.index, slot, self.layout.half)
                     meta = {"kind": "ready", "slot": slot, "step": step, "rows": a, "staleness": b}
                     meta["frontier"] = int(self.frontier[self.index])
                     arrays = {"emb": emb[:a], "dense": dense[:a], "labels": labels[:a], "phase": self.phase.copy()}
@@ -395,8 +391,7 @@ class _Session:
                     step = _index(meta, "step", rr.NEVER)
                     grad = arrays["grad"]
                     half = grad.dtype == np.float16
-                    view = self.layout.slot_half if half else lambda *a: self.layout.slot(*a)[0]
-                    dst = view(self.buf, self.index, slot)
+                    dst = self.layout.emb(self.buf, self.index, slot, half)
                     if grad.ndim != 3 or grad.shape[1:] != dst.shape[1:] or len(grad) > len(dst):
                         raise ValueError(f"grad of shape {grad.shape}: the ring's slots are {dst.shape}")
                     dst[: len(grad)] = grad
