@@ -59,7 +59,9 @@ def _copy_package(dest: Path) -> None:
 
 def _run(root: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
-    env.update(PYTHONPATH=str(root), NUMBA_CACHE_DIR=str(root / "numba-cache"))
+    # No .pyc: Python checks one against its source by mtime (whole seconds) and size only, so an edit of the same
+    # size in the second the last run's .pyc names would run the old code whatever numba's cache does.
+    env.update(PYTHONPATH=str(root), NUMBA_CACHE_DIR=str(root / "numba-cache"), PYTHONDONTWRITEBYTECODE="1")
     p = subprocess.run([sys.executable, "-c", CHILD], cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1])
