@@ -33,6 +33,7 @@ from persia_core.cli.common import (
     EXIT_TERMINATED,
 )
 from persia_core.logging_utils import setup_logging
+from persia_core.process_exit import exit_now
 
 log = logging.getLogger("persia.cli")
 
@@ -126,4 +127,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

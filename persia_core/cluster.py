@@ -47,6 +47,7 @@ from persia_core.cluster_spec import (
 from persia_core.config import load_config
 from persia_core.data.reader import read_schema
 from persia_core.model_store import shard_file_name
+from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 from persia_core.train.model_output import finish_model
@@ -462,4 +463,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

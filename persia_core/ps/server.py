@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -37,6 +36,7 @@ from persia_core.allocator import keep_freed_memory
 from persia_core.argchecks import storage_root
 from persia_core.config import load_config
 from persia_core.logging_utils import setup_logging
+from persia_core.process_exit import exit_now
 from persia_core.ps.protocol import EXIT_BAD_INIT, STORAGE_ROOTS_ENV, TOKEN_ENV
 from persia_core.ps.servicer import serve
 from persia_core.ps.shard import ParameterServerShard, warm_up
@@ -141,4 +141,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
 from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, table_layouts
 from persia_core.logging_utils import setup_logging
+from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.sparse import Batch, IdBatch
@@ -460,4 +460,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -23,7 +23,6 @@ import io as _io
 import json
 import logging
 import os
-import sys
 import time
 import uuid
 import warnings
@@ -41,6 +40,7 @@ from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
+from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_HEADER
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
@@ -445,4 +445,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
