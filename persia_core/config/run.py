@@ -12,7 +12,7 @@ from persia_core.config.build import build
 from persia_core.config.errors import config_error
 from persia_core.config.model import ModelConfig
 from persia_core.config.overrides import apply_overrides
-from persia_core.config.schema import LayoutConfig, SlotConfig, SplitConfig
+from persia_core.config.schema import LayoutConfig, SlotConfig, SplitConfig, check_feature_columns
 from persia_core.config.tables import EmbeddingConfig
 from persia_core.config.trainer import TrainerConfig
 
@@ -43,6 +43,7 @@ class RunConfig:
         known = set(self.layout.id_fields())
         tables = {t.name for t in self.embedding.tables}
         for s in self.slots:
+            check_feature_columns(f"slots[{s.name}]" + (".cross" if s.cross else ""), s.fields(), self.layout)
             bad = [f for f in s.fields() if f not in known]
             if bad:
                 raise config_error(f"slots[{s.name}]", f"fields {bad} are not produced by the layout {sorted(known)}")

@@ -74,6 +74,9 @@ class LayoutConfig:
                     raise config_error(f"layout.{name}", f"{missing} not in layout.columns")
             if self.timestamp_column and self.timestamp_column not in self.columns:
                 raise config_error("layout.timestamp_column", f"{self.timestamp_column!r} not in layout.columns")
+            if self.timestamp_column == self.label_column:
+                raise config_error("layout.timestamp_column", f"{self.timestamp_column!r} is the label column")
+            check_feature_columns("layout.dense_columns", self.dense_columns, self)
             if self.dense_transform not in ("log1p", "none"):
                 raise config_error("layout.dense_transform", "must be 'log1p' or 'none'")
         if self.max_tags < 0:
@@ -95,8 +98,33 @@ class LayoutConfig:
         if self.kind == "movielens":
             history = ["history", "liked_history"] if self.history_length else []
             return ["userId", "movieId", "genres", "tags", "year", *history]
-        skip = {self.label_column, self.timestamp_column, *self.dense_columns}
-        return [c for c in self.columns if c not in skip]
+        skip = {self.label_column, *([self.timestamp_column] if self.timestamp_column else [])}
+        return [c for c in self.columns if c not in skip]  # as role_of, without a call per column (once a row)
+
+    def role_of(self, column: str) -> str | None:
+        """``"label column"`` or ``"timestamp column"`` when ``column`` holds the label or the timestamp (a
+        delimited layout's, or MovieLens' ``rating`` and ``timestamp``), else None: any other column may feed
+        features, several at once (a slot and a cross, a slot and a dense feature)."""
+        if self.kind == "movielens":
+            return {"rating": "label column", "timestamp": "timestamp column"}.get(column)
+        if column == self.label_column:
+            return "label column"
+        if self.timestamp_column and column == self.timestamp_column:
+            return "timestamp column"
+        return None
+
+
+def check_feature_columns(where: str, columns: list[str], layout: LayoutConfig) -> None:
+    """Raise ``config_error(where, ...)`` when ``columns`` (one role list: a layout's dense columns, a slot's
+    fields) holds the label or the timestamp column (a feature computed from the label leaks it: evaluation would
+    report a perfect model), or one column twice."""
+    for c in columns:
+        role = layout.role_of(c)
+        if role is not None:
+            raise config_error(where, f"{c!r} is the {role}: a feature made of it would leak it into the model")
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if twice:
+        raise config_error(where, f"lists {', '.join(repr(c) for c in twice)} twice")
 
 
 @dataclass

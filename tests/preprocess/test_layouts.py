@@ -165,7 +165,9 @@ def test_criteo_line_gives_log1p_dense_raw_categoricals_and_no_timestamp():
     assert record["fields"]["C1"] == ["68fd1e64"]
     assert record["fields"]["C2"] == []
     assert record["fields"]["C26"] == ["00000017"]
-    assert set(record["fields"]) == {f"C{i}" for i in range(1, 27)}
+    # every column but the label (and a timestamp) can be a slot's source: a dense one keeps its raw text too
+    assert set(record["fields"]) == {f"C{i}" for i in range(1, 27)} | {f"I{i}" for i in range(1, 14)}
+    assert record["fields"]["I1"] == ["3"] and record["fields"]["I2"] == []
 
 
 def test_dense_transform_none_keeps_raw_values():
@@ -217,7 +219,7 @@ def test_delimited_timestamp_column_becomes_ts_and_is_required():
         },
     ).layout
     assert layouts.parse_delimited("1\t1700000000\t3\tab", layout)["ts"] == 1700000000
-    assert layouts.parse_delimited("1\t1700000000\t3\tab", layout)["fields"] == {"C1": ["ab"]}
+    assert layouts.parse_delimited("1\t1700000000\t3\tab", layout)["fields"] == {"I1": ["3"], "C1": ["ab"]}
     with pytest.raises(ParseError, match="missing t"):
         layouts.parse_delimited("1\t\t3\tab", layout)
     with pytest.raises(ParseError, match="integer out of the 64-bit range in t"):  # before: OverflowError
