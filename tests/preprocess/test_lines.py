@@ -1,0 +1,100 @@
+"""The one rule for reading the lines of a text input (``persia_core.preprocess.lines``), and the header of a
+delimited file checked against ``layout.columns``: the same in preprocess and predict."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from persia_core.config import RunConfig
+from persia_core.preprocess import lines
+from persia_core.preprocess.read import ReadFileLinesFn
+
+COLUMNS = ["label", "x", "a", "b", "tags"]
+
+
+def _layout(**kw):
+    cfg = {"kind": "delimited", "columns": COLUMNS, "dense_columns": ["x"], "has_header": True, **kw}
+    return RunConfig.from_dict({"layout": cfg, "slots": [{"name": "a", "source": "a"}]}).layout
+
+
+def test_lines_split_at_lf_only_strip_a_trailing_cr_and_a_leading_bom():
+    data = "\ufeff1\t2\r\nform\x0cfeed\t\u2028sep\u2029\x1c\x1d\x1e\x85x\n\n\xe9\nlast".encode()
+    data = data.replace("\xe9".encode(), b"\xe9")  # one byte that is not UTF-8
+    got = list(lines.read_lines(io.BytesIO(data)))
+    assert [n for n, _ in got] == [1, 2, 3, 4, 5]
+    assert [raw for _, raw in got] == [
+        b"1\t2",
+        "form\x0cfeed\t\u2028sep\u2029\x1c\x1d\x1e\x85x".encode(),
+        b"",
+        b"\xe9",
+        b"last",
+    ]
+    assert lines.decode_line(got[1][1]) == "form\x0cfeed\t\u2028sep\u2029\x1c\x1d\x1e\x85x"
+    assert lines.decode_line(b"\xe9") is None
+
+
+def test_a_bom_only_counts_at_the_start_of_a_file():
+    got = list(lines.read_lines(io.BytesIO(b"a\n\xef\xbb\xbfb\n")))
+    assert got == [(1, b"a"), (2, b"\xef\xbb\xbfb")]
+
+
+def test_preprocess_reads_the_first_line_of_a_file_with_a_bom_as_without_it(tmp_path):
+    fn = ReadFileLinesFn(skip_header=False, max_lines=0)
+    with_bom, without = tmp_path / "bom.tsv", tmp_path / "plain.tsv"
+    with_bom.write_bytes(b"\xef\xbb\xbf1\t2\ta\n0\t3\tb\n")
+    without.write_bytes(b"1\t2\ta\n0\t3\tb\n")
+    texts = [
+        [e[4] for e in fn.process((0, str(p))) if isinstance(e, tuple) and len(e) == 6] for p in (with_bom, without)
+    ]
+    assert texts[0] == texts[1] == ["1\t2\ta", "0\t3\tb"]
+
+
+def test_a_header_equal_to_the_columns_reads_in_order():
+    assert lines.header_order("label\tx\ta\tb\ttags", _layout(), "f.tsv") is None
+
+
+def test_a_header_that_differs_from_the_columns_is_refused_naming_the_first_difference():
+    with pytest.raises(ValueError, match=r"f.tsv:1: .*column 3 is 'b'.*layout.columns\[2\] is 'a'.*map_header_by_name"):
+        lines.header_order("label\tx\tb\ta\ttags", _layout(), "f.tsv")
+    with pytest.raises(ValueError, match=r"f.tsv:1: .*4 columns.*5"):
+        lines.header_order("label\tx\ta\tb", _layout(), "f.tsv")
+
+
+def test_map_header_by_name_reorders_the_fields_into_the_config_order():
+    layout = _layout(map_header_by_name=True)
+    order = lines.header_order("tags\tb\textra\tlabel\tx\ta", layout, "f.tsv")
+    assert lines.reorder("t\tB\tzz\t1\t0.5\tA", order, layout) == "1\t0.5\tA\tB\tt"
+    with pytest.raises(ValueError, match=r"f.tsv:1: .*no column 'x'"):
+        lines.header_order("tags\tb\tlabel\ta", layout, "f.tsv")
+    with pytest.raises(ValueError, match=r"f.tsv:1: .*'a' twice"):
+        lines.header_order("a\tlabel\tx\ta\tb\ttags", layout, "f.tsv")
+
+
+def test_preprocess_refuses_a_header_that_differs_before_reading_any_row(tmp_path, helpers):
+    data = tmp_path / "swapped.tsv"
+    data.write_text("label\tx\tb\ta\ttags\n1\t0.5\t3\t17\t4\n")
+    cfg = RunConfig.from_dict({"layout": _layout().__dict__, "slots": [{"name": "a", "source": "a"}]})
+    with pytest.raises(ValueError, match=rf"{data}:1: .*column 3 is 'b'"):
+        helpers.run(cfg, str(data), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "schema.json").exists()
+
+
+def test_preprocess_with_map_header_by_name_gives_the_rows_of_the_file_in_config_order(tmp_path, helpers):
+    rows = [["1", "0.5", "3", "17", "4"], ["0", "", "19", "", ""], ["1", "2.5", "7", "1", "9"]] * 4
+    in_order, shuffled = tmp_path / "a" / "d.tsv", tmp_path / "b" / "d.tsv"
+    in_order.parent.mkdir()
+    shuffled.parent.mkdir()
+    in_order.write_text("\t".join(COLUMNS) + "\n" + "".join("\t".join(r) + "\n" for r in rows))
+    perm = [4, 2, 0, 3, 1]  # tags, a, label, b, x
+    shuffled.write_text(
+        "\t".join(COLUMNS[i] for i in perm) + "\n" + "".join("\t".join(r[i] for i in perm) + "\n" for r in rows)
+    )
+    slots = [{"name": s, "source": s} for s in ("a", "b", "tags")]
+    cfg = RunConfig.from_dict({"layout": _layout(map_header_by_name=True).__dict__, "slots": slots})
+    helpers.run(cfg, str(in_order), str(tmp_path / "out_a"))
+    helpers.run(cfg, str(shuffled), str(tmp_path / "out_b"))
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
+    assert strip(helpers.read_split(str(tmp_path / "out_a"))) == strip(helpers.read_split(str(tmp_path / "out_b")))
+    assert len(helpers.read_split(str(tmp_path / "out_b"))) == 12
