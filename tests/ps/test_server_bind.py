@@ -1,0 +1,56 @@
+"""A parameter server's port is its own: a second server, or any socket, on it is refused in one line naming it.
+
+gRPC sets SO_REUSEPORT by default on Linux, so a second server on a port in use also reported "serving" and the
+kernel split the connections between the two: readers of one row got another row's value by connection."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from support import tiny_config
+
+from persia_core.ps.shard import ParameterServerShard
+from persia_core.ps.servicer import PortInUse, serve
+
+
+def _shard():
+    return ParameterServerShard(tiny_config(), 0, 1)
+
+
+def test_a_second_server_on_the_port_of_a_running_one_is_refused_naming_the_port():
+    first, port = serve(_shard())
+    try:
+        with pytest.raises(PortInUse, match=rf"127.0.0.1:{port}.*in use"):
+            serve(_shard(), port=port)
+    finally:
+        first.stop(0)
+
+
+def test_a_port_held_by_another_socket_is_refused_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUse, match=rf"127.0.0.1:{port}.*in use"):
+            serve(_shard(), port=port)
+
+
+@pytest.mark.processes
+def test_the_server_process_on_a_port_in_use_exits_with_one_line_naming_it_and_no_traceback(tmp_path):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(tiny_config().to_yaml())
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "persia_core.ps.server", "--config", str(cfg), "--shard", "0", "--num-shards", "1"]
+        r = subprocess.run([*cmd, "--port", str(port)], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in (r.stderr + r.stdout).splitlines() if "ERROR" in line or "Error" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
