@@ -46,7 +46,11 @@ class LayoutConfig:
     delimiter: str = "\t"
     """delimited: field separator."""
     has_header: bool = False
-    """delimited: whether the first line of each file is a header to skip."""
+    """delimited: whether the first line of each file is a header. Its names must be ``columns``, in order (a file
+    whose header differs is refused, naming the first difference), unless ``map_header_by_name``."""
+    map_header_by_name: bool = False
+    """delimited, with ``has_header``: read each file's fields by their header names, in any order (a header may
+    hold more columns; each of ``columns`` must be named once)."""
     columns: list[str] = field(default_factory=list)
     """delimited: the names of the fields, in file order; a line with another field count is malformed."""
     label_column: str = "label"
@@ -77,6 +81,8 @@ class LayoutConfig:
             if self.timestamp_column == self.label_column:
                 raise config_error("layout.timestamp_column", f"{self.timestamp_column!r} is the label column")
             check_feature_columns("layout.dense_columns", self.dense_columns, self)
+            if self.map_header_by_name and not self.has_header:
+                raise config_error("layout.map_header_by_name", "needs layout.has_header: true (names to map by)")
             if self.dense_transform not in ("log1p", "none"):
                 raise config_error("layout.dense_transform", "must be 'log1p' or 'none'")
         if self.max_tags < 0:

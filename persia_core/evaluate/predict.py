@@ -25,12 +25,14 @@ the raw row), ``probability`` (float32) and, when the input has labels, ``label`
 
 from __future__ import annotations
 
+import base64
 import csv
 import io as _io
 import json
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -41,7 +43,7 @@ from persia_core.config import RunConfig, load_config
 from persia_core.data import schema as S
 from persia_core.data.reader import ParquetExamples
 from persia_core.evaluate.run import LoadedModel, score
-from persia_core.preprocess import layouts
+from persia_core.preprocess import layouts, lines
 from persia_core.preprocess.rows import encode_row, rows_to_table, slot_specs
 
 log = logging.getLogger("persia.predict")
@@ -73,21 +75,40 @@ def _parquet_inputs(path: str) -> list[str]:
     return files
 
 
-def _lines(path: str) -> list[str]:
+def _lines(path: str) -> Iterator[tuple[int, str | None, bytes]]:
+    """``(line_no, text or None where not UTF-8, raw bytes)`` per non-blank line of ``path``, by the rule that
+    preprocess reads by (``persia_core.preprocess.lines``)."""
     if not io.exists(path):
         raise FileNotFoundError(f"predict input not found: {path}")
-    return io.read_text(path).splitlines()
+    with lines.open_bytes(path, io.read_bytes(path)) as f:
+        for line_no, raw in lines.read_lines(f):
+            text = lines.decode_line(raw)
+            if text is None or text.strip():
+                yield line_no, text, raw
 
 
 def _bad(path: str, line_no: int, err: Exception) -> ValueError:
     return ValueError(f"{path}:{line_no}: {err}")
 
 
-def _set_aside(bad: list | None, path: str, line_no: int, err: Exception, text: str) -> None:
-    """Record a malformed row in ``bad`` (dead-letter mode), or raise naming ``file:line`` when ``bad`` is None."""
+def _set_aside(bad: list | None, path: str, line_no: int, err: Exception, text: str, raw: bytes | None = None) -> None:
+    """Record a malformed row in ``bad`` (dead-letter mode), or raise naming ``file:line`` when ``bad`` is None.
+    ``raw``: the bytes of a line that is not UTF-8 (kept as ``raw_base64``, as preprocess's dead letters do)."""
     if bad is None:
         raise _bad(path, line_no, err) from err
-    bad.append({"source": f"{path}:{line_no}", "reason": str(err), "raw": text})  # as preprocess's dead letters
+    letter = {"source": f"{path}:{line_no}", "reason": str(err), "raw": text}  # as preprocess's dead letters
+    if raw is not None:
+        letter["raw_base64"] = base64.b64encode(raw).decode("ascii")
+    bad.append(letter)
+
+
+def _decoded(bad: list | None, path: str, numbered) -> Iterator[tuple[int, str]]:
+    """``(line_no, text)`` of the UTF-8 lines of ``numbered`` (``_lines``); the others are set aside."""
+    for line_no, text, raw in numbered:
+        if text is None:
+            _set_aside(bad, path, line_no, layouts.ParseError("not utf-8"), raw.decode("utf-8", "replace"), raw)
+            continue
+        yield line_no, text
 
 
 def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tuple[list[tuple[dict, str]], bool]:
@@ -95,13 +116,17 @@ def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
     label_at = layout.columns.index(layout.label_column)
     n = len(layout.columns)
     out = []
-    labelled = None  # decided once per file, by its first row of n or n - 1 fields
-    for line_no, line in enumerate(_lines(path), start=1):
+    labelled = None  # decided once per file: by its header, else by its first row of n or n - 1 fields
+    order = None
+    for line_no, raw in _decoded(bad, path, _lines(path)):
         if line_no == 1 and layout.has_header:
+            unlabelled = [c for c in layout.columns if c != layout.label_column]
+            names = [c.strip() for c in raw.split(layout.delimiter)]
+            labelled = layout.label_column in names if layout.map_header_by_name else names != unlabelled
+            order = lines.header_order(raw, layout, path, None if labelled else unlabelled)
             continue
-        raw = layouts.strip_line_end(line)
-        if not raw.strip():
-            continue
+        if order is not None:
+            raw = lines.reorder(raw, order, layout)
         text = raw
         values = raw.split(layout.delimiter)
         if labelled is None and len(values) in (n, n - 1):
@@ -138,7 +163,7 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
             f"predict: raw MovieLens ratings need {movies_path} beside them (or pass preprocessed Parquet rows)"
         )
     movies: dict[str, Any] = {}
-    for line_no, line in enumerate(_lines(movies_path), start=1):
+    for line_no, line in _decoded(None, movies_path, _lines(movies_path)):
         try:
             m = layouts.parse_movie(line)
         except layouts.ParseError as e:
@@ -149,7 +174,7 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
     events: dict[str, list[tuple[int, str]]] = {}
     tags_path = io.join(folder, layout.tags_file)
     if io.exists(tags_path):
-        for line_no, line in enumerate(_lines(tags_path), start=1):
+        for line_no, line in _decoded(None, tags_path, _lines(tags_path)):
             try:
                 t = layouts.parse_tag(line)
             except layouts.ParseError as e:
@@ -158,10 +183,7 @@ def _movielens_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
                 raise _bad(tags_path, line_no, e) from e
             events.setdefault(t["movieId"], []).append((t["timestamp"], t["tag"]))
     ratings, all_labelled = [], True
-    for line_no, line in enumerate(_lines(path), start=1):
-        text = layouts.strip_line_end(line)
-        if not text.strip():
-            continue
+    for line_no, text in _decoded(bad, path, _lines(path)):
         fields = layouts.split_csv_line(text)
         if len(fields) == 3:  # userId,movieId,timestamp: a row to serve
             text = ",".join([fields[0], fields[1], "0", fields[2]])

@@ -10,7 +10,7 @@ import apache_beam as beam
 from apache_beam.pvalue import TaggedOutput
 
 from persia_core.config import RunConfig
-from persia_core.preprocess import layouts
+from persia_core.preprocess import layouts, lines
 from persia_core.preprocess.counters import counter
 from persia_core.preprocess.rows import DEAD, dead_letter, encode_row, slot_specs
 
@@ -18,19 +18,22 @@ from persia_core.preprocess.rows import DEAD, dead_letter, encode_row, slot_spec
 class ParseDelimitedFn(beam.DoFn):
     """``(path, line_no, row_number, text)`` -> an encoded row, or a dead letter on the ``dead`` output.
 
-    ``ts`` is the layout's timestamp column, else the global row number.
+    ``ts`` is the layout's timestamp column, else the global row number. ``orders``: per file path, where its
+    fields sit (``lines.header_order``; files not named are in ``layout.columns`` order).
     """
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, orders: dict[str, lines.ColumnOrder] | None = None) -> None:
         self.layout = config.layout
+        self.orders = dict(orders or {})
         self.specs = slot_specs(config)
         self.rows = counter("rows")
         self.malformed = counter("malformed")
 
     def process(self, element: tuple):
         path, line_no, row_number, text = element
+        order = self.orders.get(path)
         try:
-            record = layouts.parse_delimited(text, self.layout)
+            record = layouts.parse_delimited(lines.reorder(text, order, self.layout) if order else text, self.layout)
         except layouts.ParseError as e:
             self.malformed.inc()
             yield TaggedOutput(DEAD, dead_letter(path, line_no, text, e, True))
@@ -43,10 +46,12 @@ class ParseDelimitedFn(beam.DoFn):
 class ParseDelimited(beam.PTransform):
     """Numbered lines of a delimited layout -> ``{"rows": encoded rows, "dead": dead letters}``."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, orders: dict[str, lines.ColumnOrder] | None = None) -> None:
         super().__init__()
         self.config = config
+        self.orders = orders
 
-    def expand(self, lines):
-        out = lines | "ParseLines" >> beam.ParDo(ParseDelimitedFn(self.config)).with_outputs(DEAD, main="rows")
+    def expand(self, numbered):
+        fn = ParseDelimitedFn(self.config, self.orders)
+        out = numbered | "ParseLines" >> beam.ParDo(fn).with_outputs(DEAD, main="rows")
         return {"rows": out.rows, "dead": out[DEAD]}

@@ -15,7 +15,8 @@ import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsDict, TaggedOutput
 
-from persia_core.preprocess import layouts
+from persia_core.config.schema import LayoutConfig
+from persia_core.preprocess import layouts, lines
 from persia_core.preprocess.counters import counter
 from persia_core.preprocess.rows import DEAD, dead_letter
 
@@ -25,11 +26,10 @@ _COUNTS = "counts"
 class ReadFileLinesFn(beam.DoFn):
     """``(file_index, path)`` -> ``(file_index, path, line_no, data_index, text, ok)`` per data line.
 
-    Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension); ``line_no`` is
-    1-based and counts the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line
-    end; ``ok`` is False for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps).
-    Line ends are ``\\n`` or ``\\r\\n``; in a file without any ``\\n``, a lone ``\\r`` (classic Mac files: before,
-    such a file was one line; a ``\\r`` inside a line of any other file stays in its line). Stops after
+    Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension) by the rule of
+    ``persia_core.preprocess.lines`` (``\\n`` ends a line, a BOM is dropped); ``line_no`` is 1-based and counts
+    the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line end; ``ok`` is False
+    for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps). Stops after
     ``max_lines`` data lines (0 = all). A blank (whitespace-only) line holds no data and is not a row: it is
     skipped, counted by the ``blank_lines`` counter, and keeps its place in the line numbers. Emits ``(file_index,
     data lines read)`` on the ``counts`` output.
@@ -44,31 +44,18 @@ class ReadFileLinesFn(beam.DoFn):
     def process(self, element: tuple[int, str]):
         index, path = element
         n = 0
-        line_no = 0
         with FileSystems.open(path) as f:
-            for chunk in iter(f.readline, b""):
-                # a first readline that reached the end of the file without a LF but holds a CR: a file with
-                # CR-only line ends (read whole; a CR inside a line of a LF file stays part of its line)
-                cr_only = line_no == 0 and not chunk.endswith(b"\n") and b"\r" in chunk.rstrip(b"\r")
-                pieces = chunk.splitlines() if cr_only else (chunk,)
-                for raw in pieces:
-                    line_no += 1
-                    if line_no == 1 and self.skip_header:
-                        continue
-                    if self.max_lines and n >= self.max_lines:
-                        break
-                    text: str | bytes
-                    try:
-                        text, ok = layouts.strip_line_end(raw.decode("utf-8")), True
-                    except UnicodeDecodeError:
-                        text, ok = raw.rstrip(b"\r\n"), False  # its bytes, for the dead letter
-                    if ok and not text.strip():
-                        self.blank_lines.inc()  # no data, so not a row (as predict reads them too)
-                        continue
-                    yield index, path, line_no, n, text, ok
-                    n += 1
+            for line_no, raw in lines.read_lines(f):
+                if line_no == 1 and self.skip_header:
+                    continue
                 if self.max_lines and n >= self.max_lines:
                     break
+                text = lines.decode_line(raw)
+                if text is not None and not text.strip():
+                    self.blank_lines.inc()  # no data, so not a row (as predict reads them too)
+                    continue
+                yield index, path, line_no, n, (raw if text is None else text), text is not None  # bytes: dead
+                n += 1
         self.lines_read.inc(n)
         yield TaggedOutput(_COUNTS, (index, n))
 
@@ -152,3 +139,23 @@ class ReadNumberedLines(beam.PTransform):
             | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
         )
         return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total}
+
+
+def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.ColumnOrder]:
+    """Check the header line of each of ``files`` (a delimited layout with ``has_header``) against
+    ``layout.columns`` before any row is read (``lines.header_order``). Returns the files whose fields must be
+    reordered (``map_header_by_name``), with their order. Raises ``ValueError`` naming the first file whose header
+    differs, or is empty or not UTF-8."""
+    orders = {}
+    for path in files:
+        with FileSystems.open(path) as f:
+            first = next(lines.read_lines(f), (1, b""))[1]
+        text = lines.decode_line(first)
+        if text is None or not text.strip():
+            raise ValueError(
+                f"{path}:1: layout.has_header is set, but the first line is {'not UTF-8' if text is None else 'empty'}"
+            )
+        order = lines.header_order(text, layout, path)
+        if order is not None:
+            orders[path] = order
+    return orders

@@ -31,7 +31,7 @@ from persia_core.config import RunConfig
 from persia_core.data import schema
 from persia_core.preprocess.delimited import ParseDelimited
 from persia_core.preprocess.movielens import JoinMovieLens
-from persia_core.preprocess.read import ReadNumberedLines
+from persia_core.preprocess.read import ReadNumberedLines, header_orders
 from persia_core.preprocess.split import SplitAndShard
 from persia_core.preprocess.stats import DenseStatsFn, DistinctIdsFn
 from persia_core.preprocess.write import WriteDeadLetters, WriteShards, WriteStatsFn
@@ -65,10 +65,12 @@ class Preprocess(beam.PTransform):
             read_dead = [r["dead"] for r in reads.values()]
             read_count = reads["ratings"]["read"]
         else:
+            # the headers first: a file whose columns differ from the config's fails the step before any row
+            orders = header_orders(self.inputs["files"], layout) if layout.has_header else {}
             read = pbegin | "ReadLines" >> ReadNumberedLines(
                 self.inputs["files"], layout.has_header, split.max_rows, example=True, redistribute=True
             )
-            parsed = read["lines"] | "ParseDelimited" >> ParseDelimited(config)
+            parsed = read["lines"] | "ParseDelimited" >> ParseDelimited(config, orders)
             read_dead = [read["dead"]]
             read_count = read["read"]
         rows = parsed["rows"]

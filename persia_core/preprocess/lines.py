@@ -1,0 +1,110 @@
+"""The one rule for reading a text input, shared by preprocess (``read.ReadFileLinesFn``) and predict, and the
+check of a delimited file's header against ``layout.columns``.
+
+Lines end at ``\\n`` only (``\\r\\n`` loses its ``\\r``); a file without any ``\\n`` but with a ``\\r`` has
+classic-Mac ``\\r`` line ends. Any other character (``\\x0c``, ``\\x1c``-``\\x1e``, ``\\x85``, U+2028, U+2029,
+which ``str.splitlines`` would break at) stays inside its line. A UTF-8 byte-order mark at the start of a file is
+dropped. Lines are decoded one by one, so an undecodable line is one bad row (its bytes kept), not a bad file.
+Leaf module: no Beam, so that predict (and serving) read rows without importing it.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from persia_core.config.schema import LayoutConfig
+
+BOM = b"\xef\xbb\xbf"
+COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress}
+"""Compression read by file extension (as Beam's ``FileSystems.open`` does for these)."""
+
+
+def read_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+    """``(line_no, raw)`` for every line of the binary file ``f``: ``line_no`` 1-based, ``raw`` the line's bytes
+    without its line end (module docstring: the rule). Blank lines are yielded too (the caller skips them)."""
+    line_no = 0
+    for chunk in iter(f.readline, b""):
+        if line_no == 0 and chunk.startswith(BOM):
+            chunk = chunk[len(BOM) :]
+        # a first readline that reached the end of the file without a LF but holds a CR: a file with CR-only line
+        # ends (read whole); a CR inside a line of a LF file stays part of its line
+        if line_no == 0 and not chunk.endswith(b"\n") and b"\r" in chunk.rstrip(b"\r"):
+            for piece in chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+                line_no += 1
+                yield line_no, piece
+            return
+        line_no += 1
+        if chunk.endswith(b"\n"):
+            chunk = chunk[:-2] if chunk.endswith(b"\r\n") else chunk[:-1]
+        yield line_no, chunk
+
+
+def decode_line(raw: bytes) -> str | None:
+    """``raw`` decoded as UTF-8, or None when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def open_bytes(path: str, data: bytes) -> BinaryIO:
+    """The content of the file ``path`` whose bytes are ``data``, decompressed by its extension (``.gz``,
+    ``.bz2``). Raises ``ValueError`` naming ``path`` when it does not decompress."""
+    for ext, decompress in COMPRESSED.items():
+        if path.endswith(ext):
+            try:
+                data = decompress(data)
+            except (OSError, EOFError, ValueError) as e:
+                raise ValueError(f"{path}: not a valid {ext} file: {e}") from None
+    return io.BytesIO(data)
+
+
+@dataclass(frozen=True)
+class ColumnOrder:
+    """Where a file's fields sit, from its header (``layout.map_header_by_name``)."""
+
+    index: tuple[int, ...]
+    """For each column of the config, the index of its field in the file's lines."""
+    width: int
+    """The file's field count (its header's)."""
+
+
+def header_order(header: str, layout: LayoutConfig, path: str, columns: list[str] | None = None) -> ColumnOrder | None:
+    """Check the header line ``header`` of the delimited file ``path`` against ``columns`` (default
+    ``layout.columns``). Returns None when the header names exactly those columns in that order, else (with
+    ``layout.map_header_by_name``) for each of ``columns`` its index among the file's fields, for ``reorder``.
+
+    Raises ``ValueError`` naming ``path``, line 1 and the first difference (a column in another place, a missing
+    or repeated name, another column count)."""
+    columns = list(layout.columns if columns is None else columns)
+    names = [n.strip() for n in header.split(layout.delimiter)]
+    if names == columns:
+        return None
+    where = f"{path}:1: the header"
+    if layout.map_header_by_name:
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"{where} names {', '.join(repr(n) for n in twice)} twice")
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise ValueError(f"{where} has no column {missing[0]!r} of layout.columns (it names {names})")
+        return ColumnOrder(tuple(names.index(c) for c in columns), len(names))
+    hint = " (set layout.map_header_by_name: true to read the columns by their header names)"
+    for i, (got, want) in enumerate(zip(names, columns, strict=False)):
+        if got != want:
+            raise ValueError(f"{where}'s column {i + 1} is {got!r}, but layout.columns[{i}] is {want!r}{hint}")
+    raise ValueError(f"{where} has {len(names)} columns, layout.columns {len(columns)}{hint}")
+
+
+def reorder(line: str, order: ColumnOrder, layout: LayoutConfig) -> str:
+    """``line`` (fields in its file's order) with its fields in the config's order (``header_order``). A line
+    with another field count than its header is returned as it is, for the parser to refuse its field count."""
+    fields = line.split(layout.delimiter)
+    if len(fields) != order.width:
+        return line
+    return layout.delimiter.join([fields[i] for i in order.index])
