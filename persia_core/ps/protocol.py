@@ -24,6 +24,8 @@ GRPC_OPTIONS = [
 """Channel and server options of every parameter-server connection."""
 EXIT_BAD_INIT = 3
 """Exit code of the server's ``main`` when the state to start from is refused (missing, partial or corrupt)."""
+EXIT_PORT_IN_USE = 4
+"""Exit code of the server's ``main`` when its port cannot be bound (``servicer.PortInUse``)."""
 EW_ADDRESSES_ENV = "PERSIA_EMBEDDING_WORKER_ADDRESSES"
 """Environment variable of an NN worker: comma-separated ``host:port`` of its embedding workers on other hosts
 (``persia_core.train.ready_stream``); unset: they run beside it (shared memory)."""

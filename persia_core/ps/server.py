@@ -37,8 +37,8 @@ from persia_core.argchecks import storage_root
 from persia_core.config import load_config
 from persia_core.logging_utils import setup_logging
 from persia_core.process_exit import exit_now
-from persia_core.ps.protocol import EXIT_BAD_INIT, STORAGE_ROOTS_ENV, TOKEN_ENV
-from persia_core.ps.servicer import serve
+from persia_core.ps.protocol import EXIT_BAD_INIT, EXIT_PORT_IN_USE, STORAGE_ROOTS_ENV, TOKEN_ENV
+from persia_core.ps.servicer import PortInUse, serve
 from persia_core.ps.shard import ParameterServerShard, warm_up
 from persia_core.ps.storage_roots import resolve_storage_roots
 
@@ -115,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     # the loaded tables live until the end: keep their objects out of the garbage collector's scans
     gc.collect()
     gc.freeze()
-    server, port = serve(shard, args.host, args.port, token, storage_roots=roots)
+    try:
+        server, port = serve(shard, args.host, args.port, token, storage_roots=roots)
+    except PortInUse as e:
+        log.error("%s", e)
+        return EXIT_PORT_IN_USE
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:

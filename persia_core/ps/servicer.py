@@ -25,9 +25,11 @@ none, any path the process can write and read.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
+import socket
 from concurrent import futures
 
 import grpc
@@ -142,12 +144,54 @@ def serve(
     """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
     ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
 
-    Raises ``RuntimeError`` if the port cannot be bound, ``TypeError``/``ValueError`` for bad storage roots
+    The port is bound exclusively (no ``SO_REUSEPORT``, which gRPC sets by default on Linux: a second server on
+    the same port would also serve, and the kernel would split the connections between the two).
+
+    Raises ``PortInUse`` if the port cannot be bound, ``TypeError``/``ValueError`` for bad storage roots
     (``resolve_storage_roots``)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+    )
     server.add_generic_rpc_handlers((_Servicer(shard, token, storage_roots).handlers(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"parameter server could not bind {host}:{port}")
+    bound = bind_port(server, host, port, "parameter server")
     server.start()
     return server, bound
+
+
+class PortInUse(RuntimeError):
+    """A server's ``host:port`` cannot be bound (another process listens there, or the address is not this
+    host's)."""
+
+
+def bind_port(server: grpc.Server, host: str, port: int, what: str) -> int:
+    """Bind ``server`` to ``host:port`` (0: a free port); returns the bound port. Raises ``PortInUse`` naming
+    ``what`` and the address. A given port is first bound by a plain socket (``SO_REUSEADDR`` only, so a port
+    left in TIME_WAIT stays usable), which fails where any socket listens: the refusal is then one line, without
+    gRPC's own log line of the failed bind."""
+    reason = _bind_error(host, port) if port else None
+    if reason is None:
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # gRPC reports a failed bind as 0 or as RuntimeError, by version
+            bound = 0
+        if bound:
+            return bound
+        reason = "cannot be bound"
+    raise PortInUse(f"{what} could not bind {host}:{port}: {reason}; choose another port, or stop that process")
+
+
+def _bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (in use, not this host's address), or None when a socket can bind it."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        return f"the host does not resolve ({e})"
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return "the port is in use (another process listens there)"
+            return f"{e.strerror} (is the address one of this host's?)"
+    return None

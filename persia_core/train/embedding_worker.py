@@ -42,7 +42,8 @@ from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_
 from persia_core.logging_utils import setup_logging
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
-from persia_core.ps.protocol import TOKEN_ENV
+from persia_core.ps.protocol import EXIT_PORT_IN_USE, TOKEN_ENV
+from persia_core.ps.servicer import PortInUse
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
 from persia_core.train.processes import die_with_parent
@@ -396,7 +397,11 @@ def _serve_network(args) -> int:
         clients.append(client)
         return worker
 
-    server = FeedServer(build, f"[{host}]" if ":" in host else host, port, token)
+    try:
+        server = FeedServer(build, f"[{host}]" if ":" in host else host, port, token)
+    except PortInUse as e:
+        log.error("%s", e)
+        return EXIT_PORT_IN_USE
     if args.port_file:
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:

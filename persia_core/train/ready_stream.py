@@ -52,6 +52,7 @@ import numpy as np
 
 from persia_core.ps import wire
 from persia_core.ps.protocol import GRPC_OPTIONS, TOKEN_HEADER
+from persia_core.ps.servicer import bind_port
 from persia_core.train import ready_ring as rr
 
 log = logging.getLogger("persia.ready_stream")
@@ -456,15 +457,13 @@ class FeedServer:
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.clean = True
-        options = keepalive_options(keepalive_s, server=True)
+        options = [*keepalive_options(keepalive_s, server=True), ("grpc.so_reuseport", 0)]  # a port of its own
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
         handler = grpc.stream_stream_rpc_method_handler(
             self._feed, request_deserializer=_ident, response_serializer=_ident
         )
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Feed": handler}),))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise RuntimeError(f"embedding worker could not bind {host}:{port}")
+        self.port = bind_port(self.server, host, port, "embedding worker")  # PortInUse naming the address
         self.server.start()
 
     def _feed(self, request_iterator, context):

@@ -54,3 +54,14 @@ def test_the_server_process_on_a_port_in_use_exits_with_one_line_naming_it_and_n
     errors = [line for line in (r.stderr + r.stdout).splitlines() if "ERROR" in line or "Error" in line]
     assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_an_embedding_worker_listening_on_a_port_in_use_is_refused_naming_it():
+    from persia_core.train.ready_stream import FeedServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUse, match=rf"embedding worker could not bind 127.0.0.1:{port}.*in use"):
+            FeedServer(lambda *a: None, "127.0.0.1", port, None)
