@@ -13,8 +13,8 @@ import sys
 import pytest
 from support import tiny_config
 
-from persia_core.ps.shard import ParameterServerShard
 from persia_core.ps.servicer import PortInUse, serve
+from persia_core.ps.shard import ParameterServerShard
 
 
 def _shard():
