@@ -1,4 +1,4 @@
-"""Config section of the dense network (DNN or DLRM)."""
+"""Config section of the dense network (DNN, DLRM, DCNv2 or DeepFM)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,32 @@ class ModelConfig:
 
     kind: str = "dnn"
     """``dnn``: concat(pooled embeddings, bottom(dense)) -> MLP. ``dlrm``: DLRM dot interaction (Naumov et al.
-    2019): bottom MLP on dense features to dim D, pairwise dot products of the S+1 vectors, top MLP."""
+    2019): bottom MLP on dense features to dim D, pairwise dot products of the S+1 vectors, top MLP. ``dcnv2``:
+    DCNv2 (Wang et al. 2021): ``cross_layers`` cross layers on concat(pooled embeddings, bottom(dense)) and the
+    MLP ``hidden``, stacked or parallel (``structure``). ``deepfm``: DeepFM (Guo et al. 2017): an FM's pairwise
+    interactions of the pooled embeddings plus the MLP ``hidden`` on their concat with bottom(dense)."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Top MLP hidden sizes (the output layer of size 1 is added)."""
     bottom: list[int] = field(default_factory=lambda: [64])
     """Bottom MLP hidden sizes for the dense features (DLRM ends it at the embedding dim)."""
 
+    cross_layers: int = 3
+    """dcnv2: the number of cross layers."""
+    cross_rank: int = 0
+    """dcnv2: 0 for full-rank cross layers (``W: [d, d]``), else the rank r of ``W = U V`` (``U: [d, r]``)."""
+    structure: str = "stacked"
+    """dcnv2: ``stacked`` (the MLP on the cross layers' output) or ``parallel`` (beside them, outputs
+    concatenated)."""
+
     def __post_init__(self) -> None:
-        if self.kind not in ("dnn", "dlrm"):
-            raise config_error("model.kind", f"must be 'dnn' or 'dlrm', got {self.kind!r}")
+        kinds = ("dnn", "dlrm", "dcnv2", "deepfm")
+        if self.kind not in kinds:
+            raise config_error("model.kind", f"must be one of {', '.join(map(repr, kinds))}, got {self.kind!r}")
+        if self.cross_layers < 0:
+            raise config_error("model.cross_layers", "must be >= 0")
+        if self.cross_rank < 0:
+            raise config_error("model.cross_rank", "must be >= 0 (0: full rank)")
+        if self.structure not in ("stacked", "parallel"):
+            raise config_error("model.structure", f"must be 'stacked' or 'parallel', got {self.structure!r}")
         if any(h < 1 for h in self.hidden + self.bottom):
             raise config_error("model.hidden/bottom", "layer sizes must be >= 1")

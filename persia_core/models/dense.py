@@ -12,8 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from persia_core.config import ModelConfig
-
 
 def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
     """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between (and after the last if asked)."""
@@ -25,7 +23,9 @@ def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class _Base(nn.Module):
+class ModelBase(nn.Module):
+    """The dense features' standardization (train-split mean and std, kept as buffers) that every model shares."""
+
     dense_mean: torch.Tensor  # buffers (register_buffer), typed for mypy
     dense_std: torch.Tensor
 
@@ -40,7 +40,7 @@ class _Base(nn.Module):
         return (dense - self.dense_mean) / self.dense_std
 
 
-class DNN(_Base):
+class DNN(ModelBase):
     """concat(flatten(emb), bottom_mlp(dense)) -> MLP(hidden) -> logit (PERSIA's benchmark model shape).
 
     Args: num_slots S, dim D, num_dense F, hidden (top MLP sizes), bottom (dense MLP sizes; [] = raw dense).
@@ -76,7 +76,7 @@ class DNN(_Base):
         return y.squeeze(1)
 
 
-class DLRM(_Base):
+class DLRM(ModelBase):
     """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
     interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
 
@@ -108,11 +108,3 @@ class DLRM(_Base):
         t = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, S+1, D]
         z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self._iu_flat)
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
-
-
-def build_model(
-    config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None
-) -> nn.Module:
-    """The dense model named by ``config.kind``. Raises ``ValueError`` for an unusable combination."""
-    cls = {"dnn": DNN, "dlrm": DLRM}[config.kind]
-    return cls(num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)
