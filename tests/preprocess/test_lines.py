@@ -98,3 +98,18 @@ def test_preprocess_with_map_header_by_name_gives_the_rows_of_the_file_in_config
     strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
     assert strip(helpers.read_split(str(tmp_path / "out_a"))) == strip(helpers.read_split(str(tmp_path / "out_b")))
     assert len(helpers.read_split(str(tmp_path / "out_b"))) == 12
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "inside_glob"])
+def test_an_output_folder_that_is_or_lies_inside_the_input_is_refused_before_anything_is_written(
+    tmp_path, helpers, where
+):
+    data = tmp_path / "raw"
+    data.mkdir()
+    (data / "d.tsv").write_text("1\t0.5\t3\t17\t4\n" * 10)
+    cfg = RunConfig.from_dict({"layout": _layout(has_header=False).__dict__, "slots": [{"name": "a", "source": "a"}]})
+    given = {"same": str(data), "inside": str(data), "inside_glob": str(data / "*.tsv")}[where]
+    out = {"same": data, "inside": data / "prep", "inside_glob": data / "sub" / "prep"}[where]
+    with pytest.raises(ValueError, match=r"output folder .* is inside the input"):
+        helpers.run(cfg, given, str(out) + ("/" if where == "same" else ""))
+    assert sorted(p.name for p in data.iterdir()) == ["d.tsv"]  # nothing written, nothing removed
