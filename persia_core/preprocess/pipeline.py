@@ -91,6 +91,32 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
     return {"files": files}
 
 
+def _input_folder(data: str) -> str | None:
+    """The folder that ``data`` reads from (a folder, or a glob's fixed prefix), or None for one file."""
+    if any(c in data for c in "*?["):
+        fixed = data[: min(data.index(c) for c in "*?[" if c in data)]
+        return fixed if fixed.endswith("/") else (fixed.rpartition("/")[0] or ".")
+    return data if io.isdir(data) else None
+
+
+def _normalized(path: str) -> str:
+    """``path`` as a comparable folder prefix: gs:// for the /gcs/ mount too, local paths resolved."""
+    uri = io.to_uri(path)
+    return uri.rstrip("/") + "/" if io.is_gcs(uri) else os.path.realpath(uri) + os.sep
+
+
+def check_output_outside_input(data: str, output_dir: str) -> None:
+    """Raise ``ValueError`` when ``output_dir`` is, or lies inside, the folder that ``data`` reads from (a folder,
+    or a glob's fixed prefix): the next run would read the outputs back as input, and every run first removes
+    the outputs of the last."""
+    folder = _input_folder(data)
+    if folder is not None and _normalized(output_dir).startswith(_normalized(folder)):
+        raise ValueError(
+            f"preprocess: the output folder {output_dir} is inside the input folder {folder} (of --data {data}); "
+            "write the output elsewhere"
+        )
+
+
 def _clear_outputs(output_dir: str) -> None:
     """Remove what an earlier run left (shards, dead letters, schema) so no stale file is mistaken for output."""
     patterns = [
@@ -190,6 +216,7 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     the counts; ``schema.json`` is then not written).
     """
     options = PipelineOptions(list(beam_args or []))
+    check_output_outside_input(data, output_dir)
     inputs = resolve_inputs(config, data)
     _clear_outputs(output_dir)
     io.makedirs(output_dir)
