@@ -51,7 +51,7 @@ from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
 from persia_core.train.model_output import finish_model
-from persia_core.train.processes import die_with_parent
+from persia_core.train.processes import spawn
 
 DONE_MARKER = "TRAINING_DONE"
 log = logging.getLogger("persia.cluster")
@@ -235,11 +235,7 @@ def _run_local_ranks(place: Placement, token: str, worker_args: list[str]) -> in
     for j in range(place.local_ranks):
         env = dict(os.environ, **place.env(j), **{TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"})
         env.pop(TOKEN_SECRET_ENV, None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "persia_core.train.worker", *worker_args], env=env, preexec_fn=die_with_parent
-            )
-        )
+        procs.append(spawn([sys.executable, "-m", "persia_core.train.worker", *worker_args], env))
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -309,7 +305,7 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
         elif init and io.exists(init):
             cmd += ["--init", init]
         log.info("parameter server: shard %d/%d on %s:%d", shard, n, args.host, port)
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+        procs.append(spawn(cmd, env))
     done = io.join(args.control, DONE_MARKER) if args.control else ""
     try:
         while True:
@@ -336,7 +332,7 @@ def _run_embedding_workers(args, place: Placement, token: str) -> int:
     for port in place.ports:
         cmd = [sys.executable, "-m", "persia_core.train.embedding_worker", "--listen", f"{args.host}:{port}"]
         log.info("embedding worker on %s:%d", args.host, port)
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+        procs.append(spawn(cmd, env))
     done = io.join(args.control, DONE_MARKER) if args.control else ""
     try:
         while True:

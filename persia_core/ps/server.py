@@ -41,6 +41,7 @@ from persia_core.ps.protocol import EXIT_BAD_INIT, EXIT_PORT_IN_USE, STORAGE_ROO
 from persia_core.ps.servicer import PortInUse, serve
 from persia_core.ps.shard import ParameterServerShard, warm_up
 from persia_core.ps.storage_roots import resolve_storage_roots
+from persia_core.train.processes import die_with_spawner
 
 log = logging.getLogger("persia.ps")
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         f"read; repeatable (default: ${STORAGE_ROOTS_ENV}, comma-separated; none: any path)",
     )
     args = p.parse_args(argv)
+    if not die_with_spawner():  # the launcher died before this process could follow it
+        return 1
     keep_freed_memory()  # every call allocates its rows and IDs afresh: reuse the memory, no page faults
     env_roots = os.environ.get(STORAGE_ROOTS_ENV, "")
     roots = (

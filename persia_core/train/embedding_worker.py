@@ -46,7 +46,7 @@ from persia_core.ps.protocol import EXIT_PORT_IN_USE, TOKEN_ENV
 from persia_core.ps.servicer import PortInUse
 from persia_core.sparse import Batch, IdBatch
 from persia_core.train import ready_ring as rr
-from persia_core.train.processes import die_with_parent
+from persia_core.train.processes import die_with_parent, die_with_spawner
 from persia_core.train.ready_stream import FeedServer, is_loopback, parse_listen
 from persia_core.train.schedule import make_schedule
 
@@ -431,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port-file", default="", help="with --listen: write the bound port here once listening")
     args = p.parse_args(argv)
     keep_freed_memory()  # every batch allocates the same multi-MiB arrays: reuse them, no page faults
+    if not die_with_spawner():  # a listening one's replica process died before this process could follow it
+        return 1
     if args.parent:
         die_with_parent()
         if os.getppid() != args.parent:  # it died before the line above

@@ -33,7 +33,7 @@ from persia_core.ps.protocol import EXIT_BAD_INIT, TOKEN_ENV
 from persia_core.ps.shm import remove_orphans, remove_segments_of
 from persia_core.ps.storage_roots import resolve_storage_roots
 from persia_core.train.feeders import remove_examples_of
-from persia_core.train.processes import die_with_parent, process_state, signal_group
+from persia_core.train.processes import process_state, signal_group, spawn
 
 log = logging.getLogger("persia.launcher")
 
@@ -196,14 +196,7 @@ class LocalCluster:
     def _spawn(self, name: str, args: list[str], env: dict) -> _Proc:
         log_path = os.path.join(self.work_dir, "logs", f"{name}.log")
         f = open(log_path, "w")
-        popen = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=die_with_parent,
-            start_new_session=True,
-        )
+        popen = spawn([sys.executable, *args], env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         f.close()
         return _Proc(name, popen, log_path)
 

@@ -17,13 +17,38 @@ import threading
 _PR_SET_PDEATHSIG = 1
 
 
+PARENT_ENV = "PERSIA_DIE_WITH"
+"""Environment variable of a child started by ``spawn``: the pid of the process it is to die with."""
+
+
 def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``; for a child's
-    ``preexec_fn``). No effect where libc has no ``prctl``."""
+    """Have the kernel SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), called by the
+    child itself (see ``spawn``). No effect where libc has no ``prctl``."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def spawn(args: list[str], env: dict[str, str], **popen_kw) -> subprocess.Popen:
+    """Start a child process (``subprocess.Popen(args, env=..., **popen_kw)``) that dies with this one: its main
+    calls ``die_with_spawner`` first, which finds this process's pid in ``PERSIA_DIE_WITH``.
+
+    Never with a ``preexec_fn``: that makes ``subprocess`` fork and run Python in the child before ``exec``, and
+    in a process holding gRPC threads (the launcher's and replicas' clients) gRPC's fork handlers restart its
+    poller in the child, which can abort it with SIGABRT."""
+    return subprocess.Popen(args, env={**env, PARENT_ENV: str(os.getpid())}, **popen_kw)
+
+
+def die_with_spawner() -> bool:
+    """For a child's main, first thing: when ``PERSIA_DIE_WITH`` names the process that started it (``spawn``),
+    die when that one dies (``die_with_parent``), and take the variable out of this process's environment so that
+    its own children do not inherit it. Returns False when that process had already exited (exit at once)."""
+    pid = os.environ.pop(PARENT_ENV, "")
+    if not pid:
+        return True
+    die_with_parent()
+    return os.getppid() == int(pid)
 
 
 def free_port() -> int:

@@ -53,6 +53,7 @@ from persia_core.train.feeders import (
     auto_embedding_workers,
 )
 from persia_core.train.hybrid import HybridTrainPipeline
+from persia_core.train.processes import die_with_spawner
 from persia_core.train.ready_ring import RingLayout
 from persia_core.train.schedule import make_schedule
 
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-dense", default="", help="dense.pt whose weights start the model (warm start)")
     p.add_argument("--lineage", default="", help="JSON file with the run's lineage (default: computed here)")
     args = p.parse_args(argv)
+    if not die_with_spawner():  # the launcher died before this process could follow it
+        return 1
     keep_freed_memory()  # the gradient handed back is a fresh multi-MiB tensor every step
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     setup_logging("nn_worker", rank)
