@@ -195,7 +195,10 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
         ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
         ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
         ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
-        ([*BLESSED, "--param", "config=critea"], "config 'critea' is not a shipped run config ['criteo', 'movielens']"),
+        (
+            [*BLESSED, "--param", "config=critea"],
+            "config 'critea' is not a shipped run config ['criteo', 'dcnv2', 'dcnv2_mlperf', 'movielens']",
+        ),
     ],
 )
 def test_submit_refuses_values_that_would_only_fail_or_be_lost_on_vertex(template, gapic, params, message, capsys):
