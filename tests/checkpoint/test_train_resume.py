@@ -366,3 +366,31 @@ def test_warm_start_from_a_blessed_location_before_its_first_model_is_a_cold_sta
     (tmp_path / "junk" / "notes.txt").write_text("x")
     with pytest.raises(FileNotFoundError, match="not a Model artifact"):
         resolve_warm_start(str(tmp_path / "junk"))
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("storage", ["fp16", "bf16"])
+def test_a_warm_start_into_another_storage_precision_converts_the_rows_at_init_shards(runs, tmp_path, storage):
+    # before: init-shards copied the fp32 rows as they were and train's servers refused them, a step late
+    from persia_core.embedding.precision import decode, encode
+    from persia_core.embedding.shard_file import read_shard_file
+
+    previous = runs["reference"]
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, epochs=1).with_overrides({"embedding.storage": storage})
+    shards = tmp_path / "shards"
+    init_shards(cfg, runs["data"], str(shards), warm_start_from=previous)
+    old = {}
+    for s in range(2):
+        t = read_shard_file(os.path.join(previous, shard_file_name(s)), build_index=False).tables["default"]
+        n = t.meta["rows"]
+        old.update(zip(t.arrays["keys"][:n].tolist(), t.arrays["weights"][:n], strict=True))
+    got = {}
+    for s in range(cfg.embedding.num_shards):
+        tables = make_tables(cfg.embedding.tables, cfg.embedding.shard_memory_bytes, storage=storage)
+        load_shard_file(str(shards / shard_file_name(s)), tables)  # a server's load: refused before the fix
+        sd = tables["default"].state_dict()
+        got.update(zip(sd["keys"].tolist(), decode(sd["weights"], storage), strict=True))
+    assert got.keys() == old.keys() and len(got) > 10
+    keys = sorted(got)
+    want = decode(encode(np.stack([old[k] for k in keys]), storage), storage)  # the target precision's rounding
+    np.testing.assert_array_equal(np.stack([got[k] for k in keys]), want)
