@@ -4,8 +4,9 @@
 (``BLESSED.json``, see ``persia_core.evaluate.gate``: its latest blessed model; none blessed yet = cold start).
 Its config must still match in what the state depends on (tables' dim and optimizer, the slots and their tables,
 the dense model and dense features), else the step fails naming each difference; its rows are re-sharded to
-this plan (``persia_core.embedding.reshard``) and its dense weights are passed on to training
-(``warm_start/dense.pt``).
+this plan (``persia_core.embedding.reshard``), converted to this run's ``embedding.storage`` precision where it
+changed (fp32 <-> fp16 / bf16: rows exact to the target's rounding), and its dense weights are passed on to
+training (``warm_start/dense.pt``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import json
 import logging
 from typing import Any
 
+import numpy as np
+
 from persia_core import io
 from persia_core.checkpoints import CheckpointError, verify
 from persia_core.config import RunConfig
+from persia_core.embedding.precision import decode, encode
 from persia_core.embedding.reshard import reshard
 from persia_core.embedding.shard_file import read_shard_file, write_shard_arrays
 from persia_core.model_store import (
@@ -156,6 +160,13 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         read_shard_file(io.join(source, e["path"]), e.get("bytes"), e.get("crc32c"), build_index=False).tables
         for e in shards
     ]
+    old_storage = old_config.get("embedding", {}).get("storage", "fp32")
+    if old_storage != config.embedding.storage:  # rows exact to the new precision's rounding (or widened exactly)
+        for tables in sources:
+            for ta in tables.values():
+                rows = decode(np.asarray(ta.arrays["weights"]), old_storage)
+                ta.arrays["weights"] = encode(rows, config.embedding.storage)
+        log.info("warm start: embedding rows converted from %s to %s storage", old_storage, config.embedding.storage)
     new, report = reshard(sources, config.embedding.num_shards, capacities)
     files = []
     for s, tables in enumerate(new):
