@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CHILD = """
 import logging, logging.handlers, sys
 from persia_core.process_exit import exit_now
@@ -19,6 +21,7 @@ exit_now(int(sys.argv[2]) if sys.argv[2] != "None" else None)
 """
 
 
+@pytest.mark.processes
 def test_exit_now_flushes_logs_stdout_and_stderr_and_exits_with_the_code(tmp_path):
     for code, status in ((3, 3), (None, 0)):
         log, out, err = tmp_path / f"log{code}", tmp_path / f"out{code}", tmp_path / f"err{code}"
