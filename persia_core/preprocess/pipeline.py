@@ -216,8 +216,8 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     the counts; ``schema.json`` is then not written).
     """
     options = PipelineOptions(list(beam_args or []))
+    inputs = resolve_inputs(config, data)  # missing inputs first
     check_output_outside_input(data, output_dir)
-    inputs = resolve_inputs(config, data)
     _clear_outputs(output_dir)
     io.makedirs(output_dir)
     started = time.monotonic()
