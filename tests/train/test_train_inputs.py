@@ -103,3 +103,40 @@ def test_the_cli_exits_2_for_a_shard_count_mismatch_and_a_missing_init(tmp_path,
     # the matching count trains, from the init folder's own config
     assert main(["train", "--data", data, "--init", init, "--output", out]) == 0
     assert len(json.loads(capsys.readouterr().out)["summary"]["rows"]) == 3
+
+
+@pytest.mark.processes
+def test_a_refused_initial_state_leaves_no_work_folder_behind(tmp_path, data, scratch):
+    # issue 20, case 9: before, /tmp/persia-train-* stayed behind, unnamed
+    from persia_core.model_store import shard_file_name
+
+    init = str(tmp_path / "init")
+    init_shards(tiny_config(), data, init)
+    with open(os.path.join(init, shard_file_name(1)), "r+b") as f:
+        f.truncate(100)  # a partial shard file: its server refuses it
+    with pytest.raises(Exception, match="refused"):
+        train(tiny_config(), data, str(tmp_path / "model"), init_dir=init)
+    assert not os.listdir(scratch)
+
+
+@pytest.mark.processes
+def test_a_failed_run_keeps_its_logs_in_the_model_folder_and_names_them_not_a_removed_work_folder(
+    tmp_path, data, scratch, monkeypatch, caplog
+):
+    from persia_core.data.reader import shard_files
+    from persia_core.train.local_cluster import TrainingFailed
+
+    with open(shard_files(data, "train")[0], "r+b") as f:
+        f.truncate(200)  # the NN worker of rank 0 cannot read its data
+    model = tmp_path / "model"
+    with pytest.raises(TrainingFailed) as e:
+        train(tiny_config(), data, str(model))
+    assert not os.listdir(scratch)
+    assert f"all logs kept in {model / 'logs'}" in str(e.value)
+    assert (model / "logs" / "nn_worker-0.log").read_text()
+    # PERSIA_KEEP_WORK_DIR keeps the work folder, and the log names it
+    monkeypatch.setenv("PERSIA_KEEP_WORK_DIR", "1")
+    with pytest.raises(TrainingFailed):
+        train(tiny_config(), data, str(tmp_path / "model2"))
+    (kept,) = os.listdir(scratch)
+    assert any(str(scratch / kept) in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
