@@ -37,12 +37,16 @@ from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
 from persia_core.model_store import shard_file_name
 from persia_core.ps.client import EmbeddingClient
-from persia_core.train.local_cluster import InitRefused, LocalCluster, check_local_process_count
+from persia_core.train.local_cluster import InitRefused, LocalCluster, TrainingFailed, check_local_process_count
 from persia_core.train.model_output import finish_model
 from persia_core.train.processes import sigterm_as_interrupt
 from persia_core.train.resume import checkpoint_inits
 
 log = logging.getLogger("persia.launcher")
+
+KEEP_WORK_DIR_ENV = "PERSIA_KEEP_WORK_DIR"
+"""Set (to anything) to keep a failed run's temporary work folder (port files, process logs), named in the log;
+by default it is removed, its logs copied to ``<model_dir>/logs`` first."""
 
 
 def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) -> None:
@@ -168,6 +172,61 @@ def _train(
     own_work_dir = not work_dir
     work_dir = work_dir or tempfile.mkdtemp(prefix="persia-train-")
     os.makedirs(work_dir, exist_ok=True)
+    try:
+        manifest = _run(
+            config,
+            data_dir,
+            model_dir,
+            init_dir,
+            plan,
+            work_dir,
+            settings,
+            resume_from,
+            schema,
+            delta_every_s,
+            delta_dir,
+        )
+    except BaseException as e:  # a failure, a refusal, SIGTERM: keep the logs, not a temporary folder
+        _copy_logs(work_dir, model_dir)
+        if not own_work_dir:
+            raise
+        if os.environ.get(KEEP_WORK_DIR_ENV):
+            log.error("train failed; its work folder is kept in %s (%s is set)", work_dir, KEEP_WORK_DIR_ENV)
+            raise
+        shutil.rmtree(work_dir, ignore_errors=True)
+        if isinstance(e, TrainingFailed):  # its message points into the work folder for the logs
+            raise type(e)(str(e).replace(os.path.join(work_dir, "logs"), io.join(model_dir, "logs"), 1)).with_traceback(
+                e.__traceback__
+            ) from None
+        raise
+    if own_work_dir:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return manifest
+
+
+def _copy_logs(work_dir: str, model_dir: str) -> None:
+    """Copy the job's process logs (``<work_dir>/logs``) to ``<model_dir>/logs``."""
+    logs = os.path.join(work_dir, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), "rb") as f:
+            io.write_bytes(io.join(model_dir, "logs", name), f.read())
+
+
+def _run(
+    config: RunConfig,
+    data_dir: str,
+    model_dir: str,
+    init_dir: str,
+    plan: dict,
+    work_dir: str,
+    settings: ckpt.CheckpointSettings,
+    resume_from: str,
+    schema: dict,
+    delta_every_s: float,
+    delta_dir: str,
+) -> dict:
+    """The run of ``_train`` once its inputs are checked and its work folder made; returns the manifest."""
+    plan_path = io.join(init_dir, "shard_plan.json") if init_dir else ""
     cfg_path = os.path.join(work_dir, "run_config.yaml")
     with open(cfg_path, "w") as f:
         f.write(config.to_yaml())
@@ -248,10 +307,7 @@ def _train(
             log.warning("checkpoint %s refused by a parameter server, trying the previous one: %s", chosen[0], e)
             reasons.append(str(e))
             refused.add(chosen[0])
-    logs = os.path.join(work_dir, "logs")
-    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
-        with open(os.path.join(logs, name), "rb") as f:
-            io.write_bytes(io.join(model_dir, "logs", name), f.read())
+    _copy_logs(work_dir, model_dir)
     last = ckpt.list_checkpoints(settings.dir)
     manifest = finish_model(
         model_dir,
@@ -266,6 +322,4 @@ def _train(
         last_checkpoint=last[0][1] if last else None,
         warm_start=plan.get("warm_start"),
     )
-    if own_work_dir:  # kept when training fails, for its logs
-        shutil.rmtree(work_dir, ignore_errors=True)
     return manifest
