@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from persia_core.config import ModelConfig
-from persia_core.models.dense import DLRM, DNN, ModelBase, mlp
+from persia_core.models.dense import DLRM, DNN, ModelBase, bottom_mlp, mlp
 
 
 class CrossLayer(nn.Module):
@@ -56,8 +56,7 @@ class DCNv2(ModelBase):
         super().__init__(num_dense, dense_mean, dense_std)
         if structure not in ("stacked", "parallel"):
             raise ValueError(f"DCNv2 structure must be 'stacked' or 'parallel', got {structure!r}")
-        self.bottom = mlp([num_dense, *bottom], last_activation=True) if bottom and num_dense else nn.Identity()
-        dense_out = (bottom[-1] if bottom else num_dense) if num_dense else 0
+        self.bottom, dense_out = bottom_mlp(num_dense, bottom)
         d = num_slots * dim + dense_out
         self.cross = nn.ModuleList(CrossLayer(d, cross_rank) for _ in range(cross_layers))
         self.structure = structure
@@ -97,8 +96,7 @@ class DeepFM(ModelBase):
         dense_std=None,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
-        self.bottom = mlp([num_dense, *bottom], last_activation=True) if bottom and num_dense else nn.Identity()
-        dense_out = (bottom[-1] if bottom else num_dense) if num_dense else 0
+        self.bottom, dense_out = bottom_mlp(num_dense, bottom)
         self.deep = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
         self.linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
 

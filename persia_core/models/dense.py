@@ -23,6 +23,16 @@ def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def bottom_mlp(num_dense: int, bottom: list[int]) -> tuple[nn.Module, int]:
+    """The MLP of the (standardized) dense features, ReLU after its last layer, and its output width: the
+    identity (the raw features) for ``bottom = []``, width 0 without dense features."""
+    if not num_dense:
+        return nn.Identity(), 0
+    if not bottom:
+        return nn.Identity(), num_dense
+    return mlp([num_dense, *bottom], last_activation=True), bottom[-1]
+
+
 class ModelBase(nn.Module):
     """The dense features' standardization (train-split mean and std, kept as buffers) that every model shares."""
 
@@ -57,8 +67,7 @@ class DNN(ModelBase):
         dense_std=None,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
-        self.bottom = mlp([num_dense, *bottom], last_activation=True) if bottom and num_dense else nn.Identity()
-        dense_out = (bottom[-1] if bottom else num_dense) if num_dense else 0
+        self.bottom, dense_out = bottom_mlp(num_dense, bottom)
         self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
