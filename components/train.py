@@ -23,28 +23,31 @@ def train(
     Checkpoints go to ``checkpoint_dir`` (empty: ``<model>/checkpoints``, which a retry of this task finds again)
     every ``checkpoint_every_steps`` steps and/or ``checkpoint_every_s`` seconds (0 = off) and at the end; a
     retried task resumes from the newest complete one. ``delta_every_s > 0`` also writes incremental exports
-    under ``<model>/deltas``."""
+    under ``<model>/deltas``. Bad input (a config that does not fit the data or the shards) exits 2 and is
+    recorded in ``<model>/bad_input.json``, so that a retry fails at once (``persia_core.bad_input``)."""
     import os
 
+    from persia_core.bad_input import refusing_bad_input
     from persia_core.checkpoints import CheckpointSettings
     from persia_core.config import load_config
     from persia_core.logging_utils import setup_logging
     from persia_core.train.launcher import train as run
 
     setup_logging("train")  # the launcher's progress lines (NN worker 0's step, loss, samples/s) in the task log
-    cfg = load_config(os.path.join(shards.path, "run_config.yaml"))
-    settings = CheckpointSettings(
-        dir=checkpoint_dir, every_steps=checkpoint_every_steps, every_s=checkpoint_every_s, at_end=True
-    )
-    manifest = run(
-        cfg,
-        dataset.path,
-        model.path,
-        init_dir=shards.path,
-        checkpoint=settings,
-        resume_from="auto",
-        delta_every_s=delta_every_s,
-    )
+    with refusing_bad_input(model.path, "train"):  # exit 2, and a retry of this task fails at once
+        cfg = load_config(os.path.join(shards.path, "run_config.yaml"))
+        settings = CheckpointSettings(
+            dir=checkpoint_dir, every_steps=checkpoint_every_steps, every_s=checkpoint_every_s, at_end=True
+        )
+        manifest = run(
+            cfg,
+            dataset.path,
+            model.path,
+            init_dir=shards.path,
+            checkpoint=settings,
+            resume_from="auto",
+            delta_every_s=delta_every_s,
+        )
     summary = manifest["summary"]
     metrics.log_metric("samples_per_s", summary["samples_per_s"])
     metrics.log_metric("max_staleness", summary["max_staleness"])

@@ -26,23 +26,26 @@ def train(
     """Hybrid training as a Vertex AI CustomJob (pools: primary, NN workers, parameter servers; see
     ``components.custom_job``); writes the same Model artifact as the local train step. Checkpoints go to
     ``<model>/checkpoints`` every ``checkpoint_every_s`` seconds / ``checkpoint_every_steps`` steps (0: off),
-    and a restarted or retried job resumes from the newest complete one."""
+    and a restarted or retried job resumes from the newest complete one. Bad input found before the job starts
+    exits 2 and is recorded in the model folder, so that a retry fails at once (``persia_core.bad_input``)."""
     from components.custom_job import run_custom_job
+    from persia_core.bad_input import refusing_bad_input
 
-    manifest = run_custom_job(
-        worker_pool_specs,
-        dataset.uri,
-        shards.uri,
-        model.uri,
-        location,
-        project,
-        service_account,
-        network,
-        ps_token_secret,
-        timeout_s,
-        checkpoint_every_s=checkpoint_every_s,
-        checkpoint_every_steps=checkpoint_every_steps,
-    )
+    with refusing_bad_input(model.uri, "train"):  # exit 2, and a retry of this task fails at once
+        manifest = run_custom_job(
+            worker_pool_specs,
+            dataset.uri,
+            shards.uri,
+            model.uri,
+            location,
+            project,
+            service_account,
+            network,
+            ps_token_secret,
+            timeout_s,
+            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_steps=checkpoint_every_steps,
+        )
     summary = manifest["summary"]
     for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
         if summary.get(key) is not None:
