@@ -124,6 +124,29 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
         ckpt.verify(newest)
 
 
+def test_a_manifest_of_the_current_format_without_its_own_crc_is_refused_and_an_older_one_warned(tmp_path, caplog):
+    # issue 20, left alone before: a manifest whose manifest_crc32c was taken out was accepted, so any edit that
+    # also dropped the field went through
+    import json
+    import logging
+
+    folder, (newest, *_) = _two_checkpoints(tmp_path)
+    mpath = os.path.join(newest, ckpt.MANIFEST)
+    manifest = json.load(open(mpath))
+    assert manifest["format"] == ckpt.FORMAT == "persia-checkpoint/2" and "manifest_crc32c" in manifest
+    del manifest["manifest_crc32c"]
+    json.dump(manifest, open(mpath, "w"))
+    with pytest.raises(ckpt.CheckpointError, match=r"carries no CRC-32C of its own"):
+        ckpt.verify(newest)
+    # a manifest of format 1 (written before its CRC was added) still loads, with a warning naming it
+    manifest["format"] = "persia-checkpoint/1"
+    json.dump(manifest, open(mpath, "w"))
+    caplog.set_level(logging.WARNING, logger="persia.checkpoint")
+    assert ckpt.verify(newest)["step"] == manifest["step"]
+    assert any(mpath in r.getMessage() and "no CRC-32C" in r.getMessage() for r in caplog.records)
+    assert ckpt.find_latest(folder)[0] == newest
+
+
 @pytest.mark.parametrize(
     "content",
     [
