@@ -45,7 +45,9 @@ from persia_core.data.schema import SCHEMA_FILE
 from persia_core.embedding.checksums import crc32c, file_crc32c
 from persia_core.model_store import shard_file_name
 
-FORMAT = "persia-checkpoint/1"
+FORMAT = "persia-checkpoint/2"
+"""The checkpoint manifest's format: 2 always carries ``manifest_crc32c``; 1, written before, may not."""
+READABLE_FORMATS = ("persia-checkpoint/1", FORMAT)
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.pt"
 NAME = re.compile(r"^ckpt-(\d{10})$")
@@ -179,9 +181,18 @@ def read_manifest(path: str) -> dict:
         )
     ):
         raise CheckpointError(f"{mpath}: malformed manifest (each file needs path, bytes and crc32c)")
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"{mpath}: unknown checkpoint format {manifest.get('format')!r}")
-    if "manifest_crc32c" in manifest and manifest_crc(manifest) != manifest["manifest_crc32c"]:
+    if "manifest_crc32c" not in manifest:
+        if manifest["format"] == FORMAT:
+            raise CheckpointError(
+                f"{mpath}: carries no CRC-32C of its own (manifest_crc32c), which every manifest of "
+                f"{FORMAT} has (edited manifest)"
+            )
+        log.warning(
+            "%s: a manifest of %s, with no CRC-32C of its own; only its files' are checked", mpath, manifest["format"]
+        )
+    elif manifest_crc(manifest) != manifest["manifest_crc32c"]:
         raise CheckpointError(f"{mpath}: its CRC-32C does not match its content (edited or corrupt manifest)")
     _check_complete(path, manifest)
     return manifest
