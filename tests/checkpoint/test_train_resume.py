@@ -5,6 +5,7 @@ warm start; one run has a parameter server SIGKILLed after its second checkpoint
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -394,3 +395,25 @@ def test_a_warm_start_into_another_storage_precision_converts_the_rows_at_init_s
     keys = sorted(got)
     want = decode(encode(np.stack([old[k] for k in keys]), storage), storage)  # the target precision's rounding
     np.testing.assert_array_equal(np.stack([got[k] for k in keys]), want)
+
+
+@pytest.mark.processes
+def test_a_full_disk_while_checkpointing_fails_the_step_naming_the_role_and_the_file_on_its_first_line(tmp_path):
+    # issue 20, case 10: before, "nn_worker-0 exited with code 1" and a raw traceback, the path not named
+    import subprocess
+
+    small = tmp_path / "small"
+    small.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(small)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill here (needs root): {r.stderr.strip()}")
+    try:
+        data = write_dataset(str(tmp_path / "data"), rows=64)
+        settings = CheckpointSettings(dir=str(small / "ckpt"), every_steps=1, keep=2)
+        with pytest.raises(TrainingFailed) as e:
+            train(tiny_config(), data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"), checkpoint=settings)
+        first = str(e.value).splitlines()[0]
+        assert re.search(r"^(nn_worker|ps)-\d .*No space left on device", first), first
+        assert str(small / "ckpt") in first, first
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
