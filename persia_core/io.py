@@ -223,7 +223,8 @@ def atomic_local_file(path: str, fsync: bool = False):
     beside ``path``, which replaces ``path`` when the block ends without error (after an ``fsync`` when asked)
     and is removed when it raises. The temporary name has a random part and is created exclusively, never
     through a symbolic link (``O_EXCL | O_NOFOLLOW``; mode 0o666 less the umask), so a file or link planted
-    under a predictable name cannot redirect the bytes elsewhere. The parent folder must exist."""
+    under a predictable name cannot redirect the bytes elsewhere. The parent folder must exist. A failed write
+    (a full disk) raises ``OSError`` naming ``path``."""
     import secrets
 
     tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
@@ -235,6 +236,11 @@ def atomic_local_file(path: str, fsync: bool = False):
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        # a failed write or flush (disk full: ENOSPC) names no file: name the one being written
+        raise OSError(e.errno, e.strerror or str(e), path) from e
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)

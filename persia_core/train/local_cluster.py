@@ -131,11 +131,19 @@ class _Proc:
         return f"exited with code {rc}"
 
 
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Failed|Refused|Exit)\b.*| ?\S.* ERROR .*)$")
+"""A Python exception's last line of a traceback (``OSError: [Errno 28] ...``) or a log line at ERROR."""
+
+
 def _failed(p: _Proc, what: str) -> TrainingFailed:
-    """``TrainingFailed`` naming ``p``, what happened to it, and its last log lines."""
+    """``TrainingFailed`` naming ``p``, what happened to it and its last error line (the exception that ended
+    it, naming the path where the failure was writing one) on the first line, then its last log lines."""
+    tail = p.tail()
+    errors = [line.strip() for line in tail.splitlines() if _ERROR_LINE.match(line)]
+    because = f": {errors[-1]}" if errors else ""
     return TrainingFailed(
-        f"{p.name} (pid {p.popen.pid}) {what}; last log lines of {p.name} (all logs kept in "
-        f"{os.path.dirname(p.log_path)}):\n{p.tail()}"
+        f"{p.name} (pid {p.popen.pid}) {what}{because}; last log lines of {p.name} (all logs kept in "
+        f"{os.path.dirname(p.log_path)}):\n{tail}"
     )
 
 
