@@ -125,13 +125,13 @@ def _delimited_records(path: str, cfg: RunConfig, bad: list | None = None) -> tu
             labelled = layout.label_column in names if layout.map_header_by_name else names != unlabelled
             order = lines.header_order(raw, layout, path, None if labelled else unlabelled)
             continue
-        if order is not None:
-            raw = lines.reorder(raw, order, layout)
         text = raw
-        values = raw.split(layout.delimiter)
-        if labelled is None and len(values) in (n, n - 1):
-            labelled = len(values) == n
         try:
+            if order is not None:
+                text = lines.reorder(raw, order, layout)
+            values = text.split(layout.delimiter)
+            if labelled is None and len(values) in (n, n - 1):
+                labelled = len(values) == n
             if labelled is False:  # rows to serve, without the label column
                 if len(values) != n - 1:
                     raise layouts.ParseError(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from persia_core.config.schema import LayoutConfig
+from persia_core.preprocess.layouts import ParseError
 
 BOM = b"\xef\xbb\xbf"
 COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress}
@@ -102,9 +103,9 @@ def header_order(header: str, layout: LayoutConfig, path: str, columns: list[str
 
 
 def reorder(line: str, order: ColumnOrder, layout: LayoutConfig) -> str:
-    """``line`` (fields in its file's order) with its fields in the config's order (``header_order``). A line
-    with another field count than its header is returned as it is, for the parser to refuse its field count."""
+    """``line`` (fields in its file's order) with its fields in the config's order (``header_order``). Raises
+    ``ParseError`` for a line with another field count than its header (never read positionally instead)."""
     fields = line.split(layout.delimiter)
     if len(fields) != order.width:
-        return line
+        raise ParseError(f"wrong field count: {len(fields)} != {order.width} (this file's header)", "wrong field count")
     return layout.delimiter.join([fields[i] for i in order.index])

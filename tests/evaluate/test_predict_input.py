@@ -83,3 +83,18 @@ def test_a_header_is_checked_against_the_columns_as_in_preprocess(model, tmp_pat
     swapped = header(["label", "x", "b", "a", "tags"]) + _tsv(ROWS)
     with pytest.raises(ValueError, match=r"swapped.tsv:1: .*column 3 is 'b'"):
         _score(model, tmp_path, "swapped.tsv", swapped, config=cfg)
+
+
+def test_with_map_header_by_name_a_row_short_of_its_header_is_set_aside_not_read_in_config_order(model, tmp_path):
+    cfg = tiny_config()
+    cfg.layout.has_header, cfg.layout.map_header_by_name = True, True
+    perm = [4, 2, 0, 3, 1]  # tags, a, label, b, x; then a column the config does not read
+    header = "\t".join(cfg.layout.columns[i] for i in perm) + "\textra\n"
+    rows = "".join("\t".join(r[i] for i in perm) + "\tzz\n" for r in ROWS)
+    short = "\t".join(ROWS[1][i] for i in perm) + "\n"  # as many fields as the config's columns
+    _, out = _score(
+        model, tmp_path, "byname.tsv", (header + rows + short).encode(), config=cfg, dead_letter=str(tmp_path / "d")
+    )
+    _, plain = _score(model, tmp_path, "plain.tsv", _tsv(ROWS))
+    assert out["rows"] == 3 and out["malformed"] == 1
+    np.testing.assert_array_equal(out["probability"], plain["probability"])

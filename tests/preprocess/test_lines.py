@@ -9,6 +9,7 @@ import pytest
 
 from persia_core.config import RunConfig
 from persia_core.preprocess import lines
+from persia_core.preprocess.layouts import ParseError
 from persia_core.preprocess.read import ReadFileLinesFn
 
 COLUMNS = ["label", "x", "a", "b", "tags"]
@@ -66,6 +67,9 @@ def test_map_header_by_name_reorders_the_fields_into_the_config_order():
     layout = _layout(map_header_by_name=True)
     order = lines.header_order("tags\tb\textra\tlabel\tx\ta", layout, "f.tsv")
     assert lines.reorder("t\tB\tzz\t1\t0.5\tA", order, layout) == "1\t0.5\tA\tB\tt"
+    # a row one field short of its header is malformed, never read in the config's order instead (it has 5)
+    with pytest.raises(ParseError, match=r"wrong field count: 5 != 6 \(this file's header\)"):
+        lines.reorder("t\tB\t1\t0.5\tA", order, layout)
     with pytest.raises(ValueError, match=r"f.tsv:1: .*no column 'x'"):
         lines.header_order("tags\tb\tlabel\ta", layout, "f.tsv")
     with pytest.raises(ValueError, match=r"f.tsv:1: .*'a' twice"):
@@ -87,14 +91,22 @@ def test_preprocess_with_map_header_by_name_gives_the_rows_of_the_file_in_config
     in_order.parent.mkdir()
     shuffled.parent.mkdir()
     in_order.write_text("\t".join(COLUMNS) + "\n" + "".join("\t".join(r) + "\n" for r in rows))
-    perm = [4, 2, 0, 3, 1]  # tags, a, label, b, x
+    perm = [4, 2, 0, 3, 1]  # tags, a, label, b, x; then a column the config does not read
     shuffled.write_text(
-        "\t".join(COLUMNS[i] for i in perm) + "\n" + "".join("\t".join(r[i] for i in perm) + "\n" for r in rows)
+        "\t".join(COLUMNS[i] for i in perm)
+        + "\textra\n"
+        + "".join("\t".join(r[i] for i in perm) + "\tzz\n" for r in rows)
     )
     slots = [{"name": s, "source": s} for s in ("a", "b", "tags")]
     cfg = RunConfig.from_dict({"layout": _layout(map_header_by_name=True).__dict__, "slots": slots})
     helpers.run(cfg, str(in_order), str(tmp_path / "out_a"))
-    helpers.run(cfg, str(shuffled), str(tmp_path / "out_b"))
+    # a row without its last field has as many fields as the config has columns: before, it was read in the
+    # config's order, its values in the wrong slots
+    with open(shuffled, "a") as f:
+        f.write("\t".join(rows[0][i] for i in perm) + "\n")
+    helpers.run(cfg.with_overrides({"split.max_malformed_fraction": 0.2}), str(shuffled), str(tmp_path / "out_b"))
+    (dead,) = helpers.read_dead_letters(str(tmp_path / "out_b"))
+    assert dead["source"].endswith(":14") and dead["reason"].startswith("wrong field count: 5 != 6")
     strip = lambda rs: [{k: v for k, v in r.items() if k != "source"} for r in rs]  # noqa: E731
     assert strip(helpers.read_split(str(tmp_path / "out_a"))) == strip(helpers.read_split(str(tmp_path / "out_b")))
     assert len(helpers.read_split(str(tmp_path / "out_b"))) == 12
