@@ -80,8 +80,8 @@ def _lines(path: str) -> Iterator[tuple[int, str | None, bytes]]:
     preprocess reads by (``persia_core.preprocess.lines``)."""
     if not io.exists(path):
         raise FileNotFoundError(f"predict input not found: {path}")
-    with lines.open_bytes(path, io.read_bytes(path)) as f:
-        for line_no, raw in lines.read_lines(f):
+    with _io.BytesIO(io.read_bytes(path)) as f:
+        for line_no, raw in lines.numbered_lines(f, path):
             text = lines.decode_line(raw)
             if text is None or text.strip():
                 yield line_no, text, raw

@@ -5,6 +5,8 @@ Lines end at ``\\n`` only (``\\r\\n`` loses its ``\\r``); a file without any ``\
 classic-Mac ``\\r`` line ends. Any other character (``\\x0c``, ``\\x1c``-``\\x1e``, ``\\x85``, U+2028, U+2029,
 which ``str.splitlines`` would break at) stays inside its line. A UTF-8 byte-order mark at the start of a file is
 dropped. Lines are decoded one by one, so an undecodable line is one bad row (its bytes kept), not a bad file.
+Compressed files (``.gz``, ``.bz2``, ``.xz``, ``.lzma``, by extension) are decompressed here, the same way for
+both; a truncated or corrupt one fails the run naming it, never ends its rows early.
 Leaf module: no Beam, so that predict (and serving) read rows without importing it.
 """
 
@@ -12,8 +14,9 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import io
-from collections.abc import Iterator
+import lzma
+import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -21,8 +24,15 @@ from persia_core.config.schema import LayoutConfig
 from persia_core.preprocess.layouts import ParseError
 
 BOM = b"\xef\xbb\xbf"
-COMPRESSED = {".gz": gzip.decompress, ".bz2": bz2.decompress}
-"""Compression read by file extension (as Beam's ``FileSystems.open`` does for these)."""
+COMPRESSED: dict[str, Callable[[BinaryIO], BinaryIO]] = {
+    ".gz": lambda f: gzip.GzipFile(fileobj=f, mode="rb"),
+    ".bz2": lambda f: bz2.BZ2File(f, mode="rb"),
+    ".xz": lambda f: lzma.LZMAFile(f, mode="rb"),
+    ".lzma": lambda f: lzma.LZMAFile(f, mode="rb"),
+}
+"""Compression read by file extension: a streaming decompressor over the file's bytes."""
+UNREAD = (".zst", ".zstd", ".deflate", ".zip", ".snappy", ".lz4", ".br")
+"""Compressed formats refused by name rather than read as text."""
 
 
 def read_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
@@ -53,16 +63,33 @@ def decode_line(raw: bytes) -> str | None:
         return None
 
 
-def open_bytes(path: str, data: bytes) -> BinaryIO:
-    """The content of the file ``path`` whose bytes are ``data``, decompressed by its extension (``.gz``,
-    ``.bz2``). Raises ``ValueError`` naming ``path`` when it does not decompress."""
-    for ext, decompress in COMPRESSED.items():
-        if path.endswith(ext):
-            try:
-                data = decompress(data)
-            except (OSError, EOFError, ValueError) as e:
-                raise ValueError(f"{path}: not a valid {ext} file: {e}") from None
-    return io.BytesIO(data)
+def compression_of(path: str) -> str:
+    """The compression that ``path``'s extension names (``COMPRESSED``, case-insensitive), "" for none. Raises
+    ``ValueError`` naming ``path`` for a compressed format that is not read (``.zst``, ``.deflate``, ...)."""
+    lower = path.lower()
+    for ext in COMPRESSED:
+        if lower.endswith(ext):
+            return ext
+    for ext in UNREAD:
+        if lower.endswith(ext):
+            raise ValueError(
+                f"{path}: {ext} files are not read; decompress it, or compress it as one of {', '.join(COMPRESSED)}"
+            )
+    return ""
+
+
+def numbered_lines(raw: BinaryIO, path: str) -> Iterator[tuple[int, bytes]]:
+    """``read_lines`` of the file ``path`` whose bytes ``raw`` yields, decompressed by its extension
+    (``compression_of``). Raises ``ValueError`` naming ``path`` for a compressed file that is truncated or
+    corrupt (its rows so far have been yielded; the caller's run fails, it does not end early)."""
+    ext = compression_of(path)
+    if not ext:
+        yield from read_lines(raw)
+        return
+    try:
+        yield from read_lines(COMPRESSED[ext](raw))
+    except (EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+        raise ValueError(f"{path}: not a valid {ext} file (truncated or corrupt): {e}") from None
 
 
 @dataclass(frozen=True)

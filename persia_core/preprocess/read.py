@@ -12,6 +12,7 @@ import functools
 from collections.abc import Iterable
 
 import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.pvalue import AsDict, TaggedOutput
 
@@ -26,7 +27,7 @@ _COUNTS = "counts"
 class ReadFileLinesFn(beam.DoFn):
     """``(file_index, path)`` -> ``(file_index, path, line_no, data_index, text, ok)`` per data line.
 
-    Lines are read in order with ``FileSystems.open`` (local, gs://; ``.gz`` by extension) by the rule of
+    Lines are read in order with ``FileSystems.open`` (local, gs://; decompressed by extension) by the rule of
     ``persia_core.preprocess.lines`` (``\\n`` ends a line, a BOM is dropped); ``line_no`` is 1-based and counts
     the header, ``data_index`` is 0-based over the file's data lines; ``text`` has no line end; ``ok`` is False
     for a line that is not UTF-8 (``text`` is then its bytes, which the dead letter keeps). Stops after
@@ -44,8 +45,8 @@ class ReadFileLinesFn(beam.DoFn):
     def process(self, element: tuple[int, str]):
         index, path = element
         n = 0
-        with FileSystems.open(path) as f:
-            for line_no, raw in lines.read_lines(f):
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            for line_no, raw in lines.numbered_lines(f, path):  # decompressed there, as predict reads them
                 if line_no == 1 and self.skip_header:
                     continue
                 if self.max_lines and n >= self.max_lines:
@@ -148,8 +149,8 @@ def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.Col
     differs, or is empty or not UTF-8."""
     orders = {}
     for path in files:
-        with FileSystems.open(path) as f:
-            first = next(lines.read_lines(f), (1, b""))[1]
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+            first = next(lines.numbered_lines(f, path), (1, b""))[1]
         text = lines.decode_line(first)
         if text is None or not text.strip():
             raise ValueError(

@@ -98,3 +98,9 @@ def test_with_map_header_by_name_a_row_short_of_its_header_is_set_aside_not_read
     _, plain = _score(model, tmp_path, "plain.tsv", _tsv(ROWS))
     assert out["rows"] == 3 and out["malformed"] == 1
     np.testing.assert_array_equal(out["probability"], plain["probability"])
+
+
+def test_a_truncated_gzip_file_fails_naming_it(model, tmp_path):
+    packed = gzip.compress(_tsv(ROWS * 20))
+    with pytest.raises(ValueError, match=r"cut.tsv.gz: not a valid .gz file \(truncated or corrupt\)"):
+        _score(model, tmp_path, "cut.tsv.gz", packed[: len(packed) // 2])

@@ -125,3 +125,35 @@ def test_an_output_folder_that_is_or_lies_inside_the_input_is_refused_before_any
     with pytest.raises(ValueError, match=r"output folder .* is inside the input"):
         helpers.run(cfg, given, str(out) + ("/" if where == "same" else ""))
     assert sorted(p.name for p in data.iterdir()) == ["d.tsv"]  # nothing written, nothing removed
+
+
+def test_compressed_files_decompress_by_extension_and_a_truncated_one_fails_naming_it():
+    import bz2
+    import gzip
+    import lzma
+
+    data = b"1\t2\ta\n0\t3\tb\n" * 50
+    for name, packed in (("x.gz", gzip.compress(data)), ("x.GZ", gzip.compress(data)), ("x.bz2", bz2.compress(data))):
+        assert [raw for _, raw in lines.numbered_lines(io.BytesIO(packed), name)] == data.splitlines()
+        with pytest.raises(ValueError, match=rf"{name}: not a valid .* file \(truncated or corrupt\)"):
+            list(lines.numbered_lines(io.BytesIO(packed[: len(packed) // 2]), name))
+    assert len(list(lines.numbered_lines(io.BytesIO(lzma.compress(data)), "x.xz"))) == 100
+    with pytest.raises(ValueError, match=r"x.gz: not a valid .gz file"):
+        list(lines.numbered_lines(io.BytesIO(data), "x.gz"))  # a plain file named .gz
+    with pytest.raises(ValueError, match=r"x.zst: .zst files are not read"):
+        list(lines.numbered_lines(io.BytesIO(data), "x.zst"))
+
+
+def test_preprocess_fails_naming_a_truncated_compressed_file_instead_of_dropping_its_rows(tmp_path, helpers):
+    import bz2
+
+    data = tmp_path / "in"
+    data.mkdir()
+    body = "1\t0.5\t3\t17\t4\n" * 200
+    (data / "a.tsv").write_text(body)
+    packed = bz2.compress(body.encode())
+    (data / "b.tsv.bz2").write_bytes(packed[: len(packed) // 2])  # before: its rows silently dropped, exit 0
+    cfg = RunConfig.from_dict({"layout": _layout(has_header=False).__dict__, "slots": [{"name": "a", "source": "a"}]})
+    with pytest.raises(Exception, match=r"b.tsv.bz2: not a valid .bz2 file \(truncated or corrupt\)"):
+        helpers.run(cfg, str(data), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "schema.json").exists()
