@@ -108,13 +108,22 @@ def _normalized(path: str) -> str:
 def check_output_outside_input(data: str, output_dir: str) -> None:
     """Raise ``ValueError`` when ``output_dir`` is, or lies inside, the folder that ``data`` reads from (a folder,
     or a glob's fixed prefix): the next run would read the outputs back as input, and every run first removes
-    the outputs of the last."""
+    the outputs of the last; or when the input lies in one of the output's ``train/``, ``eval/`` or
+    ``dead_letter/`` folders, whose files a run replaces."""
     folder = _input_folder(data)
     if folder is not None and _normalized(output_dir).startswith(_normalized(folder)):
         raise ValueError(
             f"preprocess: the output folder {output_dir} is inside the input folder {folder} (of --data {data}); "
             "write the output elsewhere"
         )
+    written = [io.join(output_dir, d) for d in (schema.TRAIN_DIR, schema.EVAL_DIR, schema.DEAD_LETTER_DIR)]
+    inside = folder if folder is not None else data
+    for d in written:  # the folders whose files a run replaces
+        if _normalized(inside).startswith(_normalized(d)):
+            raise ValueError(
+                f"preprocess: the input {data} lies in {d}, a folder of the output {output_dir} whose files "
+                "each run replaces; move the input or write the output elsewhere"
+            )
 
 
 def _clear_outputs(output_dir: str) -> None:
@@ -122,7 +131,7 @@ def _clear_outputs(output_dir: str) -> None:
     patterns = [
         FileSystems.join(output_dir, schema.TRAIN_DIR, "*.parquet"),
         FileSystems.join(output_dir, schema.EVAL_DIR, "*.parquet"),
-        FileSystems.join(output_dir, schema.DEAD_LETTER_DIR, "*"),
+        FileSystems.join(output_dir, schema.DEAD_LETTER_DIR, "dead_letter-*-of-*.jsonl"),  # ours only
         FileSystems.join(output_dir, schema.SCHEMA_FILE),
         FileSystems.join(output_dir, STATS_FILE),
     ]

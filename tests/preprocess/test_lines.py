@@ -157,3 +157,28 @@ def test_preprocess_fails_naming_a_truncated_compressed_file_instead_of_dropping
     with pytest.raises(Exception, match=r"b.tsv.bz2: not a valid .bz2 file \(truncated or corrupt\)"):
         helpers.run(cfg, str(data), str(tmp_path / "out"))
     assert not (tmp_path / "out" / "schema.json").exists()
+
+
+@pytest.mark.parametrize("sub", ["dead_letter", "train"])
+def test_an_input_inside_a_folder_the_output_replaces_is_refused_and_left_alone(tmp_path, helpers, sub):
+    # found by a helper session: --data out/dead_letter --output out deleted the input with the old dead letters
+    out = tmp_path / "out"
+    (out / sub).mkdir(parents=True)
+    raw = out / sub / "d.tsv"
+    raw.write_text("1\t0.5\t3\t17\t4\n" * 10)
+    cfg = RunConfig.from_dict({"layout": _layout(has_header=False).__dict__, "slots": [{"name": "a", "source": "a"}]})
+    for given in (str(out / sub), str(raw)):
+        with pytest.raises(ValueError, match=rf"the input .* lies in {out / sub}"):
+            helpers.run(cfg, given, str(out))
+    assert raw.exists()
+
+
+def test_a_run_removes_only_its_own_dead_letter_files(tmp_path, helpers):
+    data, out = tmp_path / "d.tsv", tmp_path / "out"
+    data.write_text("1\t0.5\t3\t17\t4\n" * 10 + "bad\n")
+    (out / "dead_letter").mkdir(parents=True)
+    (out / "dead_letter" / "README").write_text("notes of mine")
+    cfg = RunConfig.from_dict({"layout": _layout(has_header=False).__dict__, "slots": [{"name": "a", "source": "a"}]})
+    helpers.run(cfg.with_overrides({"split.max_malformed_fraction": 0.5}), str(data), str(out))
+    assert (out / "dead_letter" / "README").read_text() == "notes of mine"
+    assert len(helpers.read_dead_letters(str(out))) == 1
