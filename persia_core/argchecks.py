@@ -26,6 +26,17 @@ def int_at_least(lo: int):
     return parse
 
 
+def port_number(text: str) -> int:
+    """An argparse ``type`` accepting a TCP port, 0 (any free one) to 65535."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free one) to 65535, got {v}")
+    return v
+
+
 def storage_root(text: str) -> str:
     """An argparse ``type`` for a parameter server's storage root: a local folder or a ``gs://bucket[/prefix]``;
     an empty value (an unset shell variable) or another URL scheme is argparse's usage error (exit 2), never

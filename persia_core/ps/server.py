@@ -33,7 +33,7 @@ import time
 
 from persia_core import io
 from persia_core.allocator import keep_freed_memory
-from persia_core.argchecks import storage_root
+from persia_core.argchecks import port_number, storage_root
 from persia_core.config import load_config
 from persia_core.logging_utils import setup_logging
 from persia_core.process_exit import exit_now
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delta-dir", default="", help="write incremental exports (delta files) under this folder")
     p.add_argument("--delta-every-s", type=float, default=0.0, help="seconds between delta files (0: off)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port (0 = pick a free one)")
+    p.add_argument("--port", type=port_number, default=0, help="port (0 = pick a free one)")
     p.add_argument("--port-file", default="", help="write the bound port here once serving")
     p.add_argument(
         "--storage-root",

@@ -168,6 +168,10 @@ def bind_port(server: grpc.Server, host: str, port: int, what: str) -> int:
     ``what`` and the address. A given port is first bound by a plain socket (``SO_REUSEADDR`` only, so a port
     left in TIME_WAIT stays usable), which fails where any socket listens: the refusal is then one line, without
     gRPC's own log line of the failed bind."""
+    if not 0 <= port <= 65535:
+        raise PortInUse(f"{what} could not bind {host}:{port}: a port is 0 (any free one) to 65535")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # a bare IPv6 address, as gRPC's address syntax needs it
     reason = _bind_error(host, port) if port else None
     if reason is None:
         try:
@@ -181,17 +185,25 @@ def bind_port(server: grpc.Server, host: str, port: int, what: str) -> int:
 
 
 def _bind_error(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be bound (in use, not this host's address), or None when a socket can bind it."""
+    """Why ``host:port`` cannot be bound (in use, not this host's address), or None when a socket can bind every
+    address the host resolves to (gRPC binds them all: ``localhost`` is 127.0.0.1 and ::1)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         return f"the host does not resolve ({e})"
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return "the port is in use (another process listens there)"
-            return f"{e.strerror} (is the address one of this host's?)"
+    probes = [(i[0], i[4], True) for i in infos]
+    if host.lower() == "localhost":  # gRPC's own resolver gives both loopbacks, whatever /etc/hosts says
+        probes += [(socket.AF_INET, ("127.0.0.1", port), False), (socket.AF_INET6, ("::1", port, 0, 0), False)]
+    for family, addr, resolved in probes:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as gRPC binds each address on its own
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"the port is in use on {addr[0]}"
+                if resolved:  # an extra loopback that this host lacks (no IPv6) is not an error
+                    return f"{e.strerror} (is the address one of this host's?)"
     return None
