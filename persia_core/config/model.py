@@ -42,3 +42,18 @@ class ModelConfig:
             raise config_error("model.structure", f"must be 'stacked' or 'parallel', got {self.structure!r}")
         if any(h < 1 for h in self.hidden + self.bottom):
             raise config_error("model.hidden/bottom", "layer sizes must be >= 1")
+
+    def check_fits(self, num_slots: int, dim: int, num_dense: int) -> None:
+        """Raise ``ValueError`` naming the field when this model cannot be built for ``num_slots`` slots of dim
+        ``dim`` and ``num_dense`` dense features (the data's): DLRM without dense features, or a DCNv2
+        ``cross_rank`` not below its cross layers' width (``U V`` would then cost more than a full-rank ``W``)."""
+        if self.kind == "dlrm" and not num_dense:
+            raise config_error("model.kind", "dlrm needs dense features (the data has none); use dnn, dcnv2 or deepfm")
+        if self.kind == "dcnv2" and self.cross_rank:
+            width = num_slots * dim + ((self.bottom[-1] if self.bottom else num_dense) if num_dense else 0)
+            if self.cross_rank >= width:
+                raise config_error(
+                    "model.cross_rank",
+                    f"{self.cross_rank} is not below the cross layers' width {width} (slots x dim + the dense "
+                    "part): a low-rank W = U V that wide costs more than full rank; use 0 (full rank) or less",
+                )

@@ -117,7 +117,8 @@ def build_model(
     config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None
 ) -> nn.Module:
     """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``). Raises ``ValueError``
-    for an unusable combination."""
+    for an unusable combination (``ModelConfig.check_fits``)."""
+    config.check_fits(num_slots, dim, num_dense)
     args = (num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)
     if config.kind == "dcnv2":
         return DCNv2(*args, config.cross_layers, config.cross_rank, config.structure)

@@ -51,7 +51,8 @@ by default it is removed, its logs copied to ``<model_dir>/logs`` first."""
 
 def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) -> None:
     """Raise ``ValueError`` naming the slots of ``config`` that the preprocessed data in ``data_dir`` (its
-    ``schema``) does not hold, or when its train split has no row, before any process starts."""
+    ``schema``) does not hold, when its train split has no row, or when the model cannot be built on the data's
+    dense features (``ModelConfig.check_fits``), before any process starts."""
     rows = schema.get("rows", {})
     if rows.get("train") == 0:
         raise ValueError(
@@ -65,6 +66,7 @@ def check_config_matches_data(config: RunConfig, schema: dict, data_dir: str) ->
             f"{io.join(data_dir, 'schema.json')}: the data has no slot(s) {missing} of the run "
             f"config; it holds {schema.get('slots', [])} (was it preprocessed with another config?)"
         )
+    config.model.check_fits(len(config.slots), config.embedding.tables[0].dim, len(schema.get("dense", [])))
 
 
 def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> None:

@@ -93,3 +93,17 @@ def test_the_shipped_dcnv2_configs_build_and_train_one_step_on_tiny_data(name, t
     assert len(hist["loss"]) == 1 and np.isfinite(hist["loss"][0])
     dense = torch.load(tmp_path / "out" / "dense.pt", weights_only=True)
     assert any(k.startswith("cross.") for k in dense)
+
+
+def test_a_model_that_cannot_be_built_on_the_data_is_refused_before_training_naming_the_field():
+    from support import tiny_config
+
+    from persia_core.train.launcher import check_config_matches_data
+
+    with pytest.raises(ValueError, match=r"'model.cross_rank': 432 is not below the cross layers' width 432"):
+        ModelConfig(kind="dcnv2", cross_rank=432, bottom=[16]).check_fits(26, 16, 13)
+    ModelConfig(kind="dcnv2", cross_rank=431, bottom=[16]).check_fits(26, 16, 13)
+    cfg = tiny_config().with_overrides({"model.kind": "dlrm"})
+    schema = {"rows": {"train": 10}, "slots": ["a", "b", "tags"], "dense": []}
+    with pytest.raises(ValueError, match=r"'model.kind': dlrm needs dense features"):  # before: after start-up
+        check_config_matches_data(cfg, schema, "data")
