@@ -18,13 +18,21 @@ import lzma
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from persia_core.config.schema import LayoutConfig
 from persia_core.preprocess.layouts import ParseError
 
 BOM = b"\xef\xbb\xbf"
-COMPRESSED: dict[str, Callable[[BinaryIO], BinaryIO]] = {
+
+
+class LineSource(Protocol):
+    """What ``read_lines`` reads from: a binary file (or decompressing stream) with ``readline``."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+COMPRESSED: dict[str, Callable[[BinaryIO], LineSource]] = {
     ".gz": lambda f: gzip.GzipFile(fileobj=f, mode="rb"),
     ".bz2": lambda f: bz2.BZ2File(f, mode="rb"),
     ".xz": lambda f: lzma.LZMAFile(f, mode="rb"),
@@ -35,7 +43,7 @@ UNREAD = (".zst", ".zstd", ".deflate", ".zip", ".snappy", ".lz4", ".br")
 """Compressed formats refused by name rather than read as text."""
 
 
-def read_lines(f: BinaryIO) -> Iterator[tuple[int, bytes]]:
+def read_lines(f: LineSource) -> Iterator[tuple[int, bytes]]:
     """``(line_no, raw)`` for every line of the binary file ``f``: ``line_no`` 1-based, ``raw`` the line's bytes
     without its line end (module docstring: the rule). Blank lines are yielded too (the caller skips them)."""
     line_no = 0
