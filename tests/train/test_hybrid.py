@@ -451,17 +451,23 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path, embedding_workers):
 
 
 def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wait(tmp_path):
+    import gc
     import time
 
     def run(rows: int, name: str):
-        """In-process training whose first embedding lookup takes 1 s longer (a slow start-up)."""
+        """In-process training whose first embedding lookup ends 0.3 s after start-up (a slow first batch)."""
         cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=1)  # batch 16
         backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=cfg.trainer.seed)
-        plain, calls = backend.lookup, []
+        plain, calls, frozen = backend.lookup, [], gc.get_freeze_count()
 
         def lookup(*a, **k):
             if not calls:
-                time.sleep(1.0)  # longer than the start-up work after the pipeline starts (gc.collect)
+                # until start-up is over (run_worker freezes the garbage collector just before its loop: before,
+                # a fixed 1 s sleep, which a garbage collection of a large test heap outlasted in CI), then longer
+                deadline = time.monotonic() + 60
+                while gc.get_freeze_count() <= frozen and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                time.sleep(0.3)
             calls.append(1)
             return plain(*a, **k)
 
@@ -470,8 +476,6 @@ def test_phase_seconds_keep_the_first_batch_wait_apart_from_the_steady_state_wai
         os.makedirs(out)
         return run_worker(cfg, write_dataset(str(tmp_path / f"data-{name}"), rows=rows), out, backend, rank=0, world=1)
 
-    # (how much of the 1 s the first step still waits depends on what start-up does after the prefetch thread
-    # starts: a garbage collection of this test process's heap took 0.4 s in the full suite)
     one = run(16, "one")  # a single step: its wait is all start-up
     ph = one["phase_seconds"]
     assert len(one["loss"]) == 1 and ph["first_batch_wait"] > 0 and ph["wait"] == 0
