@@ -6,7 +6,7 @@ Each row is one example::
     dense      list<float32>        F dense features, in ``schema.json["dense"]`` order (transformed, not scaled)
     slot_<s>   list<uint64>         the feature IDs of slot s (empty list = missing / no value)
     ts         int64                Unix seconds of the example (row number for layouts without time)
-    source     string               "<file>:<line>" of the raw row it came from
+    source     string               "<file>:<line>" of the raw row it came from; <file> relative to the input root
 
 A shard's path under the output folder is ``shard_file(split, shard, num_shards)``. Beside the shards,
 ``schema.json`` (see ``SCHEMA_FILE``) holds::

@@ -19,12 +19,19 @@ class ParseDelimitedFn(beam.DoFn):
     """``(path, line_no, row_number, text)`` -> an encoded row, or a dead letter on the ``dead`` output.
 
     ``ts`` is the layout's timestamp column, else the global row number. ``orders``: per file path, where its
-    fields sit (``lines.header_order``; files not named are in ``layout.columns`` order).
+    fields sit (``lines.header_order``; files not named are in ``layout.columns`` order). ``names``: per file path,
+    its name in the row's ``source`` (``read.source_names``; default the path); dead letters name the path.
     """
 
-    def __init__(self, config: RunConfig, orders: dict[str, lines.ColumnOrder] | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        orders: dict[str, lines.ColumnOrder] | None = None,
+        names: dict[str, str] | None = None,
+    ) -> None:
         self.layout = config.layout
         self.orders = dict(orders or {})
+        self.names = dict(names or {})
         self.specs = slot_specs(config)
         self.rows = counter("rows")
         self.malformed = counter("malformed")
@@ -40,18 +47,24 @@ class ParseDelimitedFn(beam.DoFn):
             return
         self.rows.inc()
         ts = record["ts"] if record["ts"] is not None else row_number
-        yield encode_row(record, self.specs, f"{path}:{line_no}", ts)
+        yield encode_row(record, self.specs, f"{self.names.get(path, path)}:{line_no}", ts)
 
 
 class ParseDelimited(beam.PTransform):
     """Numbered lines of a delimited layout -> ``{"rows": encoded rows, "dead": dead letters}``."""
 
-    def __init__(self, config: RunConfig, orders: dict[str, lines.ColumnOrder] | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        orders: dict[str, lines.ColumnOrder] | None = None,
+        names: dict[str, str] | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.orders = orders
+        self.names = names
 
     def expand(self, numbered):
-        fn = ParseDelimitedFn(self.config, self.orders)
+        fn = ParseDelimitedFn(self.config, self.orders, self.names)
         out = numbered | "ParseLines" >> beam.ParDo(fn).with_outputs(DEAD, main="rows")
         return {"rows": out.rows, "dead": out[DEAD]}

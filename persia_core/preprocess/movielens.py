@@ -25,14 +25,18 @@ from persia_core.preprocess.rows import DEAD, dead_letter, encode_row, slot_spec
 
 
 class KeyByMovieFn(beam.DoFn):
-    """``(path, line_no, row_number, text)`` -> ``(movieId, (line_no, source, text, parsed))`` or a dead letter.
+    """``(path, line_no, row_number, text)`` -> ``(movieId, (line_no, source, text, parsed, path))`` or a dead
+    letter.
 
-    ``parse``: one of ``layouts.parse_rating`` (bound to the layout), ``parse_movie``, ``parse_tag``.
+    ``parse``: one of ``layouts.parse_rating`` (bound to the layout), ``parse_movie``, ``parse_tag``. ``names``:
+    per file path, its name in the row's ``source`` (``read.source_names``; default the path); dead letters name
+    the path.
     """
 
-    def __init__(self, parse: Callable[[str], dict], example: bool) -> None:
+    def __init__(self, parse: Callable[[str], dict], example: bool, names: dict[str, str] | None = None) -> None:
         self.parse = parse
         self.example = example
+        self.names = dict(names or {})
         self.malformed = counter("malformed" if example else "malformed_side_lines")
 
     def process(self, element: tuple):
@@ -43,7 +47,7 @@ class KeyByMovieFn(beam.DoFn):
             self.malformed.inc()
             yield TaggedOutput(DEAD, dead_letter(path, line_no, text, e, self.example))
             return
-        yield parsed["movieId"], (line_no, f"{path}:{line_no}", text, parsed)
+        yield parsed["movieId"], (line_no, f"{self.names.get(path, path)}:{line_no}", text, parsed, path)
 
 
 class JoinMovieFn(beam.DoFn):
@@ -66,22 +70,21 @@ class JoinMovieFn(beam.DoFn):
         movie_id, groups = element
         ratings = list(groups["ratings"])
         movies = sorted(groups["movies"], key=lambda m: m[0])
-        for line_no, source, text, _ in movies[1:]:
-            path = source.rsplit(":", 1)[0]
+        for line_no, _, text, _, path in movies[1:]:
             err = layouts.ParseError(f"duplicate movieId: {movie_id}", "duplicate movieId")
             yield TaggedOutput(DEAD, dead_letter(path, line_no, text, err, False))
         if not ratings:
             return
         if not movies:
             err = layouts.ParseError(f"unknown movieId: {movie_id}", "unknown movieId")
-            for line_no, source, text, _ in ratings:
+            for line_no, _, text, _, path in ratings:
                 self.malformed.inc()
-                yield TaggedOutput(DEAD, dead_letter(source.rsplit(":", 1)[0], line_no, text, err, True))
+                yield TaggedOutput(DEAD, dead_letter(path, line_no, text, err, True))
             return
         movie = movies[0][3]
         events = [(t[3]["timestamp"], t[3]["tag"]) for t in groups["tags"]]
         tag_lists = layouts.tags_before_each(events, [r[3]["timestamp"] for r in ratings], self.max_tags)
-        for (line_no, source, _, rating), tags in zip(ratings, tag_lists, strict=True):
+        for (line_no, source, _, rating, _), tags in zip(ratings, tag_lists, strict=True):
             record = layouts.movielens_record(rating, movie, tags)
             self.rows.inc()
             if self.by_user:
@@ -121,11 +124,13 @@ class JoinMovieLens(beam.PTransform):
     not count as rows, but a rating of a movie whose line is malformed becomes ``"unknown movieId"``).
     With ``layout.history_length > 0`` the joined ratings are then grouped by userId (``GroupByKey``) and each
     gets its user history (``UserHistoryFn``); ratings that are dead letters are in no user's history.
+    ``names``: as ``KeyByMovieFn``'s.
     """
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, names: dict[str, str] | None = None) -> None:
         super().__init__()
         self.config = config
+        self.names = names
 
     def expand(self, inputs):
         parsers: dict[str, tuple[Callable[[str], dict], bool]] = {
@@ -135,9 +140,9 @@ class JoinMovieLens(beam.PTransform):
         }
         keyed, dead = {}, []
         for name, (parse, example) in parsers.items():
-            out = inputs[name] | f"Parse{name.title()}" >> beam.ParDo(KeyByMovieFn(parse, example)).with_outputs(
-                DEAD, main="keyed"
-            )
+            out = inputs[name] | f"Parse{name.title()}" >> beam.ParDo(
+                KeyByMovieFn(parse, example, self.names)
+            ).with_outputs(DEAD, main="keyed")
             keyed[name] = out.keyed
             dead.append(out[DEAD])
         joined = (

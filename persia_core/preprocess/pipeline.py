@@ -29,6 +29,7 @@ from persia_core import io
 from persia_core.config import RunConfig, load_config, parse_overrides
 from persia_core.data import schema
 from persia_core.logging_utils import setup_logging
+from persia_core.preprocess.read import source_names
 from persia_core.preprocess.transform import Preprocess
 from persia_core.preprocess.write import STATS_FILE
 
@@ -97,6 +98,16 @@ def _input_folder(data: str) -> str | None:
         fixed = data[: min(data.index(c) for c in "*?[" if c in data)]
         return fixed if fixed.endswith("/") else (fixed.rpartition("/")[0] or ".")
     return data if io.isdir(data) else None
+
+
+def input_root(data: str) -> str:
+    """The input root of ``--data``: the folder read (MovieLens or delimited), a glob's fixed prefix, or one
+    file's folder. Rows' sources are named relative to it (``read.source_names``)."""
+    folder = _input_folder(data)
+    if folder is not None:
+        return folder
+    head = data.rstrip("/").rpartition("/")[0]
+    return head or "."
 
 
 def _normalized(path: str) -> str:
@@ -230,10 +241,15 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
     _clear_outputs(output_dir)
     io.makedirs(output_dir)
     started = time.monotonic()
+    names = source_names([p for files in inputs.values() for p in files], input_root(data))
     with beam.Pipeline(runner=default_runner(options), options=options) as p:
-        _ = p | "Preprocess" >> Preprocess(config, inputs, output_dir)
+        _ = p | "Preprocess" >> Preprocess(config, inputs, output_dir, names)
     with FileSystems.open(FileSystems.join(output_dir, STATS_FILE)) as f:
         stats = json.loads(f.read().decode("utf-8"))
+    for name, n in sorted(stats["files"].items()):
+        if n == 0:
+            path = next((p for p, m in names.items() if m == name), name)
+            log.warning("preprocess: %s holds no data rows (an empty file?)", path)
     plan = stats["plan"]
     if plan["train"] + plan["eval"] + stats["malformed"]["examples"] != stats["read"]:
         raise RuntimeError(f"preprocess: rows do not add up (train + eval + malformed != read): {stats}")

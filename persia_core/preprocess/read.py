@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import functools
+import os
+import posixpath
 from collections.abc import Iterable
 
 import apache_beam as beam
@@ -106,7 +108,8 @@ class ReadNumberedLines(beam.PTransform):
 
     ``lines``: ``(path, line_no, row_number, text)`` (``row_number`` 0-based over the data lines of all
     ``files`` in list order; only rows with ``row_number < max_rows`` when ``max_rows > 0``); ``dead``:
-    dead letters of undecodable lines; ``read``: one int, the number of data rows kept (lines + dead).
+    dead letters of undecodable lines; ``read``: one int, the number of data rows kept (lines + dead);
+    ``file_rows``: ``(path, data lines read)`` per file, 0 for a file without any.
     ``example``: whether these lines are examples (count towards the malformed budget) or side data.
     """
 
@@ -139,7 +142,28 @@ class ReadNumberedLines(beam.PTransform):
             | "FileCounts" >> beam.Map(lambda kv: kv[1])
             | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
         )
-        return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total}
+        files = self.files
+        file_rows = read[_COUNTS] | "RowsPerFile" >> beam.Map(lambda kv: (files[kv[0]], kv[1]))
+        return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total, "file_rows": file_rows}
+
+
+def source_names(files: list[str], root: str) -> dict[str, str]:
+    """Each of ``files`` -> its name relative to the input root ``root`` (the folder read, or a glob's fixed
+    prefix), normalized (no ``./``, ``/`` as separator): the file part of every row's ``source``, so that a path
+    typed another way (``data/*.tsv``, ``./data/*.tsv``, an absolute path) or a moved input folder gives the
+    same sources, hence the same shards and row order. A file outside ``root`` keeps its normalized path.
+    Local paths are compared absolute; gs:// paths by prefix."""
+    out = {}
+    for path in files:
+        if "://" in path or "://" in root:
+            prefix = root.rstrip("/") + "/"
+            rel = path[len(prefix) :] if path.startswith(prefix) else path
+        else:
+            rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root or "."))
+            if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+                rel = os.path.abspath(path)
+        out[path] = posixpath.normpath(rel.replace(os.sep, "/"))
+    return out
 
 
 def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.ColumnOrder]:

@@ -9,12 +9,15 @@ Steps (each a composite ``PTransform``; runs on the DirectRunner here and on Dat
                            sweep) and, with ``layout.history_length > 0``, adds each rating's user history
                            (GroupByKey by userId; sort + bisect per user); see ``movielens``
     3. SplitAndShard       eval = rows with ts >= cutoff, cutoff = sorted_ts[floor((1 - eval_fraction) * n)];
-                           each split is cut into shards at order statistics of a hash of ``source``, so shards
-                           are balanced (sizes differ by at most one row) and deterministic (``split``)
+                           each split is cut into shards at order statistics of a hash of ``source`` (the file
+                           named relative to the input root, ``read.source_names``, so the same files give the
+                           same shards however the path is typed or wherever the folder lies), so shards are
+                           balanced (sizes differ by at most one row) and deterministic (``split``)
     4. WriteShards         one Parquet file per shard (``schema.arrow_schema``), rows sorted by that hash (``write``)
     5. WriteDeadLetters    malformed lines -> dead_letter/*.jsonl {"source", "reason", "raw"}, counted by file
                            and reason (``write``)
-    6. statistics          dense mean/std over train, distinct IDs per slot (HyperLogLog), row counts ->
+    6. statistics          dense mean/std over train, distinct IDs per slot (HyperLogLog), row counts (also per
+                           input file: a file with no data rows is warned of) ->
                            ``preprocess_stats.json`` (the CombineFns are in ``stats``); the driver
                            (``pipeline.run_preprocess``) then checks the malformed budget and writes
                            ``schema.json`` and ``run_config.yaml``
@@ -37,18 +40,27 @@ from persia_core.preprocess.stats import DenseStatsFn, DistinctIdsFn
 from persia_core.preprocess.write import WriteDeadLetters, WriteShards, WriteStatsFn
 
 
+def _named(file_rows: tuple[str, int], names: dict[str, str]) -> tuple[str, int]:
+    """``(path, rows)`` -> ``(its source name, rows)``."""
+    return names.get(file_rows[0], file_rows[0]), file_rows[1]
+
+
 class Preprocess(beam.PTransform):
     """The whole preprocess step: ``PBegin`` -> Parquet shards, dead letters and ``preprocess_stats.json``.
 
     ``inputs``: from ``resolve_inputs`` (``{"ratings"|"movies"|"tags": [path]}`` for MovieLens,
-    ``{"files": [paths in name order]}`` for delimited). Returns the stats PCollection (one dict).
+    ``{"files": [paths in name order]}`` for delimited). ``names``: each input path's name in rows' sources
+    (``read.source_names``; default: the path itself). Returns the stats PCollection (one dict).
     """
 
-    def __init__(self, config: RunConfig, inputs: dict[str, list[str]], output_dir: str) -> None:
+    def __init__(
+        self, config: RunConfig, inputs: dict[str, list[str]], output_dir: str, names: dict[str, str] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.inputs = inputs
         self.output_dir = output_dir
+        self.names = dict(names or {})
 
     def expand(self, pbegin):
         config, layout, split = self.config, self.config.layout, self.config.split
@@ -61,18 +73,22 @@ class Preprocess(beam.PTransform):
                 )
                 for name in ("ratings", "movies", "tags")
             }
-            parsed = {name: r["lines"] for name, r in reads.items()} | "JoinMovieLens" >> JoinMovieLens(config)
+            parsed = {name: r["lines"] for name, r in reads.items()} | "JoinMovieLens" >> JoinMovieLens(
+                config, self.names
+            )
             read_dead = [r["dead"] for r in reads.values()]
             read_count = reads["ratings"]["read"]
+            file_rows = [r["file_rows"] for r in reads.values()] | "RowsPerInputFile" >> beam.Flatten()
         else:
             # the headers first: a file whose columns differ from the config's fails the step before any row
             orders = header_orders(self.inputs["files"], layout) if layout.has_header else {}
             read = pbegin | "ReadLines" >> ReadNumberedLines(
                 self.inputs["files"], layout.has_header, split.max_rows, example=True, redistribute=True
             )
-            parsed = read["lines"] | "ParseDelimited" >> ParseDelimited(config, orders)
+            parsed = read["lines"] | "ParseDelimited" >> ParseDelimited(config, orders, self.names)
             read_dead = [read["dead"]]
             read_count = read["read"]
+            file_rows = read["file_rows"]
         rows = parsed["rows"]
         dead = (*read_dead, parsed["dead"]) | "AllDeadLetters" >> beam.Flatten()
         malformed = dead | "WriteDeadLetters" >> WriteDeadLetters(self.output_dir)
@@ -99,6 +115,7 @@ class Preprocess(beam.PTransform):
                 dense=AsSingleton(dense),
                 distinct=AsSingleton(distinct),
                 read=AsSingleton(read_count),
+                file_rows=beam.pvalue.AsList(file_rows | "NameFiles" >> beam.Map(_named, self.names)),
                 malformed=AsSingleton(malformed),
                 shards=beam.pvalue.AsList(shards),
             )

@@ -128,18 +128,20 @@ class WriteStatsFn(beam.DoFn):
     """Gathers the pipeline's statistics (side inputs) into one dict, written to ``<output_dir>/preprocess_stats.json``.
 
     The dict: ``{"plan": SplitPlanFn output, "dense": DenseStatsFn output, "distinct_ids": {slot: n}, "read": n,
-    "malformed": MalformedSummaryFn output, "shard_rows": {"train/0": n, ...}}``.
+    "files": {input file's source name: data lines read}, "malformed": MalformedSummaryFn output, "shard_rows":
+    {"train/0": n, ...}}``.
     """
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
 
-    def process(self, _, plan, dense, distinct, read, malformed, shards):
+    def process(self, _, plan, dense, distinct, read, file_rows, malformed, shards):
         stats = {
             "plan": plan,
             "dense": dense,
             "distinct_ids": distinct,
             "read": int(read),
+            "files": {name: int(n) for name, n in sorted(file_rows)},
             "malformed": malformed,
             "shard_rows": {f"{split}/{shard}": n for split, shard, n in shards},
         }

@@ -279,7 +279,7 @@ def test_gzip_input_and_glob_are_read(tmp_path, odd_files_run, helpers):
     folder, _, out, _ = odd_files_run
     rows = helpers.read_split(out)
     assert len(_of(rows, folder / "d.tsv.gz")) == 40  # a .gz file in a folder, read with the others
-    assert {r["source"].rsplit(":", 1)[0] for r in rows} == {str(folder / f) for f in os.listdir(folder)}
+    assert {r["source"].rsplit(":", 1)[0] for r in rows} == set(os.listdir(folder))  # named in the input folder
     for name in ("a.tsv.gz", "b.tsv.gz", "c.tsv"):
         (tmp_path / name).write_bytes(b"")
     got = pipeline.resolve_inputs(helpers.config_with("criteo"), str(tmp_path / "*.gz"))
@@ -402,7 +402,8 @@ def odd_files_run(tmp_path_factory):
 
 
 def _of(records: list[dict], path) -> list[dict]:
-    return [r for r in records if r["source"].rsplit(":", 1)[0] == str(path)]
+    """The records of file ``path``: dead letters name it as found, rows by its name in the input folder."""
+    return [r for r in records if r["source"].rsplit(":", 1)[0] in (str(path), path.name)]
 
 
 def test_not_utf8_line_is_a_dead_letter(odd_files_run, helpers):
