@@ -76,6 +76,69 @@ def process_state(pid: int) -> str:
     return st[0] if st else ""
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+"""Where the cgroup hierarchies are mounted: v1 controllers each in a folder of their own (``freezer``), cgroup v2
+at the root itself or, on hybrid hosts, under ``unified``."""
+
+
+def _cgroups(pid: int) -> list[tuple[str, str]]:
+    """``(controllers, path)`` of each line of ``/proc/<pid>/cgroup`` ([] where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            out.append((parts[1], parts[2]))
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def frozen_cgroup(pid: int) -> str | None:
+    """The folder of the cgroup whose freezer holds process ``pid`` frozen, or None (not frozen, gone, or no
+    cgroup to read). A frozen process is alive and never runs, like a stopped one, but reads as state ``D`` (v1)
+    or ``S`` (v2), not ``T``; its cgroup is frozen when v1's ``freezer.state`` is ``FROZEN`` or ``FREEZING`` (an
+    ancestor's freezing included), or v2's ``cgroup.events`` says ``frozen 1``."""
+    for controllers, path in _cgroups(pid):
+        rel = path.lstrip("/")
+        if "freezer" in controllers.split(","):
+            folder = os.path.join(CGROUP_ROOT, "freezer", rel).rstrip("/")
+            if _read(os.path.join(folder, "freezer.state")).strip() in ("FROZEN", "FREEZING"):
+                return folder
+        elif controllers == "":
+            for mount in (CGROUP_ROOT, os.path.join(CGROUP_ROOT, "unified")):
+                folder = os.path.join(mount, rel).rstrip("/")
+                if "frozen 1" in _read(os.path.join(folder, "cgroup.events")).splitlines():
+                    return folder
+    return None
+
+
+def thaw_if_only(folder: str, pids: set[int]) -> bool:
+    """Thaw the frozen cgroup ``folder`` when every process in it is one of ``pids`` (this job's, being stopped), so
+    that a SIGKILL can end them: the v1 freezer holds even a killed process until it is thawed. A cgroup that also
+    holds other processes is left as it is (someone else froze it). Returns whether it was thawed."""
+    members = {int(x) for x in _read(os.path.join(folder, "cgroup.procs")).split() if x.isdigit()}
+    if not members or not members <= pids:
+        return False
+    v1 = os.path.exists(os.path.join(folder, "freezer.state"))
+    try:
+        with open(os.path.join(folder, "freezer.state" if v1 else "cgroup.freeze"), "w") as f:
+            f.write("THAWED" if v1 else "0")
+    except OSError:
+        return False
+    return True
+
+
 def descendants(pid: int) -> list[int]:
     """The pids of every live process below ``pid`` (children, their children...), from ``/proc``; [] without it."""
     children: dict[int, list[int]] = {}
