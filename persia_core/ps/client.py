@@ -347,9 +347,15 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Nothing buffered: each push is sent when made (its future says when it is applied)."""
 
-    def close(self) -> None:
-        self.dispatcher.shutdown(wait=True)
-        self.pool.shutdown(wait=True)
+    def close(self, cancel: bool = False) -> None:
+        """Close the channels and threads. Pushes already made are sent and answered first, unless ``cancel``:
+        then every call in flight is cancelled at once (it raises ``ParameterServerError``, CANCELLED), so that a
+        job that is being stopped does not wait on a dump of many GB or a server that does not answer."""
+        if cancel:
+            for ch in self.channels:
+                ch.close()  # ends every active call now
+        self.dispatcher.shutdown(wait=True, cancel_futures=cancel)
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
         for ch in self.channels:
             ch.close()
         for pool in self.segments:
