@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -35,7 +36,7 @@ from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
-from persia_core.model_store import shard_file_name
+from persia_core.model_store import DENSE_FILE, MANIFEST, METRICS_FILE, shard_file_name
 from persia_core.ps.client import EmbeddingClient
 from persia_core.train.local_cluster import InitRefused, LocalCluster, TrainingFailed, check_local_process_count
 from persia_core.train.model_output import finish_model
@@ -190,6 +191,7 @@ def _train(
         )
     except BaseException as e:  # a failure, a refusal, SIGTERM: keep the logs, not a temporary folder
         _copy_logs(work_dir, model_dir)
+        _remove_partial_model(model_dir)
         if not own_work_dir:
             raise
         if os.environ.get(KEEP_WORK_DIR_ENV):
@@ -204,6 +206,28 @@ def _train(
     if own_work_dir:
         shutil.rmtree(work_dir, ignore_errors=True)
     return manifest
+
+
+SHARD_NAME = re.compile(r"shard-\d{5,}\.npz")
+"""A shard file's name in a Model's ``shards/`` (``model_store.shard_file_name``)."""
+
+
+def _remove_partial_model(model_dir: str) -> None:
+    """Remove what a failed run wrote of its Model into local ``model_dir`` (dense weights, metrics, shard files,
+    and the temporary files of writes cut short), so that no partial model is left; the logs and the checkpoints
+    stay. Nothing is removed from a folder that holds a manifest (a finished Model), nor through the Cloud Storage
+    API (a gs:// output is written by the servers' atomic uploads only, which leave nothing half written)."""
+    if io.is_gcs(model_dir) or not os.path.isdir(model_dir) or os.path.exists(os.path.join(model_dir, MANIFEST)):
+        return
+    shards = os.path.join(model_dir, "shards")
+    candidates = [(model_dir, n) for n in os.listdir(model_dir)]
+    candidates += [(shards, n) for n in os.listdir(shards)] if os.path.isdir(shards) else []
+    for folder, name in candidates:
+        base = name.split(".tmp-", 1)[0]  # ``io.atomic_local_file``'s temporary names
+        ours = base in (DENSE_FILE, METRICS_FILE) if folder == model_dir else SHARD_NAME.fullmatch(base) is not None
+        path = os.path.join(folder, name)
+        if ours and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
 
 
 def _copy_logs(work_dir: str, model_dir: str) -> None:
@@ -295,13 +319,15 @@ def _run(
                 cluster.start_workers(data_dir, model_dir, worker_args)
                 cluster.wait_workers()
                 client = EmbeddingClient(addresses, config.embedding, token=cluster.token)
+                done = False
                 try:
                     dumped = cluster.run_watched(
                         client.dump, [io.join(model_dir, shard_file_name(s)) for s in range(n)]
                     )
                     stats = cluster.run_watched(client.stats)
-                finally:
-                    client.close()
+                    done = True
+                finally:  # a failure or SIGTERM: the dump in flight is cancelled, not waited for
+                    client.close(cancel=not done)
             break
         except InitRefused as e:
             if chosen is None or resume_from != "auto":
