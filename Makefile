@@ -46,7 +46,7 @@ venv: $(VENV)/.installed ## create .venv from requirements.txt and install the p
 
 run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS, MAX_ROWS override the config; WARM_START: a model or blessed-model location to start from)
 	$(PY) -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml
-	$(PY) -m pipelines.run_local --data "$(DATA)" --config "$(CONFIG)" --pipeline-root $(PIPELINE_ROOT) \
+	PERSIA_DIE_WITH=$$PPID $(PY) -m pipelines.run_local --data "$(DATA)" --config "$(CONFIG)" --pipeline-root $(PIPELINE_ROOT) \
 		--parameter-servers $(PS) --nn-workers $(WORKERS) --staleness $(STALENESS) --epochs $(EPOCHS) \
 		--max-rows $(MAX_ROWS) --warm-start-from "$(WARM_START)"
 

@@ -30,6 +30,10 @@ def evaluate(
     The thresholds are those of ``gate`` (no defaults here: the pipeline's come from
     ``persia_core.evaluate.gate``'s ``DEFAULT_*``). Returns the overall metrics as a JSON string (the input of
     the ``gate`` component)."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import json
 
     from persia_core.evaluate.gate import evaluate_gate

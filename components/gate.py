@@ -32,6 +32,10 @@ def gate(
     with ``max_ne``: a normalized entropy at or above it is never blessed.
     Writes the decision and its reasons to ``decision`` (Markdown) and ``gate_metrics`` (``blessed`` 1/0 and
     the compared values); returns ``"bless"`` or ``"reject"``."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import json
 
     from persia_core.evaluate.gate import gate as run
@@ -60,6 +64,10 @@ def gate(
 def bless_model(model: Input[Model], metrics_json: str, blessed_dir: str) -> str:
     """Copy the Model artifact into ``blessed_dir`` as the latest blessed model (files first, the
     ``BLESSED.json`` marker last); returns the path of the blessed copy."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import json
 
     from persia_core import io

@@ -14,6 +14,10 @@ def init_shards(dataset: Input[Dataset], shards: Output[Artifact], plan: Output[
     ``warm_start_from``: the previous run's Model artifact, a checkpoint, or a blessed-model location (its
     latest blessed model; none yet = cold start); empty = cold start. Its rows, optimizer state and dense
     weights start this run; a config that no longer matches it fails the step naming the difference."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import os
 
     from persia_core.config import load_config

@@ -23,6 +23,10 @@ def preprocess(
     YAML path), overriding its cluster and trainer settings (0 = keep the config's value); Beam runner options
     (JSON list, e.g. ``["--runner=DataflowRunner", ...]``) pass through. Writes train/eval Parquet shards,
     ``schema.json``, ``run_config.yaml`` and ``dead_letter/`` into ``dataset``."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import json
 
     from persia_core.config import load_config

@@ -25,6 +25,10 @@ def train(
     retried task resumes from the newest complete one. ``delta_every_s > 0`` also writes incremental exports
     under ``<model>/deltas``. Bad input (a config that does not fit the data or the shards) exits 2 and is
     recorded in ``<model>/bad_input.json``, so that a retry fails at once (``persia_core.bad_input``)."""
+    from persia_core.train.processes import die_with_local_runner
+
+    die_with_local_runner()  # a task of run_local ends with it, even a SIGKILLed one, not running on orphaned
+
     import os
 
     from persia_core.bad_input import refusing_bad_input

@@ -33,7 +33,7 @@ from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.model_store import latest_blessed_model
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
 from persia_core.train.local_cluster import check_local_process_count
-from persia_core.train.processes import descendants
+from persia_core.train.processes import PARENT_ENV, descendants, end_with
 from pipelines.persia_pipeline import persia_pipeline
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -172,7 +172,29 @@ def terminate_descendants(sig: int = signal.SIGTERM) -> list[int]:
     return found
 
 
+@contextlib.contextmanager
+def tasks_die_with_this_process():
+    """Within the block, the processes kfp.local starts for the pipeline's tasks (they inherit this environment)
+    find this process's pid in ``PERSIA_DIE_WITH`` and get SIGTERM once it has ended, even by SIGKILL
+    (``processes.die_with_local_runner``), so that no task trains on orphaned. The variable is restored after."""
+    saved = os.environ.get(PARENT_ENV)
+    os.environ[PARENT_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(PARENT_ENV, None)
+        else:
+            os.environ[PARENT_ENV] = saved
+
+
 def main(argv: list[str] | None = None) -> int:
+    # started by ``make run`` (the Makefile names make's pid): end with make, even a SIGKILLed one, through the
+    # SIGTERM handler below, which stops the running task; a make run behind a shell that goes away stays as is
+    parent = os.environ.pop(PARENT_ENV, "")
+    if parent.isdigit() and not end_with(int(parent)):
+        print("run_local: make, which started it, has already ended", file=sys.stderr)
+        return 143
     p = argparse.ArgumentParser(description="Run the persia-kfp pipeline with kfp.local on this machine.")
     p.add_argument("--data", default="data/movielens", help="raw data: folder, file or glob")
     p.add_argument("--config", default="movielens", help="run config: shipped name or YAML path")
@@ -259,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
-    with captured_output(log_path, args.verbose) as last_lines:
+    with captured_output(log_path, args.verbose) as last_lines, tasks_die_with_this_process():
         try:
             result = persia_pipeline(
                 data=data,

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,6 +50,47 @@ def die_with_spawner() -> bool:
         return True
     die_with_parent()
     return os.getppid() == int(pid)
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22, clock ticks since boot): with the pid, it
+    names one process, not a later one given the same pid. None when it is gone or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] == b"Z" else fields[19].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def end_with(pid: int, sig: int = signal.SIGTERM, every_s: float = 0.5) -> bool:
+    """Send ``sig`` to this process once process ``pid`` has ended, even by SIGKILL (a daemon thread checks every
+    ``every_s`` seconds). For a process that ``pid`` did not start directly (``PR_SET_PDEATHSIG`` then cannot
+    help): a kfp.local task runs under a shell. Returns False, and watches nothing, when ``pid`` is already gone
+    or ``/proc`` cannot tell."""
+    born = _start_time(pid)
+    if born is None:
+        return False
+
+    def watch() -> None:
+        while _start_time(pid) == born:
+            time.sleep(every_s)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name=f"end-with-{pid}", daemon=True).start()
+    return True
+
+
+def die_with_local_runner() -> None:
+    """For a pipeline task's process, first thing: when ``pipelines.run_local`` started it (through kfp.local,
+    ``PERSIA_DIE_WITH`` in the environment), get SIGTERM once run_local has ended, even by SIGKILL (``end_with``),
+    so that the task stops its own processes and ends instead of running on orphaned; exit at once (143) when
+    run_local is already gone. No effect in a task of any other runner (Vertex AI, Kubeflow), which sets no such
+    variable."""
+    pid = os.environ.pop(PARENT_ENV, "")
+    if pid.isdigit() and not end_with(int(pid)):
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def free_port() -> int:
