@@ -374,6 +374,9 @@ class LocalCluster:
         Each child's whole process group is signalled (it runs in its own session), so nothing it started
         survives either; a group is only signalled before its leader is reaped (its id cannot be reused yet)."""
         procs = self.workers + self.servers
+        # every process of the job, the NN workers' embedding workers included, before any is killed: those killed
+        # before their close leave shared-memory files named after their pids (``shm.segment_name``)
+        everyone = {q for p in procs if p.popen.returncode is None for q in (p.popen.pid, *descendants(p.popen.pid))}
         sig = signal.SIGKILL if force else signal.SIGTERM
         for p in procs:
             if p.popen.returncode is None:
@@ -385,7 +388,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 signal_group(p.popen, signal.SIGKILL)
                 self._reap_killed(p)
-        remove_segments_of([p.popen.pid for p in self.workers])  # left by a worker killed before its close
+        remove_segments_of(everyone | {p.popen.pid for p in self.workers})  # left by processes killed before close
         remove_examples_of([p.popen.pid for p in self.workers])
 
     def _reap_killed(self, p: _Proc) -> None:
