@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 from support import write_dataset
 
 from persia_core.data.reader import ParquetExamples, shard_files
@@ -84,3 +85,25 @@ def test_a_model_below_the_lr_reference_is_refused_by_the_gate_unless_within_lr_
     assert decide(new, None, min_auc=0.5, lr_margin=0.03)["bless"]
     assert decide({**new, "lr_auc": 0.690}, None, min_auc=0.5)["bless"]
     assert decide({k: v for k, v in new.items() if not k.startswith("lr_")}, None, min_auc=0.5)["bless"]
+
+
+@pytest.mark.processes
+def test_evaluate_reports_the_lr_reference_and_the_models_lift_over_it(trained):
+    from persia_core.evaluate.run import evaluate, flat_metrics
+
+    model, data = trained
+    r = evaluate(model, data)
+    slots = ["a", "b", "tags"]
+    want = lr_reference(
+        ParquetExamples(shard_files(data, "train"), slots),
+        ParquetExamples(shard_files(data, "eval"), slots),
+        [0.0],
+        [1.0],
+    )
+    m = r["metrics"]
+    assert r["lr_reference"]["C"] == want["C"]
+    assert m["lr_auc"] == pytest.approx(want["auc"], abs=1e-12) and m["lr_logloss"] == pytest.approx(want["logloss"])
+    assert m["lr_auc_lift"] == pytest.approx(m["auc"] - want["auc"])
+    assert m["lr_relative_logloss"] == pytest.approx(m["logloss"] / want["logloss"])
+    assert {"lr_auc", "lr_logloss", "lr_auc_lift", "lr_relative_logloss"} <= set(flat_metrics(r))
+    assert evaluate(model, data, lr_reference=False)["lr_reference"] is None
