@@ -155,10 +155,16 @@ def _gauc(labels: np.ndarray, preds: np.ndarray, user: np.ndarray, rows: np.ndar
 
 
 def evaluate(
-    model_dir: str, data_dir: str, batch_size: int = 4096, user_slot: str = "user", model: LoadedModel | None = None
+    model_dir: str,
+    data_dir: str,
+    batch_size: int = 4096,
+    user_slot: str = "user",
+    model: LoadedModel | None = None,
+    lr_reference: bool = True,
 ) -> dict:
     """Score the evaluation split of ``data_dir`` with the model in ``model_dir`` (``model``: that model already
-    loaded, which is then not loaded again).
+    loaded, which is then not loaded again). ``lr_reference``: also fit and score the LR reference on the train
+    split of ``data_dir``, where it has one (``persia_core.evaluate.lr_reference``).
 
     ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split). When it is ``""``,
     or the default ``"user"`` and the model has no such slot, both are skipped (``metrics`` has no ``gauc`` and
@@ -167,11 +173,13 @@ def evaluate(
 
     Returns::
 
-        {"metrics": {auc, logloss, ne, calibration, base_rate, mean_prediction, count[, gauc]},
+        {"metrics": {auc, logloss, ne, calibration, base_rate, mean_prediction, count[, gauc][, lr_auc, lr_logloss,
+                     lr_auc_lift (AUC minus the LR reference's), lr_relative_logloss (logloss over its)]},
          "roc": {"fpr", "tpr", "thresholds"} | None (one class),
          "labels": float32[N], "preds": float32[N], "config": dict, "train_history": dict | None,
          "coverage": {slot: id_coverage dict},          share of eval IDs without a trained row, per slot
          "user_split": {"slot": user_slot, "seen": {...metrics, gauc}, "unseen": {...metrics, gauc}} | None,
+         "lr_reference": persia_core.evaluate.lr_reference output | None (no train split, one class, or off),
          "model_dir": the Model folder scored (a blessed-model location resolved to its latest blessed model)}
 
     Undefined values (AUC or GAUC of one class, a share of nothing) are None. Raises ``FileNotFoundError``
@@ -198,6 +206,26 @@ def evaluate(
     elif user_slot:
         log.info("no slot named %r: GAUC and the seen/unseen-user split are skipped", user_slot)
     coverage = slot_coverage(model, examples)
+    reference = None
+    train_files = shard_files(data_dir, "train") if lr_reference and "train_files" in read_schema(data_dir) else []
+    if train_files and all(io.exists(f) for f in train_files):  # the train split the model learned from
+        from persia_core.evaluate.lr_reference import lr_reference as fit_reference
+
+        train = ParquetExamples(train_files, model.slots, num_dense=len(model.manifest.dense))
+        mean = model.manifest.dense_mean or [0.0] * len(model.manifest.dense)
+        std = model.manifest.dense_std or [1.0] * len(model.manifest.dense)
+        reference = fit_reference(train, examples, mean, std)
+        if reference is not None:  # beside the model's own metrics: the report, the KFP Metrics and the gate
+            metrics["lr_auc"], metrics["lr_logloss"] = reference["auc"], reference["logloss"]
+            if reference["auc"] is not None and metrics["auc"] is not None:
+                metrics["lr_auc_lift"] = metrics["auc"] - reference["auc"]
+            metrics["lr_relative_logloss"] = metrics["logloss"] / reference["logloss"] if reference["logloss"] else None
+            log.info(
+                "evaluate: LR reference AUC=%s logloss=%.4f (C=%g)",
+                reference["auc"],
+                reference["logloss"],
+                reference["C"],
+            )
     history = None
     hp = io.join(model_dir, METRICS_FILE)
     if io.exists(hp):
@@ -212,6 +240,7 @@ def evaluate(
         "train_history": history,
         "coverage": coverage,
         "user_split": user_split,
+        "lr_reference": reference,
         "model_dir": model_dir,
     }
 
