@@ -67,15 +67,21 @@ def lr_reference(train, eval_, dense_mean, dense_std, seed: int = 0, max_rows: i
     y_fit, y_val = train.labels[fit_rows], train.labels[val_rows]
     if len(np.unique(y_fit)) < 2 or len(np.unique(y_val)) < 2:
         return None
-    x_fit = design_matrix(train, fit_rows, dense_mean, dense_std)
-    x_val = design_matrix(train, val_rows, dense_mean, dense_std)
+    # only the columns the training rows use: under L2 a column that is zero in every training row keeps weight 0,
+    # so the fits and predictions are those over all 2^20 columns, without optimizing a million zeros
+    x_all = design_matrix(train, rows, dense_mean, dense_std)
+    used = np.unique(x_all.indices)
+    x_all = x_all[:, used]
+    at = np.empty(total, dtype=np.int64)
+    at[rows] = np.arange(len(rows))
+    x_fit, x_val = x_all[at[fit_rows]], x_all[at[val_rows]]
     val_ll = {
         c: float(log_loss(y_val, _fit(x_fit, y_fit, c).predict_proba(x_val)[:, 1], labels=[0, 1])) for c in C_GRID
     }
     best = min(C_GRID, key=lambda c: (val_ll[c], c))
-    model = _fit(design_matrix(train, rows, dense_mean, dense_std), train.labels[rows], best)
+    model = _fit(x_all, train.labels[rows], best)
     y = eval_.labels
-    p = model.predict_proba(design_matrix(eval_, np.arange(len(eval_)), dense_mean, dense_std))[:, 1]
+    p = model.predict_proba(design_matrix(eval_, np.arange(len(eval_)), dense_mean, dense_std)[:, used])[:, 1]
     auc = float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else None
     return {
         "auc": auc,
