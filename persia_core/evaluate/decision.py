@@ -14,8 +14,9 @@ DEFAULT_MAX_AUC_DROP = 0.0
 DEFAULT_MAX_LOGLOSS_INCREASE = 0.01
 DEFAULT_MAX_NE = 1.0
 """A model whose normalized entropy reaches this is not blessed (1: no better than predicting the base rate)."""
-DEFAULT_LR_MARGIN = 0.0
-"""How much lower than the LR reference's AUC a blessed model's AUC may be (0: not lower)."""
+DEFAULT_LR_MARGIN: float | None = None
+"""How much lower than the LR reference's AUC a blessed model's AUC may be (0: not lower); None: the reference is
+reported, not enforced (the default until the pipeline, the CLI and ``run_local`` take it as a parameter)."""
 
 
 def _num(v) -> float | None:
@@ -58,7 +59,7 @@ def decide(
     max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
     max_ne: float = DEFAULT_MAX_NE,
-    lr_margin: float = DEFAULT_LR_MARGIN,
+    lr_margin: float | None = DEFAULT_LR_MARGIN,
 ) -> dict:
     """Decide whether a newly evaluated model is blessed.
 
@@ -71,7 +72,8 @@ def decide(
         max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
         max_ne: the new model's normalized entropy must be below this (an absolute threshold, baseline or not).
         lr_margin: how much lower than the LR reference's AUC (``new_metrics["lr_auc"]``, from
-            ``persia_core.evaluate.lr_reference``) the new AUC may be; not checked where the metrics carry none.
+            ``persia_core.evaluate.lr_reference``) the new AUC may be; not checked where the metrics carry none,
+            or with None.
 
     Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
     saying whether it passed. A model whose AUC is undefined is rejected, and so is one whose normalized entropy
@@ -82,7 +84,7 @@ def decide(
     Raises ``ValueError`` for a negative tolerance, a ``min_auc`` outside [0, 1] or a ``max_ne`` <= 0.
     """
     check_thresholds(min_auc, max_auc_drop, max_logloss_increase, max_ne)
-    if not lr_margin >= 0:
+    if lr_margin is not None and not lr_margin >= 0:
         raise ValueError(f"lr_margin must be >= 0, got {lr_margin}")
     reasons: list[str] = []
     ok = True
@@ -108,7 +110,7 @@ def decide(
             + (" (logloss no better than predicting the base rate)" if ne >= 1.0 else "")
         )
     lr_auc = _num(new_metrics.get("lr_auc"))
-    if lr_auc is not None and auc is not None:
+    if lr_margin is not None and lr_auc is not None and auc is not None:
         if auc >= lr_auc - lr_margin:
             reasons.append(f"passed: AUC {auc:.6f} >= LR reference AUC {lr_auc:.6f} - lr_margin {lr_margin:.6f}")
         else:

@@ -79,12 +79,13 @@ def test_the_lr_reference_samples_beyond_max_rows_and_says_so(tmp_path):
 
 def test_a_model_below_the_lr_reference_is_refused_by_the_gate_unless_within_lr_margin():
     new = {"auc": 0.700, "logloss": 0.50, "ne": 0.9, "lr_auc": 0.720, "lr_logloss": 0.49}
-    out = decide(new, None, min_auc=0.5)
+    assert decide(new, None, min_auc=0.5)["bless"]  # by default the reference is reported, not enforced
+    out = decide(new, None, min_auc=0.5, lr_margin=0.0)
     assert not out["bless"]
     assert any("rejected" in r and "LR reference" in r for r in out["reasons"])
     assert decide(new, None, min_auc=0.5, lr_margin=0.03)["bless"]
-    assert decide({**new, "lr_auc": 0.690}, None, min_auc=0.5)["bless"]
-    assert decide({k: v for k, v in new.items() if not k.startswith("lr_")}, None, min_auc=0.5)["bless"]
+    assert decide({**new, "lr_auc": 0.690}, None, min_auc=0.5, lr_margin=0.0)["bless"]
+    assert decide({k: v for k, v in new.items() if not k.startswith("lr_")}, None, min_auc=0.5, lr_margin=0.0)["bless"]
 
 
 @pytest.mark.processes
