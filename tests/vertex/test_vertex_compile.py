@@ -37,9 +37,12 @@ def _settings(**kw):
     return vertex.VertexSettings(**d)
 
 
-@pytest.fixture
-def vertex_yaml(tmp_path):
-    path = compile_pipeline(str(tmp_path / "persia_pipeline_vertex.yaml"), "vertex", _settings())
+@pytest.fixture(scope="module")
+def vertex_yaml(tmp_path_factory):
+    """The Vertex YAML compiled once for the module's tests, which only read it."""
+    path = compile_pipeline(
+        str(tmp_path_factory.mktemp("vertex") / "persia_pipeline_vertex.yaml"), "vertex", _settings()
+    )
     return yaml.safe_load(open(path))
 
 
