@@ -1,6 +1,7 @@
 """Checkpoints in one process: exact resume of the worker loop, the manifest's checks, Cloud Storage, lineage."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -69,16 +70,29 @@ def test_resume_in_process_continues_exactly_the_uninterrupted_run(tmp_path):
             np.testing.assert_allclose(st[k].numpy(), ob["state"][i][k].numpy(), atol=1e-6, rtol=0)
 
 
-def _two_checkpoints(tmp_path):
-    data = write_dataset(str(tmp_path / "data"), rows=96)
-    cfg = tiny_config(epochs=1)
+@pytest.fixture(scope="module")
+def trained_checkpoints(tmp_path_factory) -> str:
+    """The checkpoint folder of one training run (6 steps: checkpoints at 2, 4, 6), made once for the module;
+    each test edits a copy of it (``_two_checkpoints``)."""
+    root = tmp_path_factory.mktemp("two_checkpoints")
+    data = write_dataset(str(root / "data"), rows=96)
+    folder = str(root / "ckpt")
+    _run(tiny_config(epochs=1), data, str(root / "out"), folder, every=2)
+    return folder
+
+
+def _two_checkpoints(tmp_path, trained: str):
+    """A copy of ``trained`` (the ``trained_checkpoints`` fixture) in ``tmp_path``: ``(folder, checkpoint paths,
+    newest first)``."""
     folder = str(tmp_path / "ckpt")
-    _run(cfg, data, str(tmp_path / "out"), folder, every=2)  # 6 steps: checkpoints at 2, 4, 6
+    shutil.copytree(trained, folder)
     return folder, [p for _, p in ckpt.list_checkpoints(folder)]
 
 
-def test_partial_or_corrupt_checkpoint_is_refused_with_a_clear_error_and_the_previous_one_is_used(tmp_path):
-    folder, (newest, previous, *_) = _two_checkpoints(tmp_path)
+def test_partial_or_corrupt_checkpoint_is_refused_with_a_clear_error_and_the_previous_one_is_used(
+    tmp_path, trained_checkpoints
+):
+    folder, (newest, previous, *_) = _two_checkpoints(tmp_path, trained_checkpoints)
     assert ckpt.find_latest(folder)[0] == newest
     # a flipped byte in the dense file: refused by its CRC-32C, the previous checkpoint is used
     dense = os.path.join(newest, "dense.pt")
@@ -103,10 +117,10 @@ def test_partial_or_corrupt_checkpoint_is_refused_with_a_clear_error_and_the_pre
     assert ckpt.find_latest(folder)[0] == ckpt.checkpoint_path(folder, 2)
 
 
-def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
+def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path, trained_checkpoints):
     import json
 
-    folder, (newest, *_) = _two_checkpoints(tmp_path)
+    folder, (newest, *_) = _two_checkpoints(tmp_path, trained_checkpoints)
     mpath = os.path.join(newest, ckpt.MANIFEST)
     manifest = json.load(open(mpath))
     # one shard's entry removed (and its file): before, the checkpoint was re-sharded from the shard left, and the
@@ -124,13 +138,15 @@ def test_a_manifest_that_lost_a_shard_or_was_edited_is_refused(tmp_path):
         ckpt.verify(newest)
 
 
-def test_a_manifest_of_the_current_format_without_its_own_crc_is_refused_and_an_older_one_warned(tmp_path, caplog):
+def test_a_manifest_of_the_current_format_without_its_own_crc_is_refused_and_an_older_one_warned(
+    tmp_path, trained_checkpoints, caplog
+):
     # issue 20, left alone before: a manifest whose manifest_crc32c was taken out was accepted, so any edit that
     # also dropped the field went through
     import json
     import logging
 
-    folder, (newest, *_) = _two_checkpoints(tmp_path)
+    folder, (newest, *_) = _two_checkpoints(tmp_path, trained_checkpoints)
     mpath = os.path.join(newest, ckpt.MANIFEST)
     manifest = json.load(open(mpath))
     assert manifest["format"] == ckpt.FORMAT == "persia-checkpoint/2" and "manifest_crc32c" in manifest
@@ -164,8 +180,10 @@ def test_a_malformed_manifest_is_refused_as_a_checkpoint_error(tmp_path, content
         ckpt.verify(str(path))
 
 
-def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_starting_afresh(tmp_path):
-    folder, paths = _two_checkpoints(tmp_path)
+def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_starting_afresh(
+    tmp_path, trained_checkpoints
+):
+    folder, paths = _two_checkpoints(tmp_path, trained_checkpoints)
     for p in paths:
         dense = os.path.join(p, "dense.pt")
         open(dense, "r+b").truncate(10)
@@ -181,8 +199,8 @@ def test_when_every_complete_checkpoint_is_refused_resume_fails_instead_of_start
     assert ckpt.find_latest(folder) is None
 
 
-def test_prune_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_path):
-    folder, paths = _two_checkpoints(tmp_path)
+def test_prune_keeps_the_newest_complete_checkpoints_and_drops_leftovers(tmp_path, trained_checkpoints):
+    folder, paths = _two_checkpoints(tmp_path, trained_checkpoints)
     assert len(paths) == 3
     os.remove(os.path.join(paths[1], ckpt.MANIFEST))  # an interrupted write
     removed = ckpt.prune(folder, keep=1)
@@ -241,11 +259,11 @@ def test_resume_refuses_a_checkpoint_of_another_run_naming_the_difference(tmp_pa
         ckpt.check_lineage(manifest, ckpt.lineage(cfg, other_data), "ckpt")
 
 
-def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_path):
+def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_path, trained_checkpoints):
     from persia_core.hashing import shard_of
     from persia_core.train.resume import checkpoint_inits
 
-    folder, (newest, *_) = _two_checkpoints(tmp_path)
+    folder, (newest, *_) = _two_checkpoints(tmp_path, trained_checkpoints)
     manifest = ckpt.verify(newest)
     cfg = tiny_config(epochs=1).with_overrides({"embedding.num_shards": 3})
     inits = checkpoint_inits(newest, manifest, 3, cfg, "", str(tmp_path / "work"))
