@@ -182,19 +182,22 @@ def _lazy_reason(e: Edge) -> str:
     return above[len("# lazy:") :].strip() if above.startswith("# lazy:") else ""
 
 
-EDGES = import_edges(ROOT)
+@pytest.fixture(scope="module")
+def project_edges() -> list[Edge]:
+    """``import_edges(ROOT)``: parsed when a test asks, not while the module is collected (by every xdist worker)."""
+    return import_edges(ROOT)
 
 
-def test_there_is_no_import_cycle_in_the_project():
-    assert find_cycles(EDGES) == []
+def test_there_is_no_import_cycle_in_the_project(project_edges):
+    assert find_cycles(project_edges) == []
 
 
-def test_no_import_points_up_or_across_the_layers():
-    assert layer_violations(EDGES) == []
+def test_no_import_points_up_or_across_the_layers(project_edges):
+    assert layer_violations(project_edges) == []
 
 
-def test_few_function_level_project_imports_each_with_its_reason():
-    counted = counted_function_level(EDGES)
+def test_few_function_level_project_imports_each_with_its_reason(project_edges):
+    counted = counted_function_level(project_edges)
     assert len(counted) <= MAX_FUNCTION_LEVEL, [f"{e.path}:{e.line}" for e in counted]
     assert [f"{e.path}:{e.line}" for e in counted if not _lazy_reason(e)] == []
 
