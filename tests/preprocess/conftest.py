@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from persia_core.config import RunConfig, load_config
+from persia_core.preprocess import pipeline
 from persia_core.preprocess.pipeline import run_preprocess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,9 +113,23 @@ def helpers():
     return h
 
 
+# the command line of tiny_movielens_run: our flags, --set overrides of the shipped config (4 train shards) and
+# Beam pipeline options, which main must tell apart
+TINY_MOVIELENS_ARGS = [
+    "--config",
+    "movielens",
+    "--set",
+    "split.max_malformed_fraction=0.5",
+    "--set",
+    "split.num_train_shards=2",
+    "--direct_num_workers=1",
+    "--direct_running_mode=in_memory",
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_movielens_run(tiny_movielens, tmp_path_factory) -> tuple[str, dict]:
-    """Preprocess of ``tiny_movielens`` with a malformed budget of 50%: ``(output dir, schema dict)``."""
+    """Preprocess of ``tiny_movielens`` with a malformed budget of 50% and 2 train shards, run once by the command
+    line's ``pipeline.main`` with ``TINY_MOVIELENS_ARGS``: ``(output dir, schema dict)``."""
     out = str(tmp_path_factory.mktemp("tiny_ml_out"))
-    cfg = config_with("movielens", split__max_malformed_fraction=0.5, split__num_train_shards=2)
-    return out, run_preprocess(cfg, tiny_movielens, out)
+    return out, pipeline.main(["--data", tiny_movielens, "--output", out, *TINY_MOVIELENS_ARGS])
