@@ -5,6 +5,7 @@ A test that starts a process (a parameter server, DDP ranks, a kfp.local task, a
 ``make test-fast`` sets it) starting a process raises, so an unmarked test that starts one fails, naming itself.
 """
 
+import gc
 import multiprocessing.process
 import os
 import signal
@@ -52,6 +53,28 @@ def _no_process_in_fast_tests():
         os.fork = _refuse
         os.posix_spawn = _refuse
         os.posix_spawnp = _refuse
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_heap_frozen():
+    """The objects alive once the tests are collected (the imported libraries, torch, Beam, scikit-learn, and the
+    collected tests: millions) are moved out of the garbage collector's scans (``gc.freeze``). Each full collection
+    scanned them all, about 0.5 s, and an in-process test collects often: ``run_worker`` twice per run, and the
+    collector itself whenever enough objects have survived."""
+    gc.collect()
+    gc.freeze()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _heap_refrozen():
+    """After a test whose code unfroze the heap (``run_worker`` does, on return), the next test freezes it again:
+    its young garbage is collected first (generations 0 and 1; the older was just collected in full by the code
+    that unfroze it), so no garbage of one test is kept frozen for the rest of the session."""
+    if gc.get_freeze_count() == 0:
+        gc.collect(1)
+        gc.freeze()
     yield
 
 
