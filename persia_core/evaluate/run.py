@@ -27,6 +27,7 @@ from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.layout import model_slot_order, prepare_ids, table_layouts
 from persia_core.embedding.pooling import pool
 from persia_core.embedding.reference import LocalEmbedding
+from persia_core.evaluate.lr_reference import lr_reference as fit_reference
 from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
 from persia_core.logging_utils import progress
 from persia_core.model_store import METRICS_FILE, read_manifest
@@ -209,8 +210,6 @@ def evaluate(
     reference = None
     train_files = shard_files(data_dir, "train") if lr_reference and "train_files" in read_schema(data_dir) else []
     if train_files and all(io.exists(f) for f in train_files):  # the train split the model learned from
-        from persia_core.evaluate.lr_reference import lr_reference as fit_reference
-
         train = ParquetExamples(train_files, model.slots, num_dense=len(model.manifest.dense))
         mean = model.manifest.dense_mean or [0.0] * len(model.manifest.dense)
         std = model.manifest.dense_std or [1.0] * len(model.manifest.dense)
