@@ -168,6 +168,7 @@ def test_a_frozen_parameter_server_fails_the_job_after_the_stopped_limit_naming_
     assert _job_children(work) == []
 
 
+@pytest.mark.processes
 def test_a_child_asleep_or_busy_for_longer_than_the_stopped_limit_is_not_failed(tmp_path, monkeypatch):
     # long legitimate work (a multi-GB dump: the process sleeps in I/O or computes) must never trip the limit
     from persia_core.train import local_cluster
