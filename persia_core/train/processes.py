@@ -52,16 +52,24 @@ def die_with_spawner() -> bool:
     return os.getppid() == int(pid)
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22, clock ticks since boot): with the pid, it
-    names one process, not a later one given the same pid. None when it is gone or cannot be read."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first), or None where it
+    cannot be read (no ``/proc``, the process gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        return None if fields[0] == b"Z" else fields[19].decode()
-    except (OSError, ValueError, IndexError):
+        return stat[stat.rindex(b")") + 2 :].split()  # the command name, in parentheses, may hold ' ' or ')'
+    except (OSError, ValueError):
         return None
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat`` field 22, clock ticks since boot): with the pid, it
+    names one process, not a later one given the same pid. None when it is gone, a zombie or cannot be read."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 20 or fields[0] == b"Z":
+        return None
+    return fields[19].decode()
 
 
 def end_with(pid: int, sig: int = signal.SIGTERM, every_s: float = 0.5) -> bool:
@@ -103,12 +111,10 @@ def free_port() -> int:
 def proc_stat(pid: int) -> tuple[str, int] | None:
     """``(state, parent pid)`` of process ``pid`` from ``/proc/<pid>/stat`` (state: ``R``, ``S``, ``D``, ``T``,
     ``t``, ``Z``...), or None where it cannot be read (no ``/proc``, the process gone)."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        fields = stat[stat.rindex(b")") + 2 :].split()  # the command name, in parentheses, may hold ' ' or ')'
-        return fields[0].decode("ascii", "replace"), int(fields[1])
-    except (OSError, ValueError, IndexError):
+        return (fields[0].decode("ascii", "replace"), int(fields[1])) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 
