@@ -2,6 +2,8 @@
 embedding-worker process failing the job fast with nothing left behind."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +23,7 @@ from persia_core.train import ready_ring as rr
 from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, StepRules
 from persia_core.train.feeders import examples_prefix
 from persia_core.train.launcher import train
-from persia_core.train.local_cluster import TrainingFailed
+from persia_core.train.local_cluster import STOPPED_FAIL_S, TrainingFailed
 from persia_core.train.processes import descendants
 from persia_core.train.schedule import make_schedule
 
@@ -173,6 +175,40 @@ def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leave
     assert not [
         n for n in os.listdir(tempfile.gettempdir()) if n.startswith(tuple(examples_prefix(p) for p in box["pids"]))
     ]
+
+
+def _stop_an_embedding_worker_once_training(tmp_path, box: dict, sig: int = signal.SIGSTOP) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ews = [p for p in descendants(os.getpid()) if "persia_core.train.embedding_worker" in _cmdline(p)]
+        metrics = list((tmp_path / "work" / "logs").glob("nn_worker-0.log"))
+        if len(ews) == 2 and metrics and "step " in metrics[0].read_text():
+            box["pids"] = descendants(os.getpid())
+            box["stopped_at"] = time.monotonic()
+            os.kill(sorted(ews)[1], sig)
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.processes
+def test_a_sigstopped_embedding_worker_fails_train_after_the_stopped_limit_naming_it_and_leaves_nothing(tmp_path):
+    # before: the NN worker waited for its ready batch for good, and the launcher watched only its own children
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=400, embedding_workers=2)
+    box: dict = {}
+    stopper = threading.Thread(target=_stop_an_embedding_worker_once_training, args=(tmp_path, box))
+    stopper.start()
+    with pytest.raises(TrainingFailed) as err:
+        train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
+    raised_at = time.monotonic()
+    stopper.join()
+    assert "stopped_at" in box, "training ended before an embedding worker was stopped"
+    msg = str(err.value)
+    assert re.search(r"embedding worker 0\.1 \(pid \d+\) has been stopped \(SIGSTOP\) for \d+ s", msg), msg
+    assert STOPPED_FAIL_S <= raised_at - box["stopped_at"] < 60
+    assert descendants(os.getpid()) == []
+    prefixes = tuple(shm.segment_name(p)[:15] for p in box["pids"])
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)]
 
 
 @pytest.mark.processes

@@ -190,3 +190,43 @@ def test_a_child_asleep_or_busy_for_longer_than_the_stopped_limit_is_not_failed(
         for p in kids:
             p.kill()
             p.wait()
+
+
+@pytest.mark.processes
+def test_a_frozen_embedding_worker_fails_the_job_naming_it_and_its_cgroup_and_leaves_no_process(tmp_path, freezer):
+    # an embedding worker is the NN worker's child, not the launcher's: before, the NN worker waited for its
+    # ready batch for good, and stopping the job then waited on the frozen process (v1 holds a killed one)
+    from persia_core.train.launcher import train
+    from persia_core.train.local_cluster import STOPPED_FAIL_S, TrainingFailed
+
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    work, model = str(tmp_path / "work"), str(tmp_path / "model")
+    cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=400, embedding_workers=2)
+    box: dict = {}
+
+    def freeze_an_embedding_worker_once_training():
+        deadline = time.monotonic() + 120
+        log = os.path.join(work, "logs", "nn_worker-0.log")
+        while time.monotonic() < deadline:
+            ews = [
+                p
+                for p in processes.descendants(os.getpid())
+                if b"train.embedding_worker" in open(f"/proc/{p}/cmdline", "rb").read()
+            ]
+            if len(ews) == 2 and os.path.exists(log) and "step " in open(log).read():
+                freezer.add(min(ews))
+                freezer.freeze()
+                box["frozen_at"] = time.monotonic()
+                return
+            time.sleep(0.02)
+
+    th = threading.Thread(target=freeze_an_embedding_worker_once_training)
+    th.start()
+    with pytest.raises(TrainingFailed, match=r"embedding worker 0\.0 \(pid \d+\) has been frozen .*cgroup") as err:
+        train(cfg, data, model, work_dir=work)
+    raised_at = time.monotonic()
+    th.join()
+    assert "frozen_at" in box, "training finished before the embedding worker was frozen"
+    assert freezer.path in str(err.value)
+    assert STOPPED_FAIL_S <= raised_at - box["frozen_at"] < 60
+    assert processes.descendants(os.getpid()) == []
