@@ -33,12 +33,15 @@ from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import TableLayout
 from persia_core.ps import shm
 from persia_core.ps.protocol import TOKEN_ENV
+from persia_core.train import processes
 from persia_core.train import ready_ring as rr
 from persia_core.train.embedding_worker import BatchSource, EmbeddingWorker, StepRules, first_own_step
 from persia_core.train.ready_stream import StreamBridge
 
 log = logging.getLogger("persia.feeders")
 STARTED_TIMEOUT_S = 300.0
+HALT_CHECK_S = 0.5
+"""Seconds between an NN worker's checks of its embedding-worker processes for a stop or a freeze."""
 
 
 class EmbeddingWorkerFailed(RuntimeError):
@@ -101,6 +104,11 @@ class Feeders:
         """Why embedding worker ``e`` is gone ("exited with code 1", "killed by SIGKILL"...), or ""."""
         return ""
 
+    def check_halted(self) -> None:
+        """Raise ``EmbeddingWorkerFailed`` naming an embedding worker stopped or frozen for
+        ``processes.STOPPED_FAIL_S`` seconds (``processes.HaltWatch``): one that never runs again would otherwise
+        be waited for for good. Called while the NN worker waits, at most every ``HALT_CHECK_S``."""
+
     # ---- the NN worker's calls --------------------------------------------------------------------------
     def views(self, e: int, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(emb float32[B, S, D], dense float32[B, F], labels float32[B])`` of slot ``slot`` of worker ``e``."""
@@ -111,8 +119,9 @@ class Feeders:
         ``EmbeddingWorkerFailed`` naming the embedding worker when it reported an error or died."""
         e = step % self.E
         while True:
-            msg = self.stash[e].popleft() if self.stash[e] else self._recv(e, 0.5)
+            msg = self.stash[e].popleft() if self.stash[e] else self._recv(e, HALT_CHECK_S)
             if msg is None:
+                self.check_halted()  # any of them: one waiting on a halted one's pushes waits for good too
                 continue
             kind, slot, got, a, b, _ = msg
             if kind != rr.READY or got != step:
@@ -137,11 +146,15 @@ class Feeders:
         """Wait until every push of steps < ``upto`` is applied (the ring's ``frontier``). Raises
         ``EmbeddingWorkerFailed`` for a failed embedding worker, ``TimeoutError`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + HALT_CHECK_S
         while int(self.frontier.min()) < upto:
             for e in range(self.E):
                 msg = self._recv(e, 0.0)
                 if msg is not None:
                     self.stash[e].append(msg)
+            if time.monotonic() > next_check:
+                self.check_halted()
+                next_check = time.monotonic() + HALT_CHECK_S
             if time.monotonic() > deadline:
                 behind = [self.name(e) for e in range(self.E) if self.frontier[e] < upto]
                 raise TimeoutError(
@@ -197,7 +210,9 @@ class Feeders:
         deadline = time.monotonic() + timeout_s
         for e in range(self.E):
             while True:
-                msg = self._recv(e, 0.5)
+                msg = self._recv(e, HALT_CHECK_S)
+                if msg is None:
+                    self.check_halted()
                 if msg is not None:
                     if msg[0] != rr.STARTED:
                         raise EmbeddingWorkerFailed(f"{self.name(e)}: sent message {msg[0]} before it started")
@@ -263,6 +278,7 @@ class ProcessFeeders(Feeders):
     ):
         super().__init__(layout, start, rank, shared=True)
         self.procs: list[subprocess.Popen] = []
+        self.halts = processes.HaltWatch()
         # one copy of this NN worker's examples for all its embedding workers: saved once, memory-mapped by each
         # (the page cache holds it once); removed by close, or by the local launcher for a killed NN worker
         self.examples_dir = tempfile.mkdtemp(prefix=examples_prefix(os.getpid()))
@@ -303,6 +319,12 @@ class ProcessFeeders(Feeders):
             return f"killed by {signal.Signals(-code).name}"
         return f"exited with code {code}"
 
+    def check_halted(self) -> None:
+        for e, p in enumerate(self.procs):
+            halted = self.halts.check(p.pid) if p.poll() is None else None
+            if halted is not None:
+                raise EmbeddingWorkerFailed(f"{self.name(e)} {halted}, and this NN worker cannot go on without it")
+
     def _join(self) -> None:
         deadline = time.monotonic() + 10.0
         for p in self.procs:
@@ -310,7 +332,7 @@ class ProcessFeeders(Feeders):
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.wait(timeout=10)
+                processes.reap_killed(p, f"embedding worker {self.rank}.{self.procs.index(p)}")
         shm.remove_segments_of([p.pid for p in self.procs])  # a killed one's client segments
         shutil.rmtree(self.examples_dir, ignore_errors=True)
 

@@ -6,12 +6,13 @@ shared token) and M NN workers (``persia_core.train.worker``, torch DDP over glo
 Failures fail fast: the launcher polls its children every 0.2 s; on the first one that dies (a crash, SIGKILL,
 OOM) it kills all the others at once (a worker blocked in a gloo collective on a dead peer included) and raises
 ``TrainingFailed`` naming the process, how it ended, and its last log lines. A child alive but stopped (SIGSTOP:
-state ``T`` in ``/proc``) or frozen by the cgroup freezer (``processes.frozen_cgroup``) for ``STOPPED_FAIL_S``
-seconds fails the job the same way: its peers would otherwise wait on it for the gloo timeout (30 min) or the RPC
-retries. A child asleep or busy, however long (a multi-GB dump), is neither. A frozen child's cgroup is thawed
-when it holds only this job's processes, so that the kill ends it (the v1 freezer holds even a killed process);
-one frozen by someone else is named and not waited for. Children run in their own sessions
-and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left behind.
+state ``T`` in ``/proc``) or frozen by the cgroup freezer (``processes.halted``) for ``STOPPED_FAIL_S`` seconds
+fails the job the same way: its peers would otherwise wait on it for the gloo timeout (30 min) or the RPC retries.
+An NN worker applies the same rule to its embedding workers (``feeders``). A child asleep or busy, however long (a
+multi-GB dump), is neither. A frozen child's cgroup is thawed when it holds only this job's processes, so that the
+kill ends it (the v1 freezer holds even a killed process); one frozen by someone else is named and not waited for.
+Children run in their own sessions and also die with the launcher (``PR_SET_PDEATHSIG``), so no process is left
+behind.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import EXIT_BAD_INIT, TOKEN_ENV
 from persia_core.ps.shm import remove_orphans, remove_segments_of
 from persia_core.ps.storage_roots import resolve_storage_roots
+from persia_core.train import processes
 from persia_core.train.feeders import remove_examples_of
-from persia_core.train.processes import descendants, frozen_cgroup, process_state, signal_group, spawn, thaw_if_only
+from persia_core.train.processes import HaltWatch, descendants, reap_killed, signal_group, spawn
 
 log = logging.getLogger("persia.launcher")
 
@@ -105,12 +107,9 @@ class ProgressRelay:
             log.info("%s: %s", self.name, newest.group(0))
 
 
-STOPPED_FAIL_S = 20.0
-"""Seconds a child may stay stopped (``/proc/<pid>/stat`` state ``T``; not ``t``, a debugger's stop) or frozen (its
-cgroup's freezer) before the job fails."""
-KILLED_WAIT_S = 10.0
-"""Seconds to wait for a SIGKILLed child to end before giving up on it (a process frozen by a cgroup that is not
-this job's cannot end until someone thaws it): the job's failure is raised, not held."""
+STOPPED_FAIL_S = processes.STOPPED_FAIL_S
+"""Seconds a child may stay stopped (SIGSTOP) or frozen (its cgroup's freezer) before the job fails
+(``processes.halted``); the NN workers apply the same limit to their embedding workers."""
 
 
 @dataclass
@@ -118,8 +117,6 @@ class _Proc:
     name: str
     popen: subprocess.Popen
     log_path: str
-    stopped_since: float | None = None
-    frozen_in: str | None = None  # the frozen cgroup's folder, while frozen
 
     def tail(self, n: int = 20) -> str:
         try:
@@ -192,6 +189,7 @@ class LocalCluster:
         # workers listening for its NN workers, share it), else a fresh random one
         self.token = os.environ.get(TOKEN_ENV) or secrets.token_hex(16)
         self.servers: list[_Proc] = []
+        self._halts = HaltWatch()
         self.workers: list[_Proc] = []
         remove_orphans()  # shared-memory files of an earlier job that was killed outright
         self.addresses: list[str] = []
@@ -313,20 +311,10 @@ class LocalCluster:
         if dead:
             others = "".join(f"; {p.name} (pid {p.popen.pid}) {p.how()}" for p in dead[1:])
             raise _failed(dead[0], dead[0].how() + others)
-        now = time.monotonic()
         for p in procs:
-            stopped = p.popen.returncode is None and process_state(p.popen.pid) == "T"  # not "t": a debugger's stop
-            p.frozen_in = None if stopped or p.popen.returncode is not None else frozen_cgroup(p.popen.pid)
-            if not stopped and p.frozen_in is None:
-                p.stopped_since = None
-                continue
-            if p.stopped_since is None:
-                p.stopped_since = now
-            elif now - p.stopped_since >= STOPPED_FAIL_S:
-                how = "stopped (SIGSTOP)" if stopped else f"frozen (by the freezer of cgroup {p.frozen_in})"
-                raise _failed(
-                    p, f"has been {how} for {now - p.stopped_since:.0f} s, and the job cannot go on without it"
-                )
+            halted = self._halts.check(p.popen.pid, STOPPED_FAIL_S) if p.popen.returncode is None else None
+            if halted is not None:
+                raise _failed(p, f"{halted}, and the job cannot go on without it")
 
     def check(self) -> None:
         """Raise ``TrainingFailed`` if a server died, or a worker exited with an error."""
@@ -387,28 +375,9 @@ class LocalCluster:
                 p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 signal_group(p.popen, signal.SIGKILL)
-                self._reap_killed(p)
+                reap_killed(p.popen, p.name)
         remove_segments_of(everyone | {p.popen.pid for p in self.workers})  # left by processes killed before close
         remove_examples_of([p.popen.pid for p in self.workers])
-
-    def _reap_killed(self, p: _Proc) -> None:
-        """Wait for SIGKILLed child ``p`` to end; a frozen one's cgroup is thawed first when it holds only this job's
-        processes (``thaw_if_only``). Gives up after ``KILLED_WAIT_S``, logging the child and its cgroup."""
-        folder = frozen_cgroup(p.popen.pid)
-        if folder is not None and thaw_if_only(folder, set(descendants(os.getpid()))):
-            log.warning("%s (pid %d): thawed its frozen cgroup %s so that it can end", p.name, p.popen.pid, folder)
-        try:
-            p.popen.wait(timeout=KILLED_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.error(
-                "%s (pid %d) was killed but has not ended after %.0f s%s; not waiting for it",
-                p.name,
-                p.popen.pid,
-                KILLED_WAIT_S,
-                f" (frozen by the freezer of cgroup {folder}, which holds other processes too: thaw it)"
-                if folder
-                else "",
-            )
 
     def __enter__(self) -> LocalCluster:
         return self

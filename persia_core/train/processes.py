@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import threading
 import time
 
 _PR_SET_PDEATHSIG = 1
+log = logging.getLogger("persia.processes")
 
 
 PARENT_ENV = "PERSIA_DIE_WITH"
@@ -171,6 +173,39 @@ def frozen_cgroup(pid: int) -> str | None:
     return None
 
 
+STOPPED_FAIL_S = 20.0
+"""Seconds a supervised process may stay halted (``halted``) before its job fails: the local launcher's children,
+and an NN worker's embedding workers."""
+
+
+def halted(pid: int) -> str | None:
+    """How process ``pid`` is halted, alive but never running: ``"stopped (SIGSTOP)"`` (state ``T``; not ``t``, a
+    debugger's stop) or ``"frozen (by the freezer of cgroup <folder>)"`` (``frozen_cgroup``); None when it is not
+    (running, asleep, busy in I/O, gone)."""
+    if process_state(pid) == "T":
+        return "stopped (SIGSTOP)"
+    folder = frozen_cgroup(pid)
+    return None if folder is None else f"frozen (by the freezer of cgroup {folder})"
+
+
+class HaltWatch:
+    """Since when each of a supervisor's processes has been halted (``halted``), to fail its job on one that stays
+    halted for a limit."""
+
+    def __init__(self) -> None:
+        self.since: dict[int, float] = {}
+
+    def check(self, pid: int, limit_s: float = STOPPED_FAIL_S) -> str | None:
+        """``"has been <how> for N s"`` once process ``pid`` has been halted for ``limit_s`` seconds, else None."""
+        how = halted(pid)
+        if how is None:
+            self.since.pop(pid, None)
+            return None
+        now = time.monotonic()
+        first = self.since.setdefault(pid, now)
+        return f"has been {how} for {now - first:.0f} s" if now - first >= limit_s else None
+
+
 def thaw_if_only(folder: str, pids: set[int]) -> bool:
     """Thaw the frozen cgroup ``folder`` when every process in it is one of ``pids`` (this job's, being stopped), so
     that a SIGKILL can end them: the v1 freezer holds even a killed process until it is thawed. A cgroup that also
@@ -185,6 +220,30 @@ def thaw_if_only(folder: str, pids: set[int]) -> bool:
     except OSError:
         return False
     return True
+
+
+KILLED_WAIT_S = 10.0
+"""Seconds to wait for a SIGKILLed child to end before giving up on it (a process frozen by a cgroup that is not
+this job's cannot end until someone thaws it): the job's failure is raised, not held."""
+
+
+def reap_killed(popen: subprocess.Popen, name: str) -> None:
+    """Wait for SIGKILLed child ``popen`` (``name``, for the log) to end. A frozen one's cgroup is thawed first when
+    it holds only this process's descendants (``thaw_if_only``). Gives up after ``KILLED_WAIT_S``, logging the child
+    and its cgroup."""
+    folder = frozen_cgroup(popen.pid)
+    if folder is not None and thaw_if_only(folder, set(descendants(os.getpid()))):
+        log.warning("%s (pid %d): thawed its frozen cgroup %s so that it can end", name, popen.pid, folder)
+    try:
+        popen.wait(timeout=KILLED_WAIT_S)
+    except subprocess.TimeoutExpired:
+        log.error(
+            "%s (pid %d) was killed but has not ended after %.0f s%s; not waiting for it",
+            name,
+            popen.pid,
+            KILLED_WAIT_S,
+            f" (frozen by the freezer of cgroup {folder}, which holds other processes too: thaw it)" if folder else "",
+        )
 
 
 def descendants(pid: int) -> list[int]:
