@@ -326,6 +326,10 @@ class ProcessFeeders(Feeders):
                 raise EmbeddingWorkerFailed(f"{self.name(e)} {halted}, and this NN worker cannot go on without it")
 
     def _join(self) -> None:
+        for e, p in enumerate(self.procs):
+            if p.poll() is None and processes.halted(p.pid) is not None:  # it cannot act on STOP: not waited for
+                p.kill()
+                processes.reap_killed(p, f"embedding worker {self.rank}.{e}")
         deadline = time.monotonic() + 10.0
         for p in self.procs:
             try:
