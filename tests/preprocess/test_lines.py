@@ -3,7 +3,10 @@ delimited file checked against ``layout.columns``: the same in preprocess and pr
 
 from __future__ import annotations
 
+import gzip
 import io
+import json
+import logging
 
 import pytest
 
@@ -11,6 +14,7 @@ from persia_core.config import RunConfig
 from persia_core.preprocess import lines
 from persia_core.preprocess.layouts import ParseError
 from persia_core.preprocess.read import ReadFileLinesFn
+from persia_core.preprocess.write import STATS_FILE
 
 COLUMNS = ["label", "x", "a", "b", "tags"]
 
@@ -83,6 +87,35 @@ def test_preprocess_refuses_a_header_that_differs_before_reading_any_row(tmp_pat
     with pytest.raises(ValueError, match=rf"{data}:1: .*column 3 is 'b'"):
         helpers.run(cfg, str(data), str(tmp_path / "out"))
     assert not (tmp_path / "out" / "schema.json").exists()
+
+
+def test_preprocess_with_a_header_skips_a_file_without_any_line_but_refuses_a_blank_first_line(
+    tmp_path, helpers, caplog
+):
+    # found by a tester: a 0-byte file among the inputs failed the header check ("the first line is empty"); a file
+    # without any line has no header to check and no rows, so it is read as one without data rows
+    data = tmp_path / "in"
+    data.mkdir()
+    rows = ["1\t0.5\t3\t17\t4", "0\t1.5\t5\t19\t6"] * 5
+    (data / "a.tsv").write_text("\t".join(COLUMNS) + "\n" + "".join(r + "\n" for r in rows))
+    (data / "empty.tsv").write_bytes(b"")
+    (data / "empty.tsv.gz").write_bytes(gzip.compress(b""))  # not 0 bytes, but no line either
+    cfg = RunConfig.from_dict({"layout": _layout().__dict__, "slots": [{"name": "a", "source": "a"}]})
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING):
+        result = helpers.run(cfg, str(data), str(out))
+    assert result["rows"]["read"] == len(helpers.read_split(str(out))) == 10
+    stats = json.loads((out / STATS_FILE).read_text())
+    assert stats["files"] == {"a.tsv": 10, "empty.tsv": 0, "empty.tsv.gz": 0}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for name in ("empty.tsv", "empty.tsv.gz"):
+        assert [m for m in warned if f"{data / name} holds no data rows" in m], warned
+    # a first line that is there but blank is not a header: refused as before
+    blank = data / "blank.tsv"
+    blank.write_text("\n" + "\t".join(COLUMNS) + "\n" + rows[0] + "\n")
+    with pytest.raises(ValueError, match=rf"{blank}:1: layout.has_header is set, but the first line is empty"):
+        helpers.run(cfg, str(data), str(tmp_path / "out_blank"))
+    assert not (tmp_path / "out_blank" / "schema.json").exists()
 
 
 def test_preprocess_with_map_header_by_name_gives_the_rows_of_the_file_in_config_order(tmp_path, helpers):
