@@ -169,13 +169,16 @@ def source_names(files: list[str], root: str) -> dict[str, str]:
 def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.ColumnOrder]:
     """Check the header line of each of ``files`` (a delimited layout with ``has_header``) against
     ``layout.columns`` before any row is read (``lines.header_order``). Returns the files whose fields must be
-    reordered (``map_header_by_name``), with their order. Raises ``ValueError`` naming the first file whose header
-    differs, or is empty or not UTF-8."""
+    reordered (``map_header_by_name``), with their order. A file without any line (0 bytes, or compressed
+    nothing) has no header to check and no rows: it is skipped here (and read as a file without data rows).
+    Raises ``ValueError`` naming the first file whose header differs, or is empty (blank) or not UTF-8."""
     orders = {}
     for path in files:
         with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-            first = next(lines.numbered_lines(f, path), (1, b""))[1]
-        text = lines.decode_line(first)
+            first = next(lines.numbered_lines(f, path), None)
+        if first is None:
+            continue
+        text = lines.decode_line(first[1])
         if text is None or not text.strip():
             raise ValueError(
                 f"{path}:1: layout.has_header is set, but the first line is {'not UTF-8' if text is None else 'empty'}"
