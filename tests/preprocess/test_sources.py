@@ -94,3 +94,30 @@ def test_preprocess_stats_count_the_rows_of_each_file_and_warn_of_an_empty_one(t
         assert stats["files"] == {**FILES, "empty.tsv": 0}
     warned = [r.getMessage() for r in records if r.levelno == logging.WARNING and "empty.tsv" in r.getMessage()]
     assert warned and str(moved / "empty.tsv") in warned[0] and "no data rows" in warned[0]
+
+
+def test_preprocess_stats_count_the_rows_each_file_keeps_under_max_rows(tmp_path, caplog):
+    # found by a tester: with split.max_rows, files gave the lines read from each file up to the limit (20, 30, 10
+    # here: 60 for 35 rows kept), not the rows kept
+    from persia_core.config import load_config
+    from persia_core.preprocess.pipeline import run_preprocess
+
+    folder = tmp_path / "in"
+    for i, rows in enumerate((20, 30, 10)):
+        write_criteo_tsv(str(folder / f"day_{i}.tsv"), rows, seed=i)
+    out = str(tmp_path / "out")
+    with caplog.at_level(logging.INFO):
+        result = run_preprocess(load_config("criteo", {"split.max_rows": 35}), str(folder), out)
+    with open(os.path.join(out, STATS_FILE)) as f:
+        stats = json.load(f)
+    assert stats["files"] == {"day_0.tsv": 20, "day_1.tsv": 15, "day_2.tsv": 0}  # the limit cuts inside day_1
+    in_shards: dict[str, int] = {}
+    for rows in _shards(out).values():
+        for r in rows:
+            name = r["source"].rsplit(":", 1)[0]
+            in_shards[name] = in_shards.get(name, 0) + 1
+    assert in_shards == {"day_0.tsv": 20, "day_1.tsv": 15}
+    assert sum(stats["files"].values()) == sum(in_shards.values()) == stats["read"] == result["rows"]["read"] == 35
+    # a file past the limit is not empty: it is not warned of as one
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if "day_2.tsv" in m], warned
