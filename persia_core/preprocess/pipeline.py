@@ -210,6 +210,21 @@ def build_schema(config: RunConfig, stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _past_max_rows(paths: list[str], file_rows: dict[str, int], names: dict[str, str], max_rows: int) -> set[str]:
+    """The example files of ``paths`` (in reading order) that keep no row because ``max_rows`` rows were kept
+    from the files before them (``file_rows``: preprocess_stats' ``files``, by source name, ``names``): not
+    empty files, though they count 0 rows. Empty when ``max_rows`` is 0 (no limit)."""
+    if not max_rows:
+        return set()
+    kept, out = 0, set()
+    for path in paths:
+        n = file_rows.get(names.get(path, path), 0)
+        if n == 0 and kept >= max_rows:
+            out.add(path)
+        kept += n
+    return out
+
+
 def default_runner(options: PipelineOptions):
     """The runner for ``options``: ``None`` (Beam picks ``--runner``) when one is given, else the FnApiRunner.
 
@@ -246,10 +261,15 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
         _ = p | "Preprocess" >> Preprocess(config, inputs, output_dir, names)
     with FileSystems.open(FileSystems.join(output_dir, STATS_FILE)) as f:
         stats = json.loads(f.read().decode("utf-8"))
+    examples = inputs.get("ratings") or inputs.get("files") or []
+    past = _past_max_rows(examples, stats["files"], names, config.split.max_rows)
     for name, n in sorted(stats["files"].items()):
         if n == 0:
             path = next((p for p, m in names.items() if m == name), name)
-            log.warning("preprocess: %s holds no data rows (an empty file?)", path)
+            if path in past:
+                log.info("preprocess: no row of %s kept: split.max_rows was reached before it", path)
+            else:
+                log.warning("preprocess: %s holds no data rows (an empty file?)", path)
     plan = stats["plan"]
     if plan["train"] + plan["eval"] + stats["malformed"]["examples"] != stats["read"]:
         raise RuntimeError(f"preprocess: rows do not add up (train + eval + malformed != read): {stats}")
@@ -257,7 +277,7 @@ def run_preprocess(config: RunConfig, data: str, output_dir: str, beam_args: lis
         stats,
         config.split.max_malformed_fraction,
         FileSystems.join(output_dir, schema.DEAD_LETTER_DIR),
-        inputs.get("ratings") or inputs.get("files"),
+        examples,
     )
     result = build_schema(config, stats)
     io.write_text(io.join(output_dir, schema.SCHEMA_FILE), json.dumps(result, indent=1) + "\n")

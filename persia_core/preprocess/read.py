@@ -11,7 +11,7 @@ import base64
 import functools
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import apache_beam as beam
 from apache_beam.io.filesystem import CompressionTypes
@@ -79,10 +79,7 @@ class NumberRowsFn(beam.DoFn):
     def process(self, element: tuple, counts: dict[int, int]):
         index, path, line_no, data_index, text, ok = element
         if self._offsets is None or len(self._offsets) != len(counts):
-            total, self._offsets = 0, {}
-            for i in sorted(counts):
-                self._offsets[i] = total
-                total += counts[i]
+            self._offsets = _offsets(counts)
         row_number = self._offsets[index] + data_index
         if self.max_rows and row_number >= self.max_rows:
             return
@@ -98,6 +95,24 @@ class NumberRowsFn(beam.DoFn):
         yield path, line_no, row_number, text
 
 
+def _offsets(counts: dict[int, int]) -> dict[int, int]:
+    """``{file_index: data lines}`` -> ``{file_index: global row number of its first data line}`` (file order)."""
+    total, out = 0, {}
+    for i in sorted(counts):
+        out[i] = total
+        total += counts[i]
+    return out
+
+
+def _rows_kept(counts: list[tuple[int, int]], files: list[str], max_rows: int) -> Iterator[tuple[str, int]]:
+    """``[(file_index, data lines read)]`` of all files -> ``(path, data rows kept)`` per file: its data lines with
+    a global row number below ``max_rows`` (all when 0), from the file's offset (``_offsets``), so that they add up
+    to ``_rows_read``. (Each file is read up to ``max_rows`` lines, so its lines read are not its rows kept.)"""
+    offsets = _offsets(dict(counts))
+    for i, n in sorted(counts):
+        yield files[i], (max(0, min(n, max_rows - offsets[i])) if max_rows else n)
+
+
 def _rows_read(counts: Iterable[int], max_rows: int) -> int:
     total = sum(counts)
     return min(total, max_rows) if max_rows else total
@@ -109,7 +124,8 @@ class ReadNumberedLines(beam.PTransform):
     ``lines``: ``(path, line_no, row_number, text)`` (``row_number`` 0-based over the data lines of all
     ``files`` in list order; only rows with ``row_number < max_rows`` when ``max_rows > 0``); ``dead``:
     dead letters of undecodable lines; ``read``: one int, the number of data rows kept (lines + dead);
-    ``file_rows``: ``(path, data lines read)`` per file, 0 for a file without any.
+    ``file_rows``: ``(path, data rows kept)`` per file (``_rows_kept``; they add up to ``read``), 0 for a file
+    without any or past ``max_rows``.
     ``example``: whether these lines are examples (count towards the malformed budget) or side data.
     """
 
@@ -142,8 +158,11 @@ class ReadNumberedLines(beam.PTransform):
             | "FileCounts" >> beam.Map(lambda kv: kv[1])
             | "CountRowsRead" >> beam.CombineGlobally(functools.partial(_rows_read, max_rows=max_rows))
         )
-        files = self.files
-        file_rows = read[_COUNTS] | "RowsPerFile" >> beam.Map(lambda kv: (files[kv[0]], kv[1]))
+        file_rows = (
+            read[_COUNTS]
+            | "AllFileCounts" >> beam.combiners.ToList()
+            | "RowsPerFile" >> beam.FlatMap(functools.partial(_rows_kept, files=self.files, max_rows=max_rows))
+        )
         return {"lines": numbered.lines, "dead": numbered[DEAD], "read": total, "file_rows": file_rows}
 
 

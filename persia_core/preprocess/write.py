@@ -128,8 +128,8 @@ class WriteStatsFn(beam.DoFn):
     """Gathers the pipeline's statistics (side inputs) into one dict, written to ``<output_dir>/preprocess_stats.json``.
 
     The dict: ``{"plan": SplitPlanFn output, "dense": DenseStatsFn output, "distinct_ids": {slot: n}, "read": n,
-    "files": {input file's source name: data lines read}, "malformed": MalformedSummaryFn output, "shard_rows":
-    {"train/0": n, ...}}``.
+    "files": {input file's source name: data rows kept (under split.max_rows; they add up to read)}, "malformed":
+    MalformedSummaryFn output, "shard_rows": {"train/0": n, ...}}``.
     """
 
     def __init__(self, output_dir: str) -> None:
