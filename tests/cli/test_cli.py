@@ -126,6 +126,8 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
             "0",
             "--max-ne",
             "100",
+            "--lr-margin",
+            "1",
             "--bless",
             "--metrics-json",
             str(tmp_path / "m.json"),
@@ -190,6 +192,8 @@ def test_cli_init_shards_train_evaluate_predict_on_tiny_data(tmp_path, capsys):
                 "0",
                 "--max-ne",
                 "100",
+                "--lr-margin",
+                "1",
                 "--bless",
             ]
         )

@@ -9,7 +9,8 @@ import pytest
 from support import write_dataset
 
 from persia_core.data.reader import ParquetExamples, shard_files
-from persia_core.evaluate.decision import decide
+from persia_core.evaluate.decision import check_thresholds, decide
+from persia_core.evaluate.gate import evaluate_gate, gate
 from persia_core.evaluate.lr_reference import C_GRID, lr_reference
 
 
@@ -79,13 +80,24 @@ def test_the_lr_reference_samples_beyond_max_rows_and_says_so(tmp_path):
 
 def test_a_model_below_the_lr_reference_is_refused_by_the_gate_unless_within_lr_margin():
     new = {"auc": 0.700, "logloss": 0.50, "ne": 0.9, "lr_auc": 0.720, "lr_logloss": 0.49}
-    assert decide(new, None, min_auc=0.5)["bless"]  # by default the reference is reported, not enforced
-    out = decide(new, None, min_auc=0.5, lr_margin=0.0)
+    out = decide(new, None, min_auc=0.5)  # lr_margin 0 by default: not lower than the reference
+    assert out == decide(new, None, min_auc=0.5, lr_margin=0.0)
     assert not out["bless"]
     assert any("rejected" in r and "LR reference" in r for r in out["reasons"])
     assert decide(new, None, min_auc=0.5, lr_margin=0.03)["bless"]
     assert decide({**new, "lr_auc": 0.690}, None, min_auc=0.5, lr_margin=0.0)["bless"]
     assert decide({k: v for k, v in new.items() if not k.startswith("lr_")}, None, min_auc=0.5, lr_margin=0.0)["bless"]
+    assert decide(new, None, min_auc=0.5, lr_margin=None)["bless"]  # None: reported, not enforced (the Python API)
+    with pytest.raises(ValueError, match="lr_margin must be >= 0"):
+        check_thresholds(lr_margin=-0.01)
+
+
+def test_the_gate_step_applies_lr_margin_from_its_caller(tmp_path):
+    new = {"auc": 0.700, "logloss": 0.50, "ne": 0.9, "lr_auc": 0.720, "lr_logloss": 0.49}
+    assert not gate(new, str(tmp_path / "blessed"))["bless"]
+    assert gate(new, str(tmp_path / "blessed"), lr_margin=0.05)["bless"]
+    decision, _ = evaluate_gate(new, str(tmp_path / "blessed"), str(tmp_path), lr_margin=0.05)
+    assert decision["bless"]
 
 
 @pytest.mark.processes

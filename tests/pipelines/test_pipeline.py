@@ -32,6 +32,11 @@ def test_compiled_yaml_loads_back_and_holds_the_four_components(tmp_path):
     assert params["data"]["defaultValue"] == "data/movielens"
     assert params["num_parameter_servers"]["defaultValue"] == 0  # the run config's, unless a run says otherwise
     assert params["embedding_staleness"]["defaultValue"] == -1
+    # the gate refuses a model below the LR reference by default; both the evaluate report and the gate apply it
+    assert params["lr_margin"]["defaultValue"] == 0.0
+    for step in ("evaluate", "gate"):
+        given = tasks[step]["inputs"]["parameters"]["lr_margin"]
+        assert given == {"componentInputParameter": "lr_margin"}, given
 
 
 @pytest.mark.processes
@@ -207,7 +212,11 @@ def test_more_local_processes_than_the_machine_allows_are_refused_before_any_tas
 
 @pytest.mark.parametrize(
     "flag, value, says",
-    [("--min-auc", "1.5", "--min-auc must be in [0, 1]"), ("--max-ne", "0", "--max-ne must be > 0")],
+    [
+        ("--min-auc", "1.5", "--min-auc must be in [0, 1]"),
+        ("--max-ne", "0", "--max-ne must be > 0"),
+        ("--lr-margin", "-0.1", "--lr-margin must be >= 0"),
+    ],
 )
 def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
     # before: accepted, then the evaluate task failed after preprocess and train had run

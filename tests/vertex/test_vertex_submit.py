@@ -194,6 +194,7 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
         ([*BLESSED, "--param", "num_nn_workers=-1"], "num_nn_workers must be >= 0"),
         ([*BLESSED, "--param", "min_auc=2"], "min_auc must be in [0, 1]"),
         ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
+        ([*BLESSED, "--param", "lr_margin=-1"], "lr_margin must be >= 0"),
         ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
         (
             [*BLESSED, "--param", "config=critea"],
