@@ -17,6 +17,7 @@ def evaluate(
     max_auc_drop: float,
     max_logloss_increase: float,
     max_ne: float,
+    lr_margin: float,
     user_slot: str = "user",
     blessed_dir: str = "",
 ) -> str:
@@ -50,7 +51,9 @@ def evaluate(
     from persia_core.preprocess.pipeline import malformed_summary
 
     # the latest blessed model is re-scored on these same rows; its metrics travel on to the gate step
-    decision, carried = evaluate_gate(m, blessed_dir, dataset.path, min_auc, max_auc_drop, max_logloss_increase, max_ne)
+    decision, carried = evaluate_gate(
+        m, blessed_dir, dataset.path, min_auc, max_auc_drop, max_logloss_increase, max_ne, lr_margin=lr_margin
+    )
     details = {"model": model.uri, "dataset": dataset.uri, "blessed_dir": blessed_dir or "(none)"}
     bad = malformed_summary(dataset.path)
     if bad is not None:

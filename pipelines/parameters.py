@@ -16,7 +16,7 @@ from components import LOCAL_IMAGE
 from components.data_path import check_cloud_folders, resolve_data_path
 from persia_core import io
 from persia_core.config import is_config_name, shipped_configs
-from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
 _REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
@@ -157,6 +157,7 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     check_thresholds(
         min_auc=float(value("min_auc") or 0) if "min_auc" in specs else DEFAULT_MIN_AUC,
         max_ne=float(value("max_ne")) if "max_ne" in specs and value("max_ne") else DEFAULT_MAX_NE,
+        lr_margin=float(value("lr_margin") or 0) if "lr_margin" in specs else DEFAULT_LR_MARGIN,
     )
     resolved = resolve_data_path(data, "2026-01-01T00:00:00Z")  # raises on a malformed {date...} token
     left = re.findall(r"\{[^}]*\}", resolved)

@@ -37,6 +37,7 @@ from components.resolve_data import resolve_data
 from components.train import train
 from components.vertex_train import train as vertex_train
 from persia_core.evaluate.decision import (
+    DEFAULT_LR_MARGIN,
     DEFAULT_MAX_AUC_DROP,
     DEFAULT_MAX_LOGLOSS_INCREASE,
     DEFAULT_MAX_NE,
@@ -67,6 +68,7 @@ def persia_pipeline(
     min_auc: float = DEFAULT_MIN_AUC,
     max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
     max_ne: float = DEFAULT_MAX_NE,
+    lr_margin: float = DEFAULT_LR_MARGIN,
     checkpoint_every_s: float = 600.0,
     checkpoint_every_steps: int = 0,
 ) -> str:
@@ -87,6 +89,8 @@ def persia_pipeline(
     min_auc: the gate blesses only a model with at least this eval AUC ...
     max_auc_drop: ... and, when a model is already blessed, at most this much below its AUC.
     max_ne: ... and never one whose normalized entropy is at or above this (1: no better than the base rate).
+    lr_margin: ... nor one whose AUC is more than this below the LR reference's (hashed logistic regression on the
+        same slots and train split, fitted by the evaluate step; 0: not below it; 1: reported, not enforced).
     checkpoint_every_s, checkpoint_every_steps: periodic checkpoints of training (0 = off); the train task is
         retried on failure and resumes from the newest complete checkpoint.
     Returns the evaluation metrics as a JSON string.
@@ -142,6 +146,7 @@ def persia_pipeline(
         max_auc_drop=max_auc_drop,
         max_logloss_increase=DEFAULT_MAX_LOGLOSS_INCREASE,
         max_ne=max_ne,
+        lr_margin=lr_margin,
     ).set_display_name("evaluate")
     decision = gate(
         metrics_json=ev.outputs["Output"],
@@ -150,6 +155,7 @@ def persia_pipeline(
         max_auc_drop=max_auc_drop,
         max_logloss_increase=DEFAULT_MAX_LOGLOSS_INCREASE,
         max_ne=max_ne,
+        lr_margin=lr_margin,
     ).set_display_name("model gate")
     tasks += [pre, plan, trained, ev, decision]
     with dsl.If(decision.outputs["Output"] == "bless", name="better-than-blessed"):

@@ -28,7 +28,7 @@ from kfp import local
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
 from persia_core.embedding.warm_start import check_warm_start_location
-from persia_core.evaluate.decision import DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
+from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 from persia_core.logging_utils import PROGRESS_PATTERN
 from persia_core.model_store import latest_blessed_model
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_NE,
         help="... and never one whose normalized entropy is at or above this (1: the base rate)",
     )
+    p.add_argument(
+        "--lr-margin",
+        type=float,
+        default=DEFAULT_LR_MARGIN,
+        help="... nor one whose AUC is more than this below the LR reference's (0: not below; 1: not enforced)",
+    )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
@@ -233,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")
     try:  # the gate's own checks, made before preprocess and train rather than after
-        check_thresholds(min_auc=args.min_auc, max_ne=args.max_ne, as_flags=True)
+        check_thresholds(min_auc=args.min_auc, max_ne=args.max_ne, lr_margin=args.lr_margin, as_flags=True)
     except ValueError as e:
         p.error(str(e))
     try:  # bad configs and missing local data fail here, naming the key or path, before any pipeline task starts
@@ -295,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 warm_start_from=absolute(args.warm_start_from),
                 min_auc=args.min_auc,
                 max_ne=args.max_ne,
+                lr_margin=args.lr_margin,
             )
         except RuntimeError as e:
             failure = (e, last_lines(80))

@@ -33,6 +33,7 @@ def cmd_evaluate(args, _extra) -> int:
         args.max_logloss_increase,
         args.max_ne,
         args.batch_size,
+        args.lr_margin,
     )  # blessed model, same rows
     write_report(
         args.report,
@@ -128,6 +129,13 @@ def add_commands(add: AddCommand) -> None:
         default=G.DEFAULT_MAX_NE,
         help="gate: normalized entropy the model must stay below, baseline or not (default "
         f"{G.DEFAULT_MAX_NE:g}: better than predicting the base rate)",
+    )
+    sp.add_argument(
+        "--lr-margin",
+        type=float_in(0.0),
+        default=G.DEFAULT_LR_MARGIN,
+        help="gate: how far below the LR reference's AUC (hashed logistic regression on the same slots and train "
+        f"split) the model's AUC may be (default {G.DEFAULT_LR_MARGIN:g}: not below; 1: reported, not enforced)",
     )
     sp.add_argument("--bless", action="store_true", help="copy the model to --blessed-dir when the gate blesses it")
 

@@ -1,8 +1,9 @@
 """The gate's decision: bless a newly evaluated model or not, from its metrics, thresholds and a baseline.
 
-Bless when the new AUC is defined and ``>= min_auc``, its normalized entropy is below ``max_ne`` and, with a
-baseline, ``AUC >= baseline AUC - max_auc_drop`` and ``logloss <= baseline logloss + max_logloss_increase``; the
-reasons say which check passed or failed and by how much. A leaf module (no imports): the threshold defaults
+Bless when the new AUC is defined and ``>= min_auc``, its normalized entropy is below ``max_ne``, its AUC is at
+most ``lr_margin`` below the LR reference's (where the metrics carry one) and, with a baseline, ``AUC >= baseline
+AUC - max_auc_drop`` and ``logloss <= baseline logloss + max_logloss_increase``; the reasons say which check passed
+or failed and by how much. A leaf module (no imports): the threshold defaults
 are the one home of the values the components, the pipelines and the CLI use.
 """
 
@@ -14,9 +15,9 @@ DEFAULT_MAX_AUC_DROP = 0.0
 DEFAULT_MAX_LOGLOSS_INCREASE = 0.01
 DEFAULT_MAX_NE = 1.0
 """A model whose normalized entropy reaches this is not blessed (1: no better than predicting the base rate)."""
-DEFAULT_LR_MARGIN: float | None = None
-"""How much lower than the LR reference's AUC a blessed model's AUC may be (0: not lower); None: the reference is
-reported, not enforced (the default until the pipeline, the CLI and ``run_local`` take it as a parameter)."""
+DEFAULT_LR_MARGIN = 0.0
+"""How much lower than the LR reference's AUC (hashed logistic regression on the same slots and train split) a
+blessed model's AUC may be: 0, not lower. 1 reports the reference without enforcing it."""
 
 
 def _num(v) -> float | None:
@@ -33,11 +34,12 @@ def check_thresholds(
     max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
     max_ne: float = DEFAULT_MAX_NE,
+    lr_margin: float | None = DEFAULT_LR_MARGIN,
     as_flags: bool = False,
 ) -> None:
     """The gate's own checks of its thresholds, also made by the entry points before a run starts (rather than at
     its last step). Raises ``ValueError`` naming the threshold (``--min-auc`` with ``as_flags``) for a ``max_ne``
-    <= 0, a ``min_auc`` outside [0, 1] or a negative tolerance."""
+    <= 0, a ``min_auc`` outside [0, 1] or a negative tolerance (``lr_margin`` included; None: not checked)."""
 
     def name(n: str) -> str:
         return "--" + n.replace("_", "-") if as_flags else n
@@ -50,6 +52,8 @@ def check_thresholds(
         raise ValueError(f"{name('max_auc_drop')} must be >= 0, got {max_auc_drop}")
     if max_logloss_increase < 0:
         raise ValueError(f"{name('max_logloss_increase')} must be >= 0, got {max_logloss_increase}")
+    if lr_margin is not None and not lr_margin >= 0:
+        raise ValueError(f"{name('lr_margin')} must be >= 0, got {lr_margin}")
 
 
 def decide(
@@ -72,8 +76,8 @@ def decide(
         max_logloss_increase: how much higher than the baseline's logloss (nats) the new logloss may be.
         max_ne: the new model's normalized entropy must be below this (an absolute threshold, baseline or not).
         lr_margin: how much lower than the LR reference's AUC (``new_metrics["lr_auc"]``, from
-            ``persia_core.evaluate.lr_reference``) the new AUC may be; not checked where the metrics carry none,
-            or with None.
+            ``persia_core.evaluate.lr_reference``) the new AUC may be (default 0: not lower); not checked where
+            the metrics carry none, or with None.
 
     Returns ``{"bless": bool, "decision": "bless" | "reject", "reasons": [str, ...]}``: one reason per check, each
     saying whether it passed. A model whose AUC is undefined is rejected, and so is one whose normalized entropy
@@ -83,9 +87,7 @@ def decide(
 
     Raises ``ValueError`` for a negative tolerance, a ``min_auc`` outside [0, 1] or a ``max_ne`` <= 0.
     """
-    check_thresholds(min_auc, max_auc_drop, max_logloss_increase, max_ne)
-    if lr_margin is not None and not lr_margin >= 0:
-        raise ValueError(f"lr_margin must be >= 0, got {lr_margin}")
+    check_thresholds(min_auc, max_auc_drop, max_logloss_increase, max_ne, lr_margin)
     reasons: list[str] = []
     ok = True
     auc = _num(new_metrics.get("auc"))

@@ -28,6 +28,7 @@ import shutil
 
 from persia_core import io
 from persia_core.evaluate.decision import (
+    DEFAULT_LR_MARGIN,
     DEFAULT_MAX_AUC_DROP,
     DEFAULT_MAX_LOGLOSS_INCREASE,
     DEFAULT_MAX_NE,
@@ -112,6 +113,7 @@ def evaluate_gate(
     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
     max_ne: float = DEFAULT_MAX_NE,
     batch_size: int = 4096,
+    lr_margin: float | None = DEFAULT_LR_MARGIN,
 ) -> tuple[dict, dict]:
     """The gate of a model just evaluated on ``data_dir``'s evaluation split (its ``metrics``): re-scores the
     latest blessed model of ``blessed_dir`` on the same rows (:func:`rescore_baseline`) and decides (:func:`gate`).
@@ -119,7 +121,7 @@ def evaluate_gate(
     evaluate step hands to the gate step, which decides again from it alone."""
     baseline = rescore_baseline(blessed_dir, data_dir, batch_size)
     carried = {**metrics, RESCORED_KEY: baseline} if baseline is not None else dict(metrics)
-    return gate(carried, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne), carried
+    return gate(carried, blessed_dir, min_auc, max_auc_drop, max_logloss_increase, max_ne, lr_margin), carried
 
 
 def gate(
@@ -129,6 +131,7 @@ def gate(
     max_auc_drop: float = DEFAULT_MAX_AUC_DROP,
     max_logloss_increase: float = DEFAULT_MAX_LOGLOSS_INCREASE,
     max_ne: float = DEFAULT_MAX_NE,
+    lr_margin: float | None = DEFAULT_LR_MARGIN,
 ) -> dict:
     """:func:`decide` against the latest blessed model in ``blessed_dir`` (none when it is empty or holds no
     marker): its metrics on the same evaluation rows when ``metrics`` carries them (``metrics[RESCORED_KEY]``,
@@ -146,7 +149,7 @@ def gate(
     current = rescored is not None and marker is not None and rescored.get("model") == marker["model"]
     unloadable = current and rescored.get("source") == UNLOADABLE
     baseline = None if unloadable else rescored if current else stored
-    out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne)
+    out = decide(metrics, baseline, min_auc, max_auc_drop, max_logloss_increase, max_ne, lr_margin)
     if unloadable and marker is not None:
         source = (
             f"none: the latest blessed model {marker['model']} cannot be loaded ({rescored.get('error')}); "

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from persia_core import io
-from persia_core.evaluate.decision import DEFAULT_MAX_NE, decide
+from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, decide
 from persia_core.evaluate.gate import bless, read_baseline
 from persia_core.model_store import BLESSED_MARKER, latest_blessed_model
 
@@ -144,6 +144,7 @@ def _gated_pipeline():
             max_auc_drop=0.0,
             max_logloss_increase=0.01,
             max_ne=DEFAULT_MAX_NE,
+            lr_margin=DEFAULT_LR_MARGIN,
         )
         with dsl.If(g.outputs["Output"] == "bless"):
             bless_model(model=model.output, metrics_json=metrics_json, blessed_dir=blessed_dir)
@@ -196,12 +197,12 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
     blessed = str(tmp_path / "blessed")
     bless(model, {"auc": 0.99, "logloss": 0.05, "ne": 0.1, "count": 10}, blessed)
     new = evaluate(model, data, user_slot="")["metrics"]
-    stale = gate(new, blessed, max_ne=2.0)  # a tiny model: its NE is near 1, not what this test is about
+    stale = gate(new, blessed, max_ne=2.0, lr_margin=1.0)  # a tiny model: NE and LR not what this test is about
     assert stale["decision"] == "reject" and "stored when the latest blessed model was blessed" in stale["reasons"][-1]
 
     base = rescore_baseline(blessed, data)
     assert base["source"] == "re-scored" and base["auc"] == new["auc"] and base["logloss"] == new["logloss"]
-    d = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0)
+    d = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0, lr_margin=1.0)
     assert d["decision"] == "bless", d["reasons"]
     assert d["baseline"]["auc"] == new["auc"]
     assert d["reasons"][-1] == (
@@ -211,7 +212,7 @@ def test_the_gate_compares_with_the_blessed_model_re_scored_on_the_same_evaluati
     bless(model, {**new, RESCORED_KEY: base}, blessed)
     assert RESCORED_KEY not in read_marker(blessed)["metrics"]
     # that bless made another model the latest: the baseline re-scored before it is stale and not used
-    late = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0)
+    late = gate({**new, RESCORED_KEY: base}, blessed, max_ne=2.0, lr_margin=1.0)
     assert late["baseline_source"].startswith("the metrics stored") and "model" not in late["baseline"]
 
 
