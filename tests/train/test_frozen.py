@@ -230,3 +230,46 @@ def test_a_frozen_embedding_worker_fails_the_job_naming_it_and_its_cgroup_and_le
     assert freezer.path in str(err.value)
     assert STOPPED_FAIL_S <= raised_at - box["frozen_at"] < 60
     assert processes.descendants(os.getpid()) == []
+
+
+@pytest.mark.processes
+def test_a_process_frozen_through_a_parent_cgroup_names_that_parent_and_is_thawed_only_when_the_subtree_is_ours(
+    freezer,
+):
+    # before: the inner cgroup was named (its state reads FROZEN too) and thawing it did nothing, so a killed
+    # process stayed frozen; a process of someone else's elsewhere under the frozen parent must keep it frozen
+    inner = os.path.join(freezer.path, "inner")
+    other = os.path.join(freezer.path, "other")
+    os.mkdir(inner)
+    os.mkdir(other)
+    ours = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    theirs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for folder, p in ((inner, ours), (other, theirs)):
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                f.write(str(p.pid))
+        freezer.freeze()
+        deadline = time.monotonic() + 5
+        while processes.frozen_cgroup(ours.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes.frozen_cgroup(ours.pid) == freezer.path  # the cgroup that froze it, not its own
+        assert processes.halted(ours.pid) == f"frozen (by the freezer of cgroup {freezer.path})"
+        assert not processes.thaw_if_only(processes.frozen_cgroup(ours.pid), {ours.pid})  # theirs is in it too
+        assert processes.frozen_cgroup(ours.pid) == freezer.path
+        assert processes.thaw_if_only(processes.frozen_cgroup(ours.pid), {ours.pid, theirs.pid})
+        deadline = time.monotonic() + 5
+        while processes.frozen_cgroup(ours.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes.frozen_cgroup(ours.pid) is None and processes.halted(ours.pid) is None
+    finally:
+        freezer.thaw()
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()
+        for folder in (inner, other):
+            deadline = time.monotonic() + 10
+            while os.path.isdir(folder) and time.monotonic() < deadline:
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    time.sleep(0.1)
