@@ -154,22 +154,55 @@ def _read(path: str) -> str:
         return ""
 
 
-def frozen_cgroup(pid: int) -> str | None:
-    """The folder of the cgroup whose freezer holds process ``pid`` frozen, or None (not frozen, gone, or no
-    cgroup to read). A frozen process is alive and never runs, like a stopped one, but reads as state ``D`` (v1)
-    or ``S`` (v2), not ``T``; its cgroup is frozen when v1's ``freezer.state`` is ``FROZEN`` or ``FREEZING`` (an
-    ancestor's freezing included), or v2's ``cgroup.events`` says ``frozen 1``."""
+def _freezer_folders(pid: int) -> list[tuple[str, bool]]:
+    """``(folder, v1)`` of each cgroup holding process ``pid`` that has a freezer: v1's ``freezer`` hierarchy, and
+    cgroup v2 at the root or, on hybrid hosts, under ``unified``."""
+    out = []
     for controllers, path in _cgroups(pid):
         rel = path.lstrip("/")
         if "freezer" in controllers.split(","):
-            folder = os.path.join(CGROUP_ROOT, "freezer", rel).rstrip("/")
-            if _read(os.path.join(folder, "freezer.state")).strip() in ("FROZEN", "FREEZING"):
-                return folder
+            out.append((os.path.join(CGROUP_ROOT, "freezer", rel).rstrip("/"), True))
         elif controllers == "":
             for mount in (CGROUP_ROOT, os.path.join(CGROUP_ROOT, "unified")):
                 folder = os.path.join(mount, rel).rstrip("/")
-                if "frozen 1" in _read(os.path.join(folder, "cgroup.events")).splitlines():
-                    return folder
+                if os.path.exists(os.path.join(folder, "cgroup.events")):
+                    out.append((folder, False))
+    return out
+
+
+def _self_frozen(folder: str, v1: bool) -> bool:
+    """Whether cgroup ``folder`` itself was frozen (v1 ``freezer.self_freezing``, v2 ``cgroup.freeze``), not only
+    through an ancestor."""
+    return _read(os.path.join(folder, "freezer.self_freezing" if v1 else "cgroup.freeze")).strip() == "1"
+
+
+def _freezing_chain(folder: str, v1: bool) -> list[str]:
+    """The cgroups from ``folder`` up to its hierarchy's root that froze themselves, innermost first."""
+    chain = []
+    while os.path.exists(os.path.join(folder, "cgroup.procs")):
+        if _self_frozen(folder, v1):
+            chain.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return chain
+
+
+def frozen_cgroup(pid: int) -> str | None:
+    """The folder of the cgroup whose freezer holds process ``pid`` frozen, or None (not frozen, gone, or no
+    cgroup to read). A frozen process is alive and never runs, like a stopped one, but reads as state ``D`` (v1)
+    or ``S`` (v2), not ``T``; its cgroup is frozen when v1's ``freezer.state`` is ``FROZEN`` or ``FREEZING``, or
+    v2's ``cgroup.events`` says ``frozen 1``. Both also show a freeze made by an ancestor: the folder named is the
+    nearest one that froze itself (v1 ``freezer.self_freezing``, v2 ``cgroup.freeze``), which is what to thaw."""
+    for folder, v1 in _freezer_folders(pid):
+        if v1:
+            frozen = _read(os.path.join(folder, "freezer.state")).strip() in ("FROZEN", "FREEZING")
+        else:
+            frozen = "frozen 1" in _read(os.path.join(folder, "cgroup.events")).splitlines()
+        if frozen:
+            chain = _freezing_chain(folder, v1)
+            return chain[0] if chain else folder
     return None
 
 
@@ -207,16 +240,21 @@ class HaltWatch:
 
 
 def thaw_if_only(folder: str, pids: set[int]) -> bool:
-    """Thaw the frozen cgroup ``folder`` when every process in it is one of ``pids`` (this job's, being stopped), so
-    that a SIGKILL can end them: the v1 freezer holds even a killed process until it is thawed. A cgroup that also
-    holds other processes is left as it is (someone else froze it). Returns whether it was thawed."""
-    members = {int(x) for x in _read(os.path.join(folder, "cgroup.procs")).split() if x.isdigit()}
+    """Thaw the frozen cgroup ``folder`` (``frozen_cgroup``), and every ancestor that froze itself too, when every
+    process below the outermost of them is one of ``pids`` (this job's, being stopped), so that a SIGKILL can end
+    them: the v1 freezer holds even a killed process until it is thawed. A frozen cgroup that also holds other
+    processes is left as it is (someone else froze it). Returns whether it was thawed."""
+    v1 = os.path.exists(os.path.join(folder, "freezer.state"))
+    chain = _freezing_chain(folder, v1) or [folder]
+    members: set[int] = set()
+    for below, _, _ in os.walk(chain[-1]):
+        members |= {int(x) for x in _read(os.path.join(below, "cgroup.procs")).split() if x.isdigit()}
     if not members or not members <= pids:
         return False
-    v1 = os.path.exists(os.path.join(folder, "freezer.state"))
     try:
-        with open(os.path.join(folder, "freezer.state" if v1 else "cgroup.freeze"), "w") as f:
-            f.write("THAWED" if v1 else "0")
+        for f in reversed(chain):  # the outermost first
+            with open(os.path.join(f, "freezer.state" if v1 else "cgroup.freeze"), "w") as out:
+                out.write("THAWED" if v1 else "0")
     except OSError:
         return False
     return True
