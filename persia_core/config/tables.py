@@ -96,6 +96,10 @@ class EmbeddingConfig:
     storage: str = "fp32"
     """Storage precision of the weights: ``fp32``, ``fp16`` or ``bf16`` (optimizer state is always fp32; each
     update computes in fp32 and rounds to nearest-even)."""
+    evict_at_capacity: bool = False
+    """Whether the tables may hold fewer rows than the data's distinct IDs: at capacity a shard evicts its least
+    recently looked-up rows (PERSIA's LRU), and the shard plan estimates each shard at its capacity. False: a plan
+    whose estimate exceeds a shard's budget is refused before training."""
 
     def __post_init__(self) -> None:
         if not self.tables:

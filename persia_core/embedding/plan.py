@@ -1,9 +1,10 @@
 """Shard plan and initial state of the embedding parameter servers (the ``init_shards`` step).
 
 From the preprocess statistics (distinct IDs per slot) and the embedding settings, decide each shard's row
-capacity per table from its memory budget, estimate the memory the run needs, refuse a plan that does not fit,
-and write the initial state of every shard: empty tables (cold start: rows are created on first lookup with the
-deterministic per-ID initializer), or the rows and optimizer state of a previous run's model (warm start,
+capacity per table from its memory budget, estimate the memory the run needs, refuse a plan that does not fit
+(unless ``embedding.evict_at_capacity``: the estimate is then the capacity, and the tables evict), and write the
+initial state of every shard: empty tables (cold start: rows are created on first lookup with the deterministic
+per-ID initializer), or the rows and optimizer state of a previous run's model (warm start,
 ``persia_core.embedding.warm_start``).
 
 Output folder::
@@ -51,6 +52,9 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
         per_shard = int(math.ceil(ids / n * SKEW_MARGIN)) if ids else 0
         cap = capacity_for_budget(budget_per_table, t.optimizer.name, t.dim, emb.storage)
         bpr = bytes_per_row(t.optimizer.name, t.dim, cap, emb.storage)
+        evicts = per_shard > cap and emb.evict_at_capacity
+        if evicts:
+            per_shard = cap
         est = int(per_shard * bpr)
         total_est += est
         tables[t.name] = {
@@ -61,6 +65,7 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
             "estimated_ids": ids,
             "estimated_rows_per_shard": per_shard,
             "estimated_bytes_per_shard": est,
+            "evicts": evicts,
             "slots": [s.name for s in config.slots if s.table == t.name],
         }
         if per_shard > cap:
@@ -68,12 +73,14 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
                 f"embedding table {t.name!r}: ~{ids} distinct IDs need ~{per_shard} rows per shard "
                 f"(~{est} bytes at {bpr:.1f} bytes/row) on {n} shards, but a shard's budget of "
                 f"{emb.shard_memory_bytes} bytes (embedding.shard_memory_bytes) holds {cap}; "
-                f"raise the budget or embedding.num_shards"
+                f"raise the budget or embedding.num_shards, or set embedding.evict_at_capacity to evict the least "
+                f"recently used rows at capacity"
             )
     return {
         "routing": ROUTING,
         "num_shards": n,
         "shard_memory_bytes": emb.shard_memory_bytes,
+        "evict_at_capacity": emb.evict_at_capacity,
         "estimated_bytes_per_shard": total_est,
         "estimated_bytes_total": total_est * n,
         "tables": tables,
