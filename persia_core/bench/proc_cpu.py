@@ -1,9 +1,11 @@
-"""CPU time of a process tree over a wall-clock window, from ``/proc`` (Linux): what each role of a job spends.
+"""CPU time and resident memory of a process tree over a wall-clock window, from ``/proc`` (Linux): what each role
+of a job spends.
 
-``ProcessTreeSampler`` reads, every ``interval_s``, the CPU time (user + system, all threads) of every descendant
-of a process and the process itself, with each one's command line; ``cpu_between(t0, t1)`` then interpolates each
-process's CPU seconds at the window's two ends (Unix seconds). A process that started inside the window counts
-from zero; one that ended inside it counts up to its last sample (up to ``interval_s`` of its CPU is lost).
+``ProcessTreeSampler`` reads, every ``interval_s``, the CPU time (user + system, all threads) and the resident set
+size (RSS, bytes) of every descendant of a process and the process itself, with each one's command line;
+``cpu_between(t0, t1)`` then interpolates each process's CPU seconds at the window's two ends (Unix seconds). A
+process that started inside the window counts from zero; one that ended inside it counts up to its last sample (up
+to ``interval_s`` of its CPU is lost). Each process keeps its peak RSS over the samples (``peak_rss``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import time
 from dataclasses import dataclass, field
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
-def _read_stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds: utime + stime) of ``pid`` from ``/proc/<pid>/stat``; None once it is gone."""
+def _read_stat(pid: int) -> tuple[int, float, int] | None:
+    """(parent pid, CPU seconds: utime + stime, RSS bytes) of ``pid`` from ``/proc/<pid>/stat``; None once it is
+    gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces and parentheses
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS, int(fields[21]) * PAGE_BYTES
 
 
 def _cmdline(pid: int) -> str:
@@ -38,12 +42,14 @@ def _cmdline(pid: int) -> str:
 
 @dataclass
 class ProcessSamples:
-    """One process's samples: ``times`` (Unix seconds) and ``cpu`` (CPU seconds then), in time order."""
+    """One process's samples: ``times`` (Unix seconds), ``cpu`` (CPU seconds then), in time order, and
+    ``peak_rss``, the largest resident set size sampled (bytes)."""
 
     pid: int
     cmdline: str
     times: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    peak_rss: int = 0
 
     def cpu_at(self, t: float) -> float:
         """CPU seconds at ``t``, linear between samples; 0 before the first, the last value after the last."""
@@ -86,14 +92,14 @@ class ProcessTreeSampler:
     def sample(self) -> None:
         """One pass over ``/proc``: every live descendant of ``root`` (and ``root``) gets a sample."""
         now = time.time()
-        stats: dict[int, tuple[int, float]] = {}
+        stats: dict[int, tuple[int, float, int]] = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
                 st = _read_stat(int(name))
                 if st is not None:
                     stats[int(name)] = st
         children: dict[int, list[int]] = {}
-        for pid, (ppid, _) in stats.items():
+        for pid, (ppid, _, _) in stats.items():
             children.setdefault(ppid, []).append(pid)
         todo, tree = [self.root], []
         while todo:
@@ -109,6 +115,7 @@ class ProcessTreeSampler:
             proc.cmdline = _cmdline(pid) or proc.cmdline
             proc.times.append(now)
             proc.cpu.append(stats[pid][1])
+            proc.peak_rss = max(proc.peak_rss, stats[pid][2])
 
     def cpu_between(self, t0: float, t1: float) -> dict[int, tuple[str, float]]:
         """pid -> (command line, CPU seconds spent between Unix times ``t0`` and ``t1``), for every process seen."""

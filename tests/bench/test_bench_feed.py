@@ -55,6 +55,20 @@ def test_the_sampler_counts_a_busy_child_and_not_an_idle_one():
     assert "time.sleep(1.5)" in got[procs[1].pid][0]
 
 
+def test_the_sampler_keeps_each_processs_peak_resident_memory():
+    hold = "import time\nimport numpy as np\na = np.ones(300 << 20, np.uint8)\ntime.sleep(1.0)\n"
+    with ProcessTreeSampler(interval_s=0.02) as sampler:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", hold]),
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"]),
+        ]
+        for p in procs:
+            p.wait(timeout=60)
+    big, small = (sampler.processes[p.pid].peak_rss for p in procs)
+    assert 300 << 20 <= big < 450 << 20  # the 300 MiB it wrote, and its interpreter and numpy
+    assert 0 < small < 64 << 20
+
+
 @pytest.mark.processes
 def test_bench_feed_runs_end_to_end_at_a_tiny_size(tmp_path, capsys):
     args = ["--samples", "16384", "--eval-rows", "2000", "--vocab", "2000", "--batch", "1024", "--work", str(tmp_path)]
