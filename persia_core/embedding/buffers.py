@@ -21,14 +21,17 @@ def aligned_array(shape, dtype, fill=None) -> np.ndarray:
     """A C-contiguous array whose first byte is on a 64-byte cache-line boundary (filled with ``fill``, if given).
 
     numpy aligns large arrays to 16 bytes only, so a 64-byte row (dim 16, fp32) would straddle two cache lines and
-    every random row access would cost two misses."""
+    every random row access would cost two misses. ``fill=0`` takes zeroed memory from ``calloc``: a large array
+    is fresh pages the kernel zeroes on first touch, so it is resident only as far as it is written (a table sized
+    for its capacity costs the rows it holds)."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + CACHE_LINE, dtype=np.uint8)
+    zero = fill is not None and fill == 0
+    raw = (np.zeros if zero else np.empty)(nbytes + CACHE_LINE, dtype=np.uint8)
     start = -raw.ctypes.data % CACHE_LINE
     arr = raw[start : start + nbytes].view(dtype).reshape(shape)
-    if fill is not None:
+    if fill is not None and not zero:
         arr.fill(fill)
     return arr
 

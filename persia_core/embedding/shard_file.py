@@ -129,6 +129,9 @@ class TableArrays:
     arrays: dict[str, np.ndarray]
     meta: dict
     index: np.ndarray | None = None  # hash index built while reading (layout storage)
+    reserved: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per-row arrays read into the first rows of larger zeroed ones (``read_shard_file``'s ``reserve``): the
+    larger arrays, which ``arrays`` holds views of."""
 
 
 def _members_of(tables: dict[str, TableArrays], server: dict | None) -> list[tuple[str, np.ndarray]]:
@@ -240,12 +243,19 @@ class ShardContents:
 
 
 def read_shard_file(
-    path: str, expect_size: int | None = None, expect_crc32c: int | None = None, build_index: bool = True
+    path: str,
+    expect_size: int | None = None,
+    expect_crc32c: int | None = None,
+    build_index: bool = True,
+    reserve: dict[str, int] | None = None,
 ) -> ShardContents:
     """Read a shard file, checking its integrity (see module docstring), into fresh arrays.
 
     Members stream straight from the file into their arrays; checksums and the hash index of every ``storage``
-    table (``build_index``) are computed on a helper thread while the rest of the file is read.
+    table (``build_index``) are computed on a helper thread while the rest of the file is read. ``reserve``: rows
+    per table to size its per-row arrays (keys, weights, optimizer state, recency steps) for, zeroed beyond the
+    file's rows (``TableArrays.reserved``), so that a table restored from them holds its capacity without a copy;
+    no index is built for those tables (the table builds its own, sized for its capacity).
     Raises ``FileNotFoundError`` for a missing file, ``ShardFileError`` naming the file and the problem."""
     f: _io.BytesIO | _io.FileIO
     if io.is_remote(path):
@@ -262,12 +272,14 @@ def read_shard_file(
             raise ShardFileError(
                 f"{path}: {size} bytes, but the manifest says {expect_size} (partial or overwritten file)"
             )
-        return _read_members(f, size, path, expect_crc32c, build_index)
+        return _read_members(f, size, path, expect_crc32c, build_index, reserve or {})
     finally:
         f.close()
 
 
-def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_index: bool) -> ShardContents:
+def _read_members(
+    f, size: int, where: str, expect_crc32c: int | None, build_index: bool, reserve: dict[str, int]
+) -> ShardContents:
     members = _members(f, size, where)
     check_zip = expect_crc32c is None
     crc = [0]  # the running CRC-32C of the whole file (checked against the manifest's)
@@ -285,6 +297,7 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
     names = {m.name for m in members}
     layouts: dict[str, str] = {}
     indexes: dict[str, Future] = {}
+    reserved: dict[str, dict[str, np.ndarray]] = {}
     meta: dict = {}
     try:
         f.seek(0)
@@ -294,7 +307,15 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
             _read_exact(f, memoryview(gap), where)
             header = bytes(gap[m.start - pos :])
             futs.append(helper.submit(crc_part, memoryview(gap), None, None))
-            arr = aligned_array(m.shape, m.dtype)  # may become a table's own array (restore_table)
+            table, _, what = m.name.partition(".")
+            rows = reserve.get(table, 0)
+            per_row = layouts.get(table) == "storage" and what not in (*RECENCY_ARRAYS, *EXTRA_ARRAYS)
+            if per_row and len(m.shape) >= 1 and rows > m.shape[0]:
+                full = aligned_array((rows, *m.shape[1:]), m.dtype, 0)  # resident only as far as it is read
+                reserved.setdefault(table, {})[what] = full
+                arr = full[: m.shape[0]]
+            else:
+                arr = aligned_array(m.shape, m.dtype)  # may become a table's own array (restore_table)
             _read_exact(f, _flat_bytes(arr), where)
             futs.append(helper.submit(crc_part, _flat_bytes(arr), m, header))
             pos = m.data + m.nbytes
@@ -303,8 +324,13 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
                 layouts = {n: t.get("layout", "lru") for n, t in meta.get("tables", {}).items()}
                 continue
             arrays[m.name] = arr
-            table, _, what = m.name.partition(".")
-            if build_index and what == "keys" and layouts.get(table) == "storage" and f"{table}.index" not in names:
+            if (
+                build_index
+                and what == "keys"
+                and layouts.get(table) == "storage"
+                and f"{table}.index" not in names
+                and table not in reserved
+            ):
                 indexes[table] = helper.submit(build_key_index, arr)
         tail = bytearray(size - pos)
         _read_exact(f, memoryview(tail), where)
@@ -331,7 +357,7 @@ def _read_members(f, size: int, where: str, expect_crc32c: int | None, build_ind
         tmeta.setdefault("rows", len(arrs.get("keys", ())))
         if "keys" not in arrs or "weights" not in arrs:
             raise ShardFileError(f"{where}: table {name!r} lacks keys or weights")
-        out.tables[name] = TableArrays(arrs, tmeta, built.get(name))
+        out.tables[name] = TableArrays(arrs, tmeta, built.get(name), reserved.get(name, {}))
     return out
 
 

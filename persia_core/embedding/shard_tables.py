@@ -14,20 +14,18 @@ import numpy as np
 
 from persia_core.config import TableConfig
 from persia_core.embedding import kernels as K
-from persia_core.embedding.buffers import aligned_array
 from persia_core.embedding.shard_file import (
     EXTRA_ARRAYS,
     RECENCY_ARRAYS,
     ShardContents,
     ShardFileError,
     TableArrays,
-    build_key_index,
     read_shard_file,
     shard_arrays_bytes,
     write_shard_arrays,
 )
 from persia_core.embedding.table import EmbeddingTable
-from persia_core.memory import capacity_for_budget, state_shapes
+from persia_core.memory import capacity_for_budget, index_slots, state_shapes
 
 log = logging.getLogger("persia.shards")
 
@@ -63,7 +61,9 @@ def make_tables(
 
 def table_arrays(t: EmbeddingTable) -> TableArrays:
     """The arrays of a table to write, as views of the table's own arrays (layout ``storage``); call with
-    ``t.lock`` held until they are written."""
+    ``t.lock`` held until they are written. The hash index is written only when it is the size its rows alone
+    need (``memory.index_slots``): a table sized for a capacity it has not reached would otherwise write an index
+    for that capacity; a reader rebuilds a missing one."""
     base = {"dim": t.dim, "optimizer": t.optimizer.name, "dropped_gradients": int(t.dropped_gradients)}
     n = int(t.counters[0])
     arrays = {"keys": t.keys[:n], "weights": t.weights[:n]}
@@ -73,9 +73,10 @@ def table_arrays(t: EmbeddingTable) -> TableArrays:
             "last_used": t.last_used[:n],
             "lru_rows": K.queue_order(t.qrow, t.qstep, t.qht, t.last_used, n),
             "counters": t.counters,
-            "index": t.index,
         }
     )
+    if len(t.index) == index_slots(n):
+        arrays["index"] = t.index
     _add_sketch(t, arrays)
     return TableArrays(arrays, {**base, "layout": "storage", "rows": n, "step": int(t.step)})
 
@@ -163,8 +164,10 @@ def _lru_first(a: dict, n: int) -> np.ndarray:
 def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str = "") -> None:
     """Replace a table's contents with ``ta`` (read by ``read_shard_file``).
 
-    Layout ``storage`` into a table of the same kind and enough capacity: the arrays become the table's own (no
-    copy) and the index built while reading is used. Otherwise the rows go in through ``load_state_dict`` in
+    Layout ``storage`` into a table of the same kind and enough capacity: arrays read for the table's capacity
+    (``read_shard_file``'s ``reserve``) become the table's own (no copy), others are copied into the table's own
+    arrays (sized for its capacity), and the index is the file's or the one built while reading when it has the
+    table's size, else rebuilt. Otherwise the rows go in through ``load_state_dict`` in
     recency order; rows beyond the table's capacity (least recently used first) are dropped with a warning.
     Raises ``ShardFileError`` naming the table when the dim or the optimizer state do not match."""
     a, label = ta.arrays, f"{where}: table {name!r}"
@@ -181,17 +184,33 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
         and all(a[k].dtype == t.state[k].dtype for k in expected)
     )
     if fast:
-        index = a.get("index")
-        if index is None or not index_consistent(index, a["keys"]):
-            index = ta.index if ta.index is not None else build_key_index(a["keys"])
         order = _lru_first(a, n)
         if len(order) != n:
             raise ShardFileError(f"{label}: recency order covers {len(order)} of {n} rows")
+        per_row = ("keys", "weights", "last_used", *expected)
+        full = ta.reserved if all(len(ta.reserved.get(k, ())) == t.capacity for k in per_row) else None
+        if full is None and n == t.capacity:
+            full = {k: a[k] for k in per_row}
         with t.lock:
-            t.keys, t.weights, t.last_used, t.index = a["keys"], a["weights"], a["last_used"], index
-            t.state = {k: a[k] for k in t.state}
-            t.qrow = aligned_array(K.queue_size(n), np.int32, 0)
-            t.qstep = aligned_array(K.queue_size(n), np.int32, 0)
+            if full is not None:  # the arrays read become the table's own
+                t.keys, t.weights, t.last_used = full["keys"], full["weights"], full["last_used"]
+                t.state = {k: full[k] for k in t.state}
+            else:  # copied into the table's own arrays, which are sized for its capacity
+                t.keys[:n], t.weights[:n], t.last_used[:n] = a["keys"], a["weights"], a["last_used"]
+                for k in t.state:
+                    t.state[k][:n] = a[k]
+            index = next(
+                (
+                    i
+                    for i in (a.get("index"), ta.index)
+                    if i is not None and len(i) == len(t.index) and index_consistent(i, a["keys"])
+                ),
+                None,
+            )
+            if index is not None:
+                t.index = index
+            else:
+                K.rebuild_index(t.index, t.keys, K.shift_of(t.index), n)
             K.queue_from_order(np.ascontiguousarray(order, dtype=np.int32), t.last_used, t.qrow, t.qstep, t.qht)
             t.counters[:] = a["counters"]
             t.counters[0] = n
@@ -218,6 +237,12 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     _restore_sketch(t, a)
 
 
+def capacities_of(tables: dict[str, EmbeddingTable]) -> dict[str, int]:
+    """Rows per table to read a shard file's arrays for (``read_shard_file``'s ``reserve``): each table's
+    capacity."""
+    return {name: t.capacity for name, t in tables.items()}
+
+
 def load_shard_file(
     path: str, tables: dict[str, EmbeddingTable], expect_size: int | None = None, expect_crc32c: int | None = None
 ) -> dict:
@@ -226,7 +251,7 @@ def load_shard_file(
 
     Raises ``FileNotFoundError``, or ``ShardFileError`` (a ``ValueError``) naming the file and the table that
     does not fit or the check that failed."""
-    contents = read_shard_file(path, expect_size, expect_crc32c)
+    contents = read_shard_file(path, expect_size, expect_crc32c, reserve=capacities_of(tables))
     check_shard_contents(contents, tables, path)
     restore_shard_contents(contents, tables, path)
     return contents.server

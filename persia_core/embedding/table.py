@@ -1,10 +1,12 @@
-"""The in-process embedding table: feature ID -> row + optimizer state, grown on demand, LRU-evicted at capacity.
+"""The in-process embedding table: feature ID -> row + optimizer state, created on demand, LRU-evicted at capacity.
 
 This is the reference the distributed parameter servers are tested against (the server wraps one table per
 embedding table name; the table never imports gRPC). All per-ID work runs in compiled code
-(``persia_core.embedding.kernels``); the Python here only sizes and grows arrays.
+(``persia_core.embedding.kernels``); the Python here only sizes arrays.
 
-Memory per row: ``persia_core.memory`` counts what this table allocates (``bytes_per_row``).
+Memory per row: ``persia_core.memory`` counts what this table allocates (``bytes_per_row``). The arrays are sized
+for the capacity from the start, in zeroed memory that becomes resident as rows are written: a table's resident
+memory follows the rows it holds, up to the estimate at capacity, and never holds two copies of its arrays.
 
 Storage precision: ``fp32`` (default), or ``fp16`` / ``bf16`` (IEEE half, bfloat16), held as 16-bit patterns;
 every optimizer step computes in fp32 and rounds the result to nearest-even for storage; optimizer state
@@ -24,7 +26,6 @@ from persia_core.embedding.precision import decode, encode
 from persia_core.memory import STORAGE_BYTES, bytes_per_row, index_slots, state_shapes
 
 _NO_WEIGHTS = np.zeros((1, 1), dtype=np.float32)  # the lookup kernel's weights argument when it does not fill
-_INITIAL_ROWS = 1024
 
 
 def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
@@ -99,11 +100,14 @@ class EmbeddingTable:
         self.expired = 0
         self.lock = threading.Lock()
         self._outputs = OutputPool()
-        self._alloc(min(self.capacity, _INITIAL_ROWS))
+        self._alloc(self.capacity)
         self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
 
     # ---- storage -------------------------------------------------------------------------------------
     def _alloc(self, rows: int) -> None:
+        """Arrays for ``rows`` rows (the capacity): zeroed memory that is resident only as far as rows are written
+        (``aligned_array``), so a table never grows, nor holds its arrays twice; the hash index (-1 = empty) is
+        written whole."""
         self.keys = aligned_array(rows, np.uint64, 0)
         self.weights = aligned_array((rows, self.dim), self.wdtype, 0)
         self.last_used = aligned_array(rows, np.int32, 0)
@@ -115,23 +119,6 @@ class EmbeddingTable:
             for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()
         }
         self.index = aligned_array(index_slots(rows), np.int32, -1)
-
-    def _grow(self, needed_rows: int) -> None:
-        rows = len(self.keys)
-        if needed_rows <= rows or rows == self.capacity:
-            return
-        new_rows = min(self.capacity, max(2 * rows, needed_rows))
-        size = int(self.counters[0])
-        order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)
-        old = (self.keys, self.weights, self.last_used, self.state)
-        self._alloc(new_rows)
-        self.keys[:size] = old[0][:size]
-        self.weights[:size] = old[1][:size]
-        self.last_used[:size] = old[2][:size]
-        for name, arr in old[3].items():
-            self.state[name][:size] = arr[:size]
-        K.queue_from_order(order, self.last_used, self.qrow, self.qstep, self.qht)
-        K.rebuild_index(self.index, self.keys, K.shift_of(self.index), size)
 
     def _reset_state(self, rows: np.ndarray) -> None:
         if len(rows):
@@ -152,7 +139,6 @@ class EmbeddingTable:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = self._outputs.take((len(ids), self.dim), np.float32)
         with self.lock:
-            self._grow(self.size + len(ids))
             self.step += 1
             if self.expire_after_steps:
                 self._expire(self.step - self.expire_after_steps)
@@ -364,7 +350,7 @@ class EmbeddingTable:
         if n > 1 and len(K.dedup(np.ascontiguousarray(keys))[0]) != n:  # checked before anything is replaced
             raise ValueError("state has duplicate keys")
         with self.lock:
-            self._alloc(max(min(self.capacity, _INITIAL_ROWS), n))
+            self._alloc(self.capacity)
             self.keys[:n] = keys
             self.weights[:n] = sd["weights"]
             self.last_used[:n] = sd.get("last_used", np.zeros(n, np.int32))

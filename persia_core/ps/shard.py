@@ -28,6 +28,7 @@ from persia_core.config import RunConfig
 from persia_core.embedding.delta import DeltaExporter, DeltaTracker
 from persia_core.embedding.shard_file import read_shard_file
 from persia_core.embedding.shard_tables import (
+    capacities_of,
     check_shard_contents,
     make_tables,
     restore_shard_contents,
@@ -263,7 +264,7 @@ class ParameterServerShard:
             mode = os.stat(path).st_mode  # FileNotFoundError when missing
             if not stat.S_ISREG(mode):
                 raise ValueError(f"load: {path} is not a regular file")
-        contents = read_shard_file(path, expect_size, expect_crc32c)
+        contents = read_shard_file(path, expect_size, expect_crc32c, reserve=capacities_of(self.tables))
         check_shard_contents(contents, self.tables, path)
         with self.cond:
             restore_shard_contents(contents, self.tables, path)
