@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persia_core import io
@@ -31,6 +32,25 @@ def _list_column(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     values = arr.values.to_numpy(zero_copy_only=False)
     values = values[offsets[0] : offsets[-1]]
     return values, offsets - offsets[0]
+
+
+def _one_per_row(col: pa.ChunkedArray) -> bool:
+    """Whether every row of list column ``col`` holds exactly one value (no null list)."""
+    if col.null_count:
+        return False
+    if len(col) == 0:
+        return True
+    lengths = pc.min_max(pc.list_value_length(col))
+    return lengths["min"].as_py() == 1 and lengths["max"].as_py() == 1
+
+
+def _values_into(out: np.ndarray, col: pa.ChunkedArray) -> None:
+    """Copy the values of list column ``col`` (one per row) into ``out: uint64[R]``, chunk by chunk."""
+    pos = 0
+    for chunk in col.chunks:
+        v = chunk.flatten().to_numpy(zero_copy_only=False)
+        out[pos : pos + len(v)] = v
+        pos += len(v)
 
 
 class ParquetExamples:
@@ -59,13 +79,13 @@ class ParquetExamples:
             if io.is_gcs(f):
                 import io as _io
 
-                t = pq.read_table(_io.BytesIO(io.read_bytes(f)))
+                pf = pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
             else:
-                t = pq.read_table(f)
-            missing = [c for c in cols if c not in t.column_names]
+                pf = pq.ParquetFile(f)
+            missing = [c for c in cols if c not in pf.schema_arrow.names]
             if missing:
                 raise ValueError(f"{f}: missing columns {missing}")
-            tables.append(t.select(cols))
+            tables.append(pf.read(columns=cols))  # only these: not the rows' source strings
         table = pa.concat_tables(tables) if tables else pa.Table.from_batches([], S.arrow_schema(slots)).select(cols)
         self.num_rows = table.num_rows
         self.labels = table.column(S.LABEL).to_numpy().astype(np.float32)
@@ -75,19 +95,26 @@ class ParquetExamples:
             raise ValueError(f"{files}: rows have different numbers of dense features")
         if num_dense is not None and width != num_dense:
             raise ValueError(f"{files}: rows have {width} dense features, the schema {num_dense}")
-        self.dense = dv.astype(np.float32).reshape(self.num_rows, width)
+        self.dense = dv.astype(np.float32, copy=False).reshape(self.num_rows, width)
         self.ts = table.column(S.TS).to_numpy()
-        self.ids = {s: _list_column(table.column(S.slot_column(s))) for s in slots}
-        for s, (v, _) in self.ids.items():
-            if v.dtype != np.uint64:
-                self.ids[s] = (v.astype(np.uint64), self.ids[s][1])
+        columns = [table.column(S.slot_column(s)) for s in slots]
+        del table, tables
         # one ID per row in every slot (Criteo-style one-hot features): the IDs are held as one matrix
-        # ``uint64[S, R]`` and a batch is a single gather (``ids[slot]`` become views of its rows)
+        # ``uint64[S, R]`` and a batch is a single gather (``ids[slot]`` become views of its rows); each column is
+        # copied straight into its row, without a copy of its offsets
         self.fixed: np.ndarray | None = None
-        one = np.arange(self.num_rows + 1, dtype=np.int64)
-        if slots and all(np.array_equal(self.ids[s][1], one) for s in slots):
-            self.fixed = np.stack([self.ids[s][0] for s in slots])
+        if slots and all(_one_per_row(c) for c in columns):
+            self.fixed = np.empty((len(slots), self.num_rows), dtype=np.uint64)
+            for i in range(len(slots)):
+                _values_into(self.fixed[i], columns[i])
+                columns[i] = None  # its Arrow memory can go
+            one = np.arange(self.num_rows + 1, dtype=np.int64)
             self.ids = {s: (self.fixed[i], one) for i, s in enumerate(slots)}
+        else:
+            self.ids = {}
+            for i, s in enumerate(slots):
+                v, o = _list_column(columns[i])
+                self.ids[s] = (v if v.dtype == np.uint64 else v.astype(np.uint64), o)
 
     def __len__(self) -> int:
         return self.num_rows
