@@ -53,6 +53,27 @@ def _values_into(out: np.ndarray, col: pa.ChunkedArray) -> None:
         pos += len(v)
 
 
+def _jagged_parts(
+    fixed_row: np.ndarray, parts: list[list | None], slot: int, rows: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(uint64[n] values, int64[R+1] offsets)`` of one slot over every file: a file whose IDs went to the fixed
+    matrix (``parts[f] is None``) has one per row in ``fixed_row``; the others have their Arrow column."""
+    values, lengths, pos = [], [], 0
+    for part, n in zip(parts, rows, strict=True):
+        if part is None:
+            values.append(fixed_row[pos : pos + n])
+            lengths.append(np.ones(n, np.int64))
+        else:
+            v, o = _list_column(part[slot])
+            values.append(v if v.dtype == np.uint64 else v.astype(np.uint64))
+            lengths.append(np.diff(o))
+        pos += n
+    offsets = np.zeros(pos + 1, np.int64)
+    if pos:
+        np.cumsum(np.concatenate(lengths), out=offsets[1:])
+    return (np.concatenate(values) if values else np.zeros(0, np.uint64)), offsets
+
+
 class ParquetExamples:
     """The rows of some Parquet shards, held columnar in memory.
 
@@ -72,7 +93,7 @@ class ParquetExamples:
     def __init__(self, files: list[str], slots: list[str], num_dense: int | None = None):
         self.slots = list(slots)
         cols = [S.LABEL, S.DENSE, S.TS, *[S.slot_column(s) for s in slots]]
-        tables = []
+        opened = []
         for f in files:
             if not io.exists(f):
                 raise FileNotFoundError(f"Parquet shard not found: {f}")
@@ -85,36 +106,58 @@ class ParquetExamples:
             missing = [c for c in cols if c not in pf.schema_arrow.names]
             if missing:
                 raise ValueError(f"{f}: missing columns {missing}")
-            tables.append(pf.read(columns=cols))  # only these: not the rows' source strings
-        table = pa.concat_tables(tables) if tables else pa.Table.from_batches([], S.arrow_schema(slots)).select(cols)
-        self.num_rows = table.num_rows
-        self.labels = table.column(S.LABEL).to_numpy().astype(np.float32)
-        dv, do = _list_column(table.column(S.DENSE))
-        width = int(do[1] - do[0]) if self.num_rows else (num_dense or 0)
-        if self.num_rows and not np.all(np.diff(do) == width):
-            raise ValueError(f"{files}: rows have different numbers of dense features")
+            opened.append(pf)
+        # one file at a time into arrays sized from the files' metadata, so that at most one file's Arrow table is
+        # held beside them; only the needed columns are read (not the rows' source strings)
+        self.num_rows = total = sum(pf.metadata.num_rows for pf in opened)
+        self.labels = np.empty(total, np.float32)
+        self.ts = np.empty(total, np.int64)
+        width = None
+        dense = np.empty((total, 0), np.float32)
+        # one ID per row in every slot (Criteo-style one-hot features): the IDs are held as one matrix
+        # ``uint64[S, R]`` and a batch is a single gather (``ids[slot]`` become views of its rows)
+        fixed = np.empty((len(slots), total), np.uint64)
+        parts: list[list | None] = []  # per file: None (its IDs are in ``fixed``) or its slot columns
+        pos = 0
+        for pf in opened:
+            t = pf.read(columns=cols)
+            n = t.num_rows
+            self.labels[pos : pos + n] = t.column(S.LABEL).to_numpy()
+            self.ts[pos : pos + n] = t.column(S.TS).to_numpy()
+            if n:
+                dv, do = _list_column(t.column(S.DENSE))
+                w = int(do[1] - do[0])
+                if not np.all(np.diff(do) == w) or (width is not None and w != width):
+                    raise ValueError(f"{files}: rows have different numbers of dense features")
+                if width is None:
+                    width, dense = w, np.empty((total, w), np.float32)
+                dense[pos : pos + n] = dv.reshape(n, w)
+                del dv, do
+            columns = [t.column(S.slot_column(s)) for s in slots]
+            if all(_one_per_row(c) for c in columns):
+                for i, c in enumerate(columns):
+                    _values_into(fixed[i, pos : pos + n], c)
+                parts.append(None)
+            else:
+                parts.append(columns)
+            del t, columns
+            pos += n
+        width = width if width is not None else (num_dense or 0)
         if num_dense is not None and width != num_dense:
             raise ValueError(f"{files}: rows have {width} dense features, the schema {num_dense}")
-        self.dense = dv.astype(np.float32, copy=False).reshape(self.num_rows, width)
-        self.ts = table.column(S.TS).to_numpy()
-        columns = [table.column(S.slot_column(s)) for s in slots]
-        del table, tables
-        # one ID per row in every slot (Criteo-style one-hot features): the IDs are held as one matrix
-        # ``uint64[S, R]`` and a batch is a single gather (``ids[slot]`` become views of its rows); each column is
-        # copied straight into its row, without a copy of its offsets
+        self.dense = dense if dense.shape[1] == width else np.empty((0, width), np.float32)
         self.fixed: np.ndarray | None = None
-        if slots and all(_one_per_row(c) for c in columns):
-            self.fixed = np.empty((len(slots), self.num_rows), dtype=np.uint64)
-            for i in range(len(slots)):
-                _values_into(self.fixed[i], columns[i])
-                columns[i] = None  # its Arrow memory can go
-            one = np.arange(self.num_rows + 1, dtype=np.int64)
-            self.ids = {s: (self.fixed[i], one) for i, s in enumerate(slots)}
+        if slots and all(p is None for p in parts):
+            self.fixed = fixed
+            one = np.arange(total + 1, dtype=np.int64)
+            self.ids = {s: (fixed[i], one) for i, s in enumerate(slots)}
         else:
-            self.ids = {}
-            for i, s in enumerate(slots):
-                v, o = _list_column(columns[i])
-                self.ids[s] = (v if v.dtype == np.uint64 else v.astype(np.uint64), o)
+            self.ids = {
+                s: _jagged_parts(fixed[i], parts, i, [pf.metadata.num_rows for pf in opened])
+                for i, s in enumerate(slots)
+            }
+        del opened, parts
+        pa.default_memory_pool().release_unused()  # the Arrow tables' and readers' memory, back to the system
 
     def __len__(self) -> int:
         return self.num_rows

@@ -56,3 +56,11 @@ def test_no_rows_at_all(tmp_path):
     _write(tmp_path / "0.parquet", {"a": [], "b": []}, 0, row_group=4)
     ex = ParquetExamples([str(tmp_path / "0.parquet")], ["a", "b"], num_dense=2)
     assert len(ex) == 0 and ex.dense.shape == (0, 2) and ex.fixed.shape == (2, 0)
+
+
+def test_a_one_id_per_row_file_then_a_multi_hot_one_keep_every_bag(tmp_path):
+    a = [[i + 1] for i in range(10)] + [[1, 2], [], [3]] * 3
+    b = [[100 + i] for i in range(19)]
+    _write(tmp_path / "0.parquet", {"a": a[:10], "b": b[:10]}, 0, row_group=4)
+    _write(tmp_path / "1.parquet", {"a": a[10:], "b": b[10:]}, 10, row_group=4)
+    _check([tmp_path / "0.parquet", tmp_path / "1.parquet"], ["a", "b"], {"a": a, "b": b}, one_per_row=False)
