@@ -45,9 +45,9 @@ class LocalEmbedding:
         ]
         self.dims = {t.name: t.dim for t in config.tables}
 
-    def load(self, paths: list[str], expected: list[tuple[int, int]] | None = None) -> None:
+    def load(self, paths: list[str], expected: list[tuple[int | None, int | None]] | None = None) -> None:
         """Load one shard file per shard (``paths[i]`` into shard i), each checked against ``expected[i]``
-        (``(bytes, CRC-32C)``) when given."""
+        (``(bytes, CRC-32C)``, either None: not checked) when given."""
         if len(paths) != self.num_shards:
             raise ValueError(f"{len(paths)} shard files for {self.num_shards} shards")
         if expected is not None and len(expected) != self.num_shards:

@@ -68,7 +68,11 @@ class LoadedModel:
         self.layouts = table_layouts(self.config)
         self.slots = model_slot_order(self.config)
         self.embedding = LocalEmbedding(self.config.embedding, self.manifest.num_shards, self.config.trainer.seed)
-        self.embedding.load([io.join(model_dir, f) for f in self.manifest.shard_files])  # the resolved folder
+        crcs = self.manifest.shard_crc32c
+        self.embedding.load(  # the resolved folder; each whole file checked against its CRC-32C where recorded
+            [io.join(model_dir, f) for f in self.manifest.shard_files],
+            [(None, int(c)) for c in crcs] if crcs else None,
+        )
         self.dense = build_model(
             self.config.model,
             len(self.slots),
