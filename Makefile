@@ -31,7 +31,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 unexport PYTHONDONTWRITEBYTECODE
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc device-check venv-torchrec bench
+.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc soak device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -91,6 +91,9 @@ bench-ckpt: venv ## checkpoint dump/load of a 10M-row shard vs plain sequential 
 
 bench-preprocess: venv ## Beam preprocess of the bundled MovieLens set: seconds per run, rows (last line: JSON)
 	$(PY) -m persia_core.bench.preprocess
+
+soak: venv ## 1.6B parameters (100M+ IDs at dim 16) through the CLI: eviction, a kill and resume, RSS per process vs the plan (last line: JSON; not in make test)
+	$(PY) -m persia_core.bench.soak
 
 bench-feed: venv ## CPU us/sample per role feeding 1 NN worker (one-layer dense model) vs plain PyTorch (last line: JSON)
 	$(PY) -m persia_core.bench.feed
