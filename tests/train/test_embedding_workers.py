@@ -139,34 +139,36 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _signal_an_embedding_worker_once_training(tmp_path, box: dict, sig: int, which: int) -> None:
+    """Send ``sig`` to embedding worker ``which`` (by pid order) of this test's job once it trains; ``box`` gets the
+    job's pids and the time."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ews = [p for p in descendants(os.getpid()) if "persia_core.train.embedding_worker" in _cmdline(p)]
+        metrics = list((tmp_path / "work" / "logs").glob("nn_worker-0.log"))
+        if len(ews) == 2 and metrics and "step " in metrics[0].read_text():
+            box["pids"] = descendants(os.getpid())
+            box["signalled_at"] = time.monotonic()
+            os.kill(sorted(ews)[which], sig)
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.processes
 def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leaves_nothing(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=192)
     cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=400, embedding_workers=2)
     box: dict = {}
-
-    def kill_one():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            ews = [p for p in descendants(os.getpid()) if "persia_core.train.embedding_worker" in _cmdline(p)]
-            metrics = list((tmp_path / "work" / "logs").glob("nn_worker-0.log"))
-            if len(ews) == 2 and metrics and "step " in metrics[0].read_text():
-                box["pids"] = descendants(os.getpid())
-                box["killed_at"] = time.monotonic()
-                os.kill(sorted(ews)[0], 9)
-                return
-            time.sleep(0.01)
-
-    killer = threading.Thread(target=kill_one)
+    killer = threading.Thread(target=_signal_an_embedding_worker_once_training, args=(tmp_path, box, signal.SIGKILL, 0))
     killer.start()
     with pytest.raises(TrainingFailed) as err:
         train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
     raised_at = time.monotonic()
     killer.join()
-    assert "killed_at" in box, "training ended before an embedding worker was killed"
+    assert "signalled_at" in box, "training ended before an embedding worker was killed"
     msg = str(err.value)
     assert "embedding worker 0." in msg and "killed by SIGKILL" in msg, msg
-    assert raised_at - box["killed_at"] < 60
+    assert raised_at - box["signalled_at"] < 60
     assert len(box["pids"]) == 5  # 2 servers, 1 NN worker and its 2 embedding workers
     assert descendants(os.getpid()) == []
     prefixes = tuple(shm.segment_name(p)[:15] for p in box["pids"])
@@ -177,35 +179,23 @@ def test_a_sigkilled_embedding_worker_fails_train_within_60s_naming_it_and_leave
     ]
 
 
-def _stop_an_embedding_worker_once_training(tmp_path, box: dict, sig: int = signal.SIGSTOP) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ews = [p for p in descendants(os.getpid()) if "persia_core.train.embedding_worker" in _cmdline(p)]
-        metrics = list((tmp_path / "work" / "logs").glob("nn_worker-0.log"))
-        if len(ews) == 2 and metrics and "step " in metrics[0].read_text():
-            box["pids"] = descendants(os.getpid())
-            box["stopped_at"] = time.monotonic()
-            os.kill(sorted(ews)[1], sig)
-            return
-        time.sleep(0.01)
-
-
 @pytest.mark.processes
 def test_a_sigstopped_embedding_worker_fails_train_after_the_stopped_limit_naming_it_and_leaves_nothing(tmp_path):
     # before: the NN worker waited for its ready batch for good, and the launcher watched only its own children
     data = write_dataset(str(tmp_path / "data"), rows=192)
     cfg = tiny_config(num_workers=1, embedding_staleness=1, epochs=400, embedding_workers=2)
     box: dict = {}
-    stopper = threading.Thread(target=_stop_an_embedding_worker_once_training, args=(tmp_path, box))
+    stop = (tmp_path, box, signal.SIGSTOP, 1)
+    stopper = threading.Thread(target=_signal_an_embedding_worker_once_training, args=stop)
     stopper.start()
     with pytest.raises(TrainingFailed) as err:
         train(cfg, data, str(tmp_path / "model"), work_dir=str(tmp_path / "work"))
     raised_at = time.monotonic()
     stopper.join()
-    assert "stopped_at" in box, "training ended before an embedding worker was stopped"
+    assert "signalled_at" in box, "training ended before an embedding worker was stopped"
     msg = str(err.value)
     assert re.search(r"embedding worker 0\.1 \(pid \d+\) has been stopped \(SIGSTOP\) for \d+ s", msg), msg
-    assert STOPPED_FAIL_S <= raised_at - box["stopped_at"] < 60
+    assert STOPPED_FAIL_S <= raised_at - box["signalled_at"] < 60
     assert descendants(os.getpid()) == []
     prefixes = tuple(shm.segment_name(p)[:15] for p in box["pids"])
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefixes)]
