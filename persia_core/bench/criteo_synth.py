@@ -134,8 +134,12 @@ class PlantedModel:
         out += ((dense - self.z_mean) / self.z_std) @ self.beta
         return out
 
-    def table(self, rng: np.random.Generator, n: int, start: int) -> tuple[pa.Table, np.ndarray]:
-        """``n`` rows as a shard table (``schema.arrow_schema(SLOTS)``) and their planted logits."""
+    def table(
+        self, rng: np.random.Generator, n: int, start: int, ids_of=None, source: str = "criteo_synth"
+    ) -> tuple[pa.Table, np.ndarray]:
+        """``n`` rows as a shard table (``schema.arrow_schema(SLOTS)``) and their planted logits. ``ids_of(s,
+        ranks)``: the feature IDs ``uint64[n]`` of slot ``s`` for its value ranks (default: the hashed vocabulary's);
+        ``source``: every row's source."""
         ranks, dense = self.sample_features(rng, n)
         logit = self.logits(ranks, dense)
         label = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
@@ -148,9 +152,10 @@ class PlantedModel:
             ),
         ]
         for s in range(NUM_SLOTS):
-            cols.append(pa.ListArray.from_arrays(one, pa.array(self.ids[s][ranks[:, s]], pa.uint64())))
+            ids = self.ids[s][ranks[:, s]] if ids_of is None else ids_of(s, ranks[:, s])
+            cols.append(pa.ListArray.from_arrays(one, pa.array(ids, pa.uint64())))
         cols.append(pa.array(np.arange(start, start + n, dtype=np.int64)))
-        cols.append(pa.repeat("criteo_synth", n))
+        cols.append(pa.repeat(source, n))
         return pa.Table.from_arrays(cols, schema=S.arrow_schema(SLOTS)), logit
 
 

@@ -78,30 +78,18 @@ def write_soak_data(out_dir: str, train_rows: int, eval_rows: int, fresh: float,
     counter = [0]
 
     def table(rng: np.random.Generator, n: int, start: int) -> pa.Table:
-        ranks, dense = model.sample_features(rng, n)
-        logit = model.logits(ranks, dense)
-        label = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
-        one = pa.array(np.arange(n + 1, dtype=np.int32))
-        cols = [
-            pa.array(label, pa.float32()),
-            pa.ListArray.from_arrays(
-                pa.array(np.arange(0, C.NUM_DENSE * n + 1, C.NUM_DENSE, dtype=np.int32)),
-                pa.array(dense.reshape(-1), pa.float32()),
-            ),
-        ]
-        for s in range(C.NUM_SLOTS):
-            ids = model.ids[s][ranks[:, s]]
+        def ids_of(s: int, ranks: np.ndarray) -> np.ndarray:
+            ids = model.ids[s][ranks]
             new = rng.random(n) < fresh
             k = int(new.sum())
             # a running counter, mixed: never one of the hot IDs (hashes of strings) in practice
             ids[new] = splitmix64(np.arange(counter[0], counter[0] + k, dtype=np.uint64) + np.uint64(1 << 62))
             counter[0] += k
             fresh_per_slot[s] += k
-            hot_seen[s, ranks[~new, s]] = True
-            cols.append(pa.ListArray.from_arrays(one, pa.array(ids, pa.uint64())))
-        cols.append(pa.array(np.arange(start, start + n, dtype=np.int64)))
-        cols.append(pa.repeat("soak", n))
-        return pa.Table.from_arrays(cols, schema=S.arrow_schema(C.SLOTS))
+            hot_seen[s, ranks[~new]] = True
+            return ids
+
+        return model.table(rng, n, start, ids_of, source="soak")[0]
 
     files: dict[str, list[str]] = {"train": [], "eval": []}
     start = 0
