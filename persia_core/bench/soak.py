@@ -300,7 +300,8 @@ def run(args: argparse.Namespace) -> dict:
     if rows_b != {(sh, t): got["rows"] for sh, ts in sums_a.items() for t, got in ts.items()}:
         differ.add("rows")
     peaks: dict[str, int] = {}
-    servers, killed = [], []  # the servers of the runs that trained to the end (their tables full), of the killed
+    servers: list[int] = []  # peak RSS of the servers of the runs that trained to the end (their tables full)
+    killed: list[int] = []  # of the killed run's
     for proc in sampler.processes.values():
         role = role_of(proc.cmdline)
         if role == "server":

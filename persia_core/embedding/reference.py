@@ -7,6 +7,7 @@ so the trainer runs unchanged on either and a test can run a batch through both 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ class LocalEmbedding:
         ]
         self.dims = {t.name: t.dim for t in config.tables}
 
-    def load(self, paths: list[str], expected: list[tuple[int | None, int | None]] | None = None) -> None:
+    def load(self, paths: list[str], expected: Sequence[tuple[int | None, int | None]] | None = None) -> None:
         """Load one shard file per shard (``paths[i]`` into shard i), each checked against ``expected[i]``
         (``(bytes, CRC-32C)``, either None: not checked) when given."""
         if len(paths) != self.num_shards:
