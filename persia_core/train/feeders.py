@@ -331,12 +331,12 @@ class ProcessFeeders(Feeders):
                 p.kill()
                 processes.reap_killed(p, f"embedding worker {self.rank}.{e}")
         deadline = time.monotonic() + 10.0
-        for p in self.procs:
+        for e, p in enumerate(self.procs):
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-                processes.reap_killed(p, f"embedding worker {self.rank}.{self.procs.index(p)}")
+                processes.reap_killed(p, f"embedding worker {self.rank}.{e}")
         shm.remove_segments_of([p.pid for p in self.procs])  # a killed one's client segments
         shutil.rmtree(self.examples_dir, ignore_errors=True)
 
