@@ -90,7 +90,8 @@ def rescore_baseline(blessed_dir: str, data_dir: str, batch_size: int = 4096) ->
         )
         return {"source": UNLOADABLE, "model": marker["model"], "error": error}
     try:
-        m = evaluate(path, data_dir, batch_size=batch_size, user_slot="", model=model)["metrics"]
+        # the LR reference is the new model's evaluate step's (same train split, same fit): not fitted again
+        m = evaluate(path, data_dir, batch_size=batch_size, user_slot="", model=model, lr_reference=False)["metrics"]
     except Exception as e:  # noqa: BLE001 - any failure of the old model must not fail today's run
         log.warning(
             "the latest blessed model in %s cannot score %s (%s: %s): the gate compares with the metrics "
