@@ -32,12 +32,20 @@ from persia_core.config.loading import CONFIG_DIR, is_config_name, load_config, 
 from persia_core.config.model import ModelConfig
 from persia_core.config.run import RunConfig
 from persia_core.config.schema import LayoutConfig, SlotConfig, SplitConfig
-from persia_core.config.tables import OPTIMIZERS, EmbeddingConfig, OptimizerConfig, TableConfig
+from persia_core.config.tables import (
+    OPTIMIZERS,
+    WIDE_TABLE,
+    EmbeddingConfig,
+    OptimizerConfig,
+    TableConfig,
+    table_budgets,
+)
 from persia_core.config.trainer import TrainerConfig
 
 __all__ = [
     "CONFIG_DIR",
     "OPTIMIZERS",
+    "WIDE_TABLE",
     "EmbeddingConfig",
     "LayoutConfig",
     "ModelConfig",
@@ -51,4 +59,5 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "shipped_configs",
+    "table_budgets",
 ]

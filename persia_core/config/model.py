@@ -16,7 +16,9 @@ class ModelConfig:
     2019): bottom MLP on dense features to dim D, pairwise dot products of the S+1 vectors, top MLP. ``dcnv2``:
     DCNv2 (Wang et al. 2021): ``cross_layers`` cross layers on concat(pooled embeddings, bottom(dense)) and the
     MLP ``hidden``, stacked or parallel (``structure``). ``deepfm``: DeepFM (Guo et al. 2017): an FM's pairwise
-    interactions of the pooled embeddings plus the MLP ``hidden`` on their concat with bottom(dense)."""
+    interactions of the pooled embeddings plus the MLP ``hidden`` on their concat with bottom(dense). ``lr``:
+    logistic regression: a linear term of the (standardized) dense features and the wide term (``wide`` must be
+    on); the embeddings are not used."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Top MLP hidden sizes (the output layer of size 1 is added)."""
     bottom: list[int] = field(default_factory=lambda: [64])
@@ -30,8 +32,13 @@ class ModelConfig:
     """dcnv2: ``stacked`` (the MLP on the cross layers' output) or ``parallel`` (beside them, outputs
     concatenated)."""
 
+    wide: bool = False
+    """A first-order (wide) term for every model: the wide table (``embedding.tables`` ``wide``, added with dim 1,
+    rows starting at 0, unless declared) holds one weight per feature ID of every slot, and the sum of a sample's
+    weights is added to the logit (Cheng et al., "Wide & Deep", 2016; DeepFM's first-order term)."""
+
     def __post_init__(self) -> None:
-        kinds = ("dnn", "dlrm", "dcnv2", "deepfm")
+        kinds = ("dnn", "dlrm", "dcnv2", "deepfm", "lr")
         if self.kind not in kinds:
             raise config_error("model.kind", f"must be one of {', '.join(map(repr, kinds))}, got {self.kind!r}")
         if self.cross_layers < 0:
@@ -42,6 +49,8 @@ class ModelConfig:
             raise config_error("model.structure", f"must be 'stacked' or 'parallel', got {self.structure!r}")
         if any(h < 1 for h in self.hidden + self.bottom):
             raise config_error("model.hidden/bottom", "layer sizes must be >= 1")
+        if self.kind == "lr" and not self.wide:
+            raise config_error("model.wide", "model.kind lr is the wide term and a linear dense term: set wide: true")
 
     def check_fits(self, num_slots: int, dim: int, num_dense: int) -> None:
         """Raise ``ValueError`` naming the field when this model cannot be built for ``num_slots`` slots of dim

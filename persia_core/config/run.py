@@ -13,7 +13,7 @@ from persia_core.config.errors import config_error
 from persia_core.config.model import ModelConfig
 from persia_core.config.overrides import apply_overrides
 from persia_core.config.schema import LayoutConfig, SlotConfig, SplitConfig, check_feature_columns
-from persia_core.config.tables import EmbeddingConfig
+from persia_core.config.tables import WIDE_TABLE, EmbeddingConfig, OptimizerConfig, TableConfig
 from persia_core.config.trainer import TrainerConfig
 
 
@@ -49,6 +49,37 @@ class RunConfig:
                 raise config_error(f"slots[{s.name}]", f"fields {bad} are not produced by the layout {sorted(known)}")
             if s.table not in tables:
                 raise config_error(f"slots[{s.name}].table", f"no embedding table named {s.table!r}")
+            if s.table == WIDE_TABLE:
+                raise config_error(
+                    f"slots[{s.name}].table", f"{WIDE_TABLE!r} is the wide table of model.wide; name another table"
+                )
+        self._add_wide_table()
+
+    def _add_wide_table(self) -> None:
+        """With ``model.wide``: add the wide table (dim 1, rows starting at 0, the first table's optimizer kind
+        and learning rate, element-wise where that is row-wise) unless it is declared; a declared one must have
+        dim 1. Without it, a table named ``wide`` is refused."""
+        wide = next((t for t in self.embedding.tables if t.name == WIDE_TABLE), None)
+        if not self.model.wide:
+            if wide is not None:
+                raise config_error(f"embedding.tables[{WIDE_TABLE}]", "the name is reserved for model.wide: true")
+            return
+        if wide is not None:
+            if wide.dim != 1:
+                raise config_error(f"embedding.tables[{WIDE_TABLE}].dim", f"the wide table has dim 1, got {wide.dim}")
+            return
+        first = self.embedding.tables[0].optimizer
+        name = "adagrad" if first.name == "rowwise_adagrad" else first.name
+        optimizer = OptimizerConfig(**{**dataclasses.asdict(first), "name": name, "weight_decay": 0.0})
+        self.embedding.tables.append(TableConfig(name=WIDE_TABLE, dim=1, optimizer=optimizer, init_scale=0.0))
+        self.embedding._check_budget()
+
+    def table_slots(self, table: str) -> list[str]:
+        """The slots whose feature IDs ``table`` holds, in config order: those naming it; the wide table's: every
+        slot."""
+        if table == WIDE_TABLE and self.model.wide:
+            return self.slot_names
+        return [s.name for s in self.slots if s.table == table]
 
     @property
     def slot_names(self) -> list[str]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from persia_core.config.errors import config_error
-from persia_core.memory import min_budget_bytes
+from persia_core.memory import bytes_per_row, min_budget_bytes
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+WIDE_TABLE = "wide"
+"""The name of the wide table (``model.wide``): one 1-dim row per feature ID of every slot, the model's first-order
+(logistic-regression) term. The name is reserved for it."""
 
 
 @dataclass
@@ -116,24 +119,48 @@ class EmbeddingConfig:
         self._check_budget()
 
     def _check_budget(self) -> None:
-        """A shard's budget (split evenly over the tables) must hold at least 1024 rows of every table, as the
-        table's own accounting (``persia_core.memory.capacity_for_budget``) counts them; else
+        """A shard's budget (split over the tables by ``table_budgets``) must hold at least 1024 rows of every
+        table, as the table's own accounting (``persia_core.memory.capacity_for_budget``) counts them; else
         ``ValueError`` naming ``embedding.shard_memory_bytes``, its value and the least budget that works."""
-        per_table = self.shard_memory_bytes // len(self.tables)
+        budgets = self.table_budgets()
         least = {t.name: min_budget_bytes(t.optimizer.name, t.dim, self.storage) for t in self.tables}
-        worst = max(self.tables, key=lambda t: least[t.name])
-        if per_table >= least[worst.name]:
+        short = [t for t in self.tables if budgets[t.name] < least[t.name]]
+        if not short:
             return
-        split = f" split over {len(self.tables)} tables ({per_table} bytes each)" if len(self.tables) > 1 else ""
+        worst = max(short, key=lambda t: least[t.name] / max(budgets[t.name], 1))
+        per_table = budgets[worst.name]
+        split = f" split over {len(self.tables)} tables ({per_table} bytes for it)" if len(self.tables) > 1 else ""
+        need = -(-least[worst.name] * self.shard_memory_bytes // max(per_table, 1))
         raise config_error(
             "embedding.shard_memory_bytes",
             f"{self.shard_memory_bytes} bytes per shard{split} hold fewer than 1024 rows of table "
-            f"{worst.name!r} (dim {worst.dim}, {worst.optimizer.name}, {self.storage}); give at least "
-            f"{least[worst.name] * len(self.tables)}",
+            f"{worst.name!r} (dim {worst.dim}, {worst.optimizer.name}, {self.storage}); give at least {need}",
         )
+
+    def table_budgets(self) -> dict[str, int]:
+        """Bytes of ``shard_memory_bytes`` per table (``table_budgets``)."""
+        return table_budgets(self.tables, self.shard_memory_bytes, self.storage)
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:
             if t.name == name:
                 return t
         raise KeyError(name)
+
+
+def table_budgets(tables: list[TableConfig], shard_memory_bytes: int, storage: str = "fp32") -> dict[str, int]:
+    """Each table's share of one shard's ``shard_memory_bytes`` (bytes): even over the tables, except the wide
+    table (``WIDE_TABLE``), which holds a row for every feature ID of the others: its share is sized so that its
+    capacity in rows about equals theirs together (shares in proportion to the bytes per row)."""
+    wide = [t for t in tables if t.name == WIDE_TABLE]
+    deep = [t for t in tables if t.name != WIDE_TABLE]
+    if not wide or not deep:
+        return {t.name: shard_memory_bytes // len(tables) for t in tables}
+    w = wide[0]
+    weight = bytes_per_row(w.optimizer.name, w.dim, storage=storage) * sum(
+        1.0 / bytes_per_row(t.optimizer.name, t.dim, storage=storage) for t in deep
+    )
+    unit = shard_memory_bytes / (len(deep) + weight)
+    out = {t.name: int(unit) for t in deep}
+    out[w.name] = shard_memory_bytes - sum(out.values())
+    return out

@@ -43,14 +43,15 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
     budget of a shard."""
     emb = config.embedding
     n = emb.num_shards
-    budget_per_table = emb.shard_memory_bytes // len(emb.tables)
+    budgets = emb.table_budgets()
     distinct = schema.get("distinct_ids", {})
     tables = {}
     total_est = 0
     for t in emb.tables:
-        ids = sum(int(distinct.get(s.name, 0)) for s in config.slots if s.table == t.name)
+        slots = config.table_slots(t.name)
+        ids = sum(int(distinct.get(s, 0)) for s in slots)
         per_shard = int(math.ceil(ids / n * SKEW_MARGIN)) if ids else 0
-        cap = capacity_for_budget(budget_per_table, t.optimizer.name, t.dim, emb.storage)
+        cap = capacity_for_budget(budgets[t.name], t.optimizer.name, t.dim, emb.storage)
         bpr = bytes_per_row(t.optimizer.name, t.dim, cap, emb.storage)
         evicts = per_shard > cap and emb.evict_at_capacity
         if evicts:
@@ -66,7 +67,7 @@ def make_plan(config: RunConfig, schema: dict) -> dict:
             "estimated_rows_per_shard": per_shard,
             "estimated_bytes_per_shard": est,
             "evicts": evicts,
-            "slots": [s.name for s in config.slots if s.table == t.name],
+            "slots": slots,
         }
         if per_shard > cap:
             raise PlanError(

@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from persia_core.config import TableConfig
+from persia_core.config import TableConfig, table_budgets
 from persia_core.embedding import kernels as K
 from persia_core.embedding.shard_file import (
     EXTRA_ARRAYS,
@@ -38,13 +38,15 @@ def make_tables(
     storage: str = "fp32",
 ) -> dict[str, EmbeddingTable]:
     """One ``EmbeddingTable`` per table config for one shard, weights stored at ``storage`` precision. The
-    shard's memory budget is split evenly between tables unless ``capacities`` (rows per table) is given."""
+    shard's memory budget is split between tables by ``config.table_budgets`` unless ``capacities`` (rows per
+    table) is given."""
     out = {}
+    budgets = table_budgets(tables, shard_memory_bytes, storage)
     for t in tables:
         if capacities and t.name in capacities:
             cap = int(capacities[t.name])
         else:
-            cap = capacity_for_budget(shard_memory_bytes // len(tables), t.optimizer.name, t.dim, storage)
+            cap = capacity_for_budget(budgets[t.name], t.optimizer.name, t.dim, storage)
         out[t.name] = EmbeddingTable(
             t.dim,
             t.optimizer,

@@ -21,15 +21,13 @@ log = logging.getLogger("persia.launcher")
 
 def shard_capacities(config: RunConfig, plan_path: str) -> dict[str, int]:
     """Rows per shard of each table: from the shard plan at ``plan_path`` where there is one, else what
-    ``embedding.shard_memory_bytes`` holds, split evenly over the tables."""
+    ``embedding.shard_memory_bytes`` holds, split over the tables by ``table_budgets``."""
     if plan_path and io.exists(plan_path):
         plan = json.loads(io.read_text(plan_path))
         return {n: int(t["capacity_rows_per_shard"]) for n, t in plan["tables"].items()}
     emb = config.embedding
-    return {
-        t.name: capacity_for_budget(emb.shard_memory_bytes // len(emb.tables), t.optimizer.name, t.dim)
-        for t in emb.tables
-    }
+    budgets = emb.table_budgets()
+    return {t.name: capacity_for_budget(budgets[t.name], t.optimizer.name, t.dim, emb.storage) for t in emb.tables}
 
 
 def checkpoint_inits(
