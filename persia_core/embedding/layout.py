@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from persia_core.config import RunConfig
+from persia_core.config import WIDE_TABLE, RunConfig
 from persia_core.embedding.kernels import dedup
 from persia_core.sparse import IdBatch
 
@@ -33,6 +33,21 @@ def table_layouts(config: RunConfig) -> list[TableLayout]:
     if len({t.dim for t in out}) > 1:
         raise ValueError("embedding.tables: the dense models need one embedding dim across tables used by slots")
     return out
+
+
+def wide_layout(config: RunConfig) -> TableLayout | None:
+    """The wide table (``model.wide``) over every slot in model order (``float32[B, S, 1]`` pooled), or None."""
+    return TableLayout(WIDE_TABLE, 1, model_slot_order(config)) if config.model.wide else None
+
+
+def prepare_wide(ids: IdBatch, wide: TableLayout, prepared: dict[str, PreparedIds]) -> PreparedIds:
+    """The wide table's IDs of a batch: every slot's, deduplicated; those of the one deep table when it holds
+    every slot (no second dedup)."""
+    if len(prepared) == 1:
+        only = next(iter(prepared.values()))
+        if len(only.offsets) == len(wide.slots) * ids.batch_size + 1:
+            return only
+    return prepare_ids(ids, [wide])[wide.name]
 
 
 def model_slot_order(config: RunConfig) -> list[str]:

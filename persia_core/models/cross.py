@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from persia_core.config import ModelConfig
-from persia_core.models.dense import DLRM, DNN, ModelBase, bottom_mlp, mlp
+from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, mlp
 
 
 class CrossLayer(nn.Module):
@@ -116,11 +116,12 @@ class DeepFM(ModelBase):
 def build_model(
     config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None
 ) -> nn.Module:
-    """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``). Raises ``ValueError``
+    """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``, ``lr``; a wide table's
+    term, ``model.wide``, is added to its logits by the caller: ``dense.wide_logit``). Raises ``ValueError``
     for an unusable combination (``ModelConfig.check_fits``)."""
     config.check_fits(num_slots, dim, num_dense)
     args = (num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)
     if config.kind == "dcnv2":
         return DCNv2(*args, config.cross_layers, config.cross_rank, config.structure)
-    cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM}[config.kind]
+    cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM, "lr": LR}[config.kind]
     return cls(*args)

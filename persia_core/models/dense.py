@@ -50,6 +50,30 @@ class ModelBase(nn.Module):
         return (dense - self.dense_mean) / self.dense_std
 
 
+def wide_logit(wide: torch.Tensor) -> torch.Tensor:
+    """The wide (first-order) term of the logit, added to the dense model's: ``wide: float32[B, S, 1]`` (a sample's
+    wide-table weights pooled per slot) -> ``float32[B]``, their sum."""
+    return wide.sum(dim=(1, 2))
+
+
+class LR(ModelBase):
+    """Logistic regression's dense part: a linear term of the standardized dense features and the bias; the
+    feature IDs' weights are the wide table's (``wide_logit``), and the pooled embeddings are not used.
+
+    Args: num_dense F (the other arguments, as for every model, are ignored)."""
+
+    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden, bottom, dense_mean=None, dense_std=None):
+        super().__init__(num_dense, dense_mean, dense_std)
+        self.linear = nn.Linear(num_dense, 1) if num_dense else None
+        self.bias = None if num_dense else nn.Parameter(torch.zeros(1))
+
+    def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        if self.linear is not None:
+            return self.linear(self.normalize(dense)).squeeze(1)
+        assert self.bias is not None
+        return self.bias.expand(emb.shape[0])
+
+
 class DNN(ModelBase):
     """concat(flatten(emb), bottom_mlp(dense)) -> MLP(hidden) -> logit (PERSIA's benchmark model shape).
 

@@ -5,7 +5,8 @@ Embedding worker e of E (of NN worker r) owns steps t with ``t % E == e``. For e
     read batch t (the same schedule as the NN worker: ``persia_core.train.schedule``)
     ID dropout (seeded by seed, rank, step), dedup the IDs per table
     wait for a free ready slot, and until every push of steps <= t-K-1 is applied (all E workers' ``frontier``)
-    look rows up on the parameter servers, sum-pool them into the slot's emb[B, S, D]; copy dense, labels
+    look rows up on the parameter servers, sum-pool them into the slot's emb[B, S, D] (and a wide table's rows
+        into wide[B, S, 1]); copy dense, labels
     READY -> NN worker (dense forward/backward; writes d loss / d emb into the slot) -> GRAD
     per-ID gradients (``kernels.bag_grads``, scaled by 1/M), pushed; when applied, ``frontier[e]`` advances
 
@@ -34,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from persia_core.allocator import keep_freed_memory
-from persia_core.config import RunConfig
+from persia_core.config import WIDE_TABLE, RunConfig
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
-from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, table_layouts
+from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, prepare_wide, table_layouts
 from persia_core.logging_utils import setup_logging
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
@@ -146,7 +147,8 @@ class EmbeddingWorker:
 
     Args:
         backend: ``EmbeddingClient`` (a process of its own) or ``LocalEmbedding`` (a thread).
-        layouts: tables and their slots. source: the NN worker's batches.
+        layouts: tables and their slots (a ``wide`` ring adds the wide table over all of them). source: the NN
+            worker's batches.
         layout, buf: the ready ring (``ready_ring.RingLayout``) and its ``uint8`` memory. sock: this worker's end
             of its control socket. start: the first step (a resume). rules: K, M, rank, ID dropout, seed.
         notify: called after ``frontier[index]`` advanced (the network transport relays it).
@@ -176,6 +178,7 @@ class EmbeddingWorker:
         self.phase = layout.phase_seconds(buf)[index]  # seconds per ``ready_ring.PHASES``, read by the NN worker
         self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
         self.slot0 = [int(x) for x in np.cumsum([0] + [len(t.slots) for t in layouts])[:-1]]
+        self.wide = TableLayout(WIDE_TABLE, 1, [s for t in layouts for s in t.slots]) if layout.wide else None
         self.free = list(range(layout.slots_per_worker - 1, -1, -1))
         # a half ring: rows are pooled here, then converted into the slot's fp16 view; an fp16 gradient is
         # converted back here before its per-ID sums (one buffer: both happen in this worker's own thread)
@@ -214,6 +217,8 @@ class EmbeddingWorker:
             if self.dropout:
                 ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
             prepared = prepare_ids(ids, self.layouts)
+            if self.wide is not None:
+                prepared[WIDE_TABLE] = prepare_wide(ids, self.wide, prepared)
             t2, pushed = time.perf_counter(), self.push_s
             while not self.free:
                 self._serve(None)
@@ -230,6 +235,12 @@ class EmbeddingWorker:
             for t, slot0 in zip(self.layouts, self.slot0, strict=True):
                 p = prepared[t.name]
                 pool_into(self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), b, pooled, slot0)
+            if self.wide is not None:
+                p = prepared[WIDE_TABLE]
+                wide = self.layout.wide_view(self.buf, self.index, slot)
+                pool_into(
+                    self.backend.lookup(WIDE_TABLE, p.uniq), p.inverse, p.offsets, len(self.wide.slots), b, wide, 0
+                )
             if self.scratch is not None:
                 np.copyto(self.layout.slot_half(self.buf, self.index, slot)[:b], pooled[:b], casting="same_kind")
             dense[:b] = batch.dense
@@ -286,6 +297,13 @@ class EmbeddingWorker:
             if not finite:
                 raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
             per_table.append((t.name, p.uniq, g))
+        if self.wide is not None:
+            p = prepared[WIDE_TABLE]
+            wide = self.layout.wide_view(self.buf, self.index, slot)
+            g, finite = bag_grads(wide, p.inverse, p.offsets, len(self.wide.slots), b, 0, len(p.uniq), 1.0 / self.M)
+            if not finite:
+                raise FloatingPointError("a wide-table gradient is inf or NaN (diverged training); nothing was pushed")
+            per_table.append((WIDE_TABLE, p.uniq, g))
         self.free.append(slot)  # its gradient is read out
         t1 = time.perf_counter()
         futs = [

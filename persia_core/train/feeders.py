@@ -114,6 +114,11 @@ class Feeders:
         """``(emb float32[B, S, D], dense float32[B, F], labels float32[B])`` of slot ``slot`` of worker ``e``."""
         return self.layout.slot(self.segment.buf, e, slot)
 
+    def wide_view(self, e: int, slot: int) -> np.ndarray | None:
+        """``float32[B, S, 1]``: the wide table's pooled weights of slot ``slot`` of worker ``e`` (then room for
+        their gradient), or None without a wide table."""
+        return self.layout.wide_view(self.segment.buf, e, slot)
+
     def ready(self, step: int) -> tuple[int, int, int]:
         """Block until step ``step`` is ready. Returns ``(slot, rows, staleness)``. Raises
         ``EmbeddingWorkerFailed`` naming the embedding worker when it reported an error or died."""

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from persia_core.models.dense import wide_logit
 from persia_core.train.feeders import Feeders
 
 log = logging.getLogger("persia.hybrid")
@@ -151,6 +152,12 @@ class HybridTrainPipeline:
             emb = emb_host.float() if self.half else emb_host
         emb.requires_grad_(True)
         logits = self.model(emb, dense)
+        wide_buf = self.feeders.wide_view(e, slot)
+        wide = None
+        if wide_buf is not None:  # the first-order term: the sum of the sample's wide-table weights
+            wide = torch.from_numpy(wide_buf[:b])
+            wide = (wide.to(self.device, non_blocking=self.pinned) if self.cuda else wide).requires_grad_(True)
+            logits = logits + wide_logit(wide)
         loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
         scaled = loss_sum * (self.M / max(self.global_batch[step], 1))
         self.optimizer.zero_grad(set_to_none=True)
@@ -171,6 +178,9 @@ class HybridTrainPipeline:
             # worker as it sums the gradient per ID
             torch.from_numpy(self.feeders.views_half(e, slot)[:b] if half else out).copy_(h if half else g)
         emb.grad = None
+        if wide is not None:
+            assert wide_buf is not None
+            torch.from_numpy(wide_buf[:b]).copy_(wide.grad if wide.grad is not None else torch.zeros_like(wide))
         self.feeders.give_grad(step, slot, half)
         t4 = time.perf_counter()
         self.optimizer.step()

@@ -5,10 +5,11 @@ own steps below ``frontier[e]`` applied; written by e only, read by all), ``phas
 (seconds embedding worker e spent in each of ``PHASES``; written by e only), then for each embedding worker e and
 each of its R ready slots k: ``emb float32[B, S, D]`` (the pooled embeddings; the NN worker overwrites it with
 d loss / d emb after the backward), ``dense float32[B, F]``, ``labels float32[B]`` (B: the batch size, the
-slot's capacity). Sizes: ``ring_bytes``. A ``half`` ring (``trainer.fp16_transfer``) holds the embeddings as
-``float16[B, S, D]`` at the start of the same region (``slot_half``), converted by the embedding worker, so that
-the NN worker copies them to the GPU as they are; a gradient comes back there as fp16 too (GRAD ``a`` = 1), or,
-where it overflows fp16, as float32 over the whole region (``a`` = 0).
+slot's capacity), and with a wide table (``model.wide``) ``wide float32[B, S, 1]`` (its pooled weights, then
+d loss / d wide; always float32). Sizes: ``ring_bytes``. A ``half`` ring (``trainer.fp16_transfer``) holds the
+embeddings as ``float16[B, S, D]`` at the start of the same region (``slot_half``), converted by the embedding
+worker, so that the NN worker copies them to the GPU as they are; a gradient comes back there as fp16 too (GRAD
+``a`` = 1), or, where it overflows fp16, as float32 over the whole region (``a`` = 0).
 
 Control messages (``MSG``: kind, slot, step, a, b as ``<iiqqq``; an error's UTF-8 text follows its header) go over
 a Unix socket pair, one per embedding worker: embedding worker -> NN worker ``STARTED`` (set up: its data read,
@@ -54,7 +55,7 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class RingLayout:
     """Where everything lies in the segment: ``workers`` E, ``slots_per_worker`` R, ``batch`` B, ``num_slots`` S,
-    ``dim`` D, ``num_dense`` F; ``half``: embeddings handed over as fp16."""
+    ``dim`` D, ``num_dense`` F; ``half``: embeddings handed over as fp16; ``wide``: a wide table's region."""
 
     workers: int
     slots_per_worker: int
@@ -63,6 +64,7 @@ class RingLayout:
     dim: int
     num_dense: int
     half: bool = False
+    wide: bool = False
 
     @property
     def header_bytes(self) -> int:
@@ -71,7 +73,8 @@ class RingLayout:
     @property
     def slot_bytes(self) -> int:
         b = self.batch
-        return _align(4 * b * self.num_slots * self.dim) + _align(4 * b * max(self.num_dense, 0)) + _align(4 * b)
+        wide = _align(4 * b * self.num_slots) if self.wide else 0
+        return _align(4 * b * self.num_slots * self.dim) + _align(4 * b * max(self.num_dense, 0)) + _align(4 * b) + wide
 
     @property
     def ring_bytes(self) -> int:
@@ -98,6 +101,15 @@ class RingLayout:
         labels = buf[off : off + 4 * b].view(np.float32)
         return emb, dense, labels
 
+    def wide_view(self, buf: np.ndarray, worker: int, k: int) -> np.ndarray | None:
+        """``float32[B, S, 1]`` view of slot ``k``'s wide region (None without one)."""
+        if not self.wide:
+            return None
+        b, s, d, f = self.batch, self.num_slots, self.dim, self.num_dense
+        off = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
+        off += _align(4 * b * s * d) + _align(4 * b * f) + _align(4 * b)
+        return buf[off : off + 4 * b * s].view(np.float32).reshape(b, s, 1)
+
     def emb(self, buf: np.ndarray, worker: int, k: int, half: bool) -> np.ndarray:
         """Slot ``k``'s embeddings or gradient as they lie in it: ``float16[B, S, D]`` (``half``, ``slot_half``) or
         ``float32[B, S, D]``."""
@@ -112,11 +124,11 @@ class RingLayout:
 
     @classmethod
     def from_list(cls, values: list) -> RingLayout:
-        """Inverse of ``to_list``. Raises ``ValueError`` for a list of another length."""
-        if len(values) != 7:
-            raise ValueError(f"a ring layout is 7 integers, got {values!r}")
+        """Inverse of ``to_list`` (7 integers: no wide region). Raises ``ValueError`` for a list of another length."""
+        if len(values) not in (7, 8):
+            raise ValueError(f"a ring layout is 8 integers, got {values!r}")
         e, r, b, s, d, f = (int(v) for v in values[:6])
-        return cls(e, r, b, s, d, f, half=bool(values[6]))
+        return cls(e, r, b, s, d, f, half=bool(values[6]), wide=len(values) == 8 and bool(values[7]))
 
     def to_list(self) -> list[int]:
         return [
@@ -127,6 +139,7 @@ class RingLayout:
             self.dim,
             self.num_dense,
             int(self.half),
+            int(self.wide),
         ]
 
 

@@ -10,19 +10,22 @@ code as on one host. Messages are ``persia_core.ps.wire`` (a JSON header and raw
         spec        {config, data, world, counts, rank, index, start, addresses, layout, frontier, client_id}
                     (the first message: what the embedding worker needs; it reads its NN worker's share of the
                     data itself, from ``data``)
-        grad        {slot, step}           grad float32 or float16[b, S, D]  (d loss / d pooled embeddings)
+        grad        {slot, step}           grad float32 or float16[b, S, D]  (d loss / d pooled embeddings),
+                                           wide float32[b, S, 1]  (d loss / d wide; a wide ring only)
         frontier    {}                     frontier int64[E]      (the other embedding workers' frontiers)
         stop        {}
     embedding worker -> NN worker
         started     {}
         ready       {slot, step, rows, staleness, frontier}   emb float32[b, S, D] (float16: a half ring),
                                                              dense float32[b, F],
-                                                             labels float32[b], phase float64[P]
+                                                             labels float32[b], phase float64[P],
+                                                             wide float32[b, S, 1] (a wide ring only)
         frontier    {frontier}             phase float64[P]       (after a push of its own steps is applied)
         error       {text}
 
 Bytes per sample on the wire: ``4 * (S * D + F + 1)`` towards the NN worker and ``4 * S * D`` back (S slots of
-dim D, F dense features), plus a few hundred bytes of header per batch (``wire_bytes_per_sample``); with
+dim D, F dense features; ``4 * S`` more each way with a wide table), plus a few hundred bytes of header per batch
+(``wire_bytes_per_sample``); with
 ``trainer.fp16_transfer`` (a half ring) the embeddings and gradients take 2 bytes a value instead of 4.
 
 The staleness bound stays exact: an embedding worker sees the others' frontiers as its NN worker last relayed
@@ -103,10 +106,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def wire_bytes_per_sample(num_slots: int, dim: int, num_dense: int, half: bool = False) -> dict[str, int]:
+def wire_bytes_per_sample(
+    num_slots: int, dim: int, num_dense: int, half: bool = False, wide: bool = False
+) -> dict[str, int]:
     """Array bytes per sample of the network transport: ``{"to_nn_worker", "to_embedding_worker"}``; ``half``:
-    embeddings and gradients as fp16."""
-    e = (2 if half else 4) * num_slots * dim
+    embeddings and gradients as fp16; ``wide``: a wide table's weights and gradients (float32) too."""
+    e = (2 if half else 4) * num_slots * dim + (4 * num_slots if wide else 0)
     return {"to_nn_worker": e + 4 * (num_dense + 1), "to_embedding_worker": e}
 
 
@@ -187,6 +192,9 @@ class StreamBridge:
                     self.layout.emb(self.buf, e, slot, self.layout.half)[:rows] = arrays["emb"]
                     dense[:rows] = arrays["dense"]
                     labels[:rows] = arrays["labels"]
+                    wide = self.layout.wide_view(self.buf, e, slot)
+                    if wide is not None:
+                        wide[:rows] = arrays["wide"]
                     self.rows[slot] = rows
                     self._advance(int(meta["frontier"]), arrays["phase"])
                     rr.send(self.sock, rr.READY, slot, int(meta["step"]), rows, int(meta["staleness"]))
@@ -226,8 +234,12 @@ class StreamBridge:
                 assert msg is not None
                 kind, slot, step, half = msg[0], msg[1], msg[2], msg[3]
                 if kind == rr.GRAD:
-                    grad = self.layout.emb(self.buf, self.e, slot, bool(half))[: self.rows[slot]]
-                    self.out.put(wire.encode({"kind": "grad", "slot": slot, "step": step}, {"grad": grad}))
+                    rows = self.rows[slot]
+                    arrays = {"grad": self.layout.emb(self.buf, self.e, slot, bool(half))[:rows]}
+                    wide = self.layout.wide_view(self.buf, self.e, slot)
+                    if wide is not None:
+                        arrays["wide"] = wide[:rows]
+                    self.out.put(wire.encode({"kind": "grad", "slot": slot, "step": step}, arrays))
                 elif kind == rr.STOP:
                     self.out.put(wire.encode({"kind": "stop"}))
                     break
@@ -368,6 +380,9 @@ class _Session:
                     meta = {"kind": "ready", "slot": slot, "step": step, "rows": a, "staleness": b}
                     meta["frontier"] = int(self.frontier[self.index])
                     arrays = {"emb": emb[:a], "dense": dense[:a], "labels": labels[:a], "phase": self.phase.copy()}
+                    wide = self.layout.wide_view(self.buf, self.index, slot)
+                    if wide is not None:
+                        arrays["wide"] = wide[:a]
                     self.out.put(wire.encode(meta, arrays))
                 elif kind == rr.STARTED:
                     self.out.put(wire.encode({"kind": "started"}))
@@ -396,6 +411,13 @@ class _Session:
                     if grad.ndim != 3 or grad.shape[1:] != dst.shape[1:] or len(grad) > len(dst):
                         raise ValueError(f"grad of shape {grad.shape}: the ring's slots are {dst.shape}")
                     dst[: len(grad)] = grad
+                    wide = self.layout.wide_view(self.buf, self.index, slot)
+                    if wide is not None:
+                        got = arrays.get("wide")
+                        if got is None or got.shape != (len(grad), *wide.shape[1:]):
+                            shape = None if got is None else got.shape
+                            raise ValueError(f"wide grad of shape {shape}: the ring's slots are {wide.shape}")
+                        wide[: len(grad)] = got
                     rr.send(self.ours, rr.GRAD, slot, step, int(half))
                 elif kind == "frontier":
                     relayed = arrays["frontier"]

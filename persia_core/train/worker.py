@@ -163,6 +163,7 @@ def run_worker(
         layouts[0].dim,
         len(schema["dense"]),
         half=tc.fp16_transfer and device.type == "cuda",  # fp16 across PCIe, converted by the embedding workers
+        wide=config.model.wide,
     )
     feeders: Feeders
     if remote and not isinstance(backend, EmbeddingClient):
