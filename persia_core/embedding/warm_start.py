@@ -86,13 +86,14 @@ def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
 
 
 def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
-    """What the previous model's state depends on and this run changed (``key: before -> now``)."""
+    """What the previous model's state depends on and this run changed (``key: before -> now``). A table added
+    since (the wide table of ``model.wide``, or one no slot used before) is not a difference: it starts cold;
+    ``model.wide`` itself adds no dense weight, so turning it on is none either."""
     out = []
     old_tables = {t["name"]: t for t in old["embedding"]["tables"]}
     for t in config.embedding.tables:
         o = old_tables.get(t.name)
         if o is None:
-            out.append(f"embedding.tables[{t.name}]: not in the previous model")
             continue
         if o["dim"] != t.dim:
             out.append(f"embedding.tables[{t.name}].dim: {o['dim']} -> {t.dim}")
@@ -112,7 +113,7 @@ def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense:
         if o is not None and slot(o) != slot(s):
             out.append(f"slots[{s['name']}]: {slot(o)} -> {slot(s)}")
     new_model = config.to_dict()["model"]
-    for k in sorted(set(old["model"]) | set(new_model)):
+    for k in sorted((set(old["model"]) | set(new_model)) - {"wide"}):
         if old["model"].get(k) != new_model.get(k):
             out.append(f"model.{k}: {old['model'].get(k)!r} -> {new_model.get(k)!r}")
     if list(old_dense) != list(dense):
@@ -151,11 +152,14 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
     else:
         raise WarmStartError(f"warm start from {source}: unknown format {fmt!r}")
     problems = warm_start_differences(old_config, old_dense, config, schema["dense"])
+    cold = sorted({t.name for t in config.embedding.tables} - {t["name"] for t in old_config["embedding"]["tables"]})
     if problems:
         raise WarmStartError(
             f"warm start from {source} refused: the run config no longer matches the previous "
             f"model: " + "; ".join(problems)
         )
+    if cold:
+        log.info("warm start: table(s) %s not in the previous model start cold; the others warm", ", ".join(cold))
     sources = [
         read_shard_file(io.join(source, e["path"]), e.get("bytes"), e.get("crc32c"), build_index=False).tables
         for e in shards
@@ -191,4 +195,5 @@ def warm_start(config: RunConfig, schema: dict, source: str, output_dir: str, ca
         "dropped_rows": report["dropped"],
         "dense_file": WARM_DENSE,
         "shard_files": files,
+        "cold_tables": cold,
     }

@@ -181,28 +181,48 @@ def test_warm_start_from_the_previous_model_continues_its_loss_and_refuses_a_cha
     model = str(root / "warm-model")
     train(cfg, data, model, init_dir=shards, work_dir=str(root / "warm-work"))
     first_loss = json.load(open(os.path.join(model, "train_metrics.json")))["loss"][0]
-    # the previous final model's loss on the new run's first batch
+    expected = _previous_models_first_batch_loss(previous, data, cfg)
+    assert abs(first_loss - expected) < 1e-6, (first_loss, expected)
+    assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
+
+
+def _previous_models_first_batch_loss(previous: str, data: str, cfg) -> float:
+    """The previous final model's loss on the first batch of a new one-worker run of ``cfg``."""
     prev = LoadedModel(previous)
     examples = ParquetExamples(shard_files(data, "train"), prev.slots)
     rows = make_schedule([len(examples)], cfg.trainer.batch_size, 1, cfg.trainer.seed, True).rows[0][0]
     batch = examples.batch(rows)
     with torch.no_grad():
         prep = prepare_ids(batch.ids, prev.layouts)
-        emb = torch.cat(
-            [
-                pool(
-                    torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq)),
-                    prep["default"],
-                    3,
-                    batch.size,
-                )
-            ],
-            dim=1,
-        )
+        rows_of = torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq))
+        emb = pool(rows_of, prep["default"], 3, batch.size)
         logits = prev.dense(emb, torch.from_numpy(batch.dense))
-        expected = float(F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels)))
+        return float(F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels)))
+
+
+@pytest.mark.processes
+def test_a_wide_table_added_since_the_previous_model_starts_cold_while_the_rest_warm_starts(runs):
+    root, data, previous = runs["root"], runs["data"], runs["reference"]
+    d = tiny_config(num_workers=1, embedding_staleness=0, epochs=1, shuffle=True).to_dict()
+    d["model"]["wide"] = True
+    from persia_core.config import RunConfig
+
+    cfg = RunConfig.from_dict(d)
+    shards = str(root / "wide-shards")
+    plan = init_shards(cfg, data, shards, warm_start_from=previous)
+    assert plan["warm_start"]["cold_tables"] == ["wide"] and plan["warm_start"]["rows"]["default"] > 0
+    assert "wide" not in plan["warm_start"]["rows"]
+    d["model"]["kind"] = "lr"  # the dense model changed: still refused
+    with pytest.raises(WarmStartError, match=r"model.kind: 'dnn' -> 'lr'"):
+        init_shards(RunConfig.from_dict(d), data, str(root / "wide-refused"), warm_start_from=previous)
+    model = str(root / "wide-model")
+    train(cfg, data, model, init_dir=shards, work_dir=str(root / "wide-work"))
+    # the wide rows start at 0: the first batch's loss is the previous model's, to float32 rounding
+    first_loss = json.load(open(os.path.join(model, "train_metrics.json")))["loss"][0]
+    expected = _previous_models_first_batch_loss(previous, data, cfg)
     assert abs(first_loss - expected) < 1e-6, (first_loss, expected)
-    assert abs(first_loss - np.log(2)) > 0.01  # not a fresh model's loss
+    held = LoadedModel(model).embedding.state_dicts()
+    assert sum(len(t["wide"]["keys"]) for t in held) > 0 and any(np.abs(t["wide"]["weights"]).max() > 0 for t in held)
 
 
 @pytest.mark.processes
