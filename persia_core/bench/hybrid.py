@@ -55,14 +55,28 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def bench_movielens_config():
+    """The shipped MovieLens config with the model and trainer this benchmark has always used (no wide table,
+    no L2 on embedding rows, dense learning rate 0.001), so that its figures stay comparable across releases and
+    every contestant trains the same model."""
+    from persia_core.config import WIDE_TABLE, RunConfig, load_config
+
+    d = load_config("movielens").to_dict()
+    d["model"]["wide"] = False
+    d["embedding"]["tables"] = [t for t in d["embedding"]["tables"] if t["name"] != WIDE_TABLE]
+    for t in d["embedding"]["tables"]:
+        t["optimizer"]["weight_decay"] = 0.0
+    d["trainer"]["dense_lr"] = 0.001
+    return RunConfig.from_dict(d)
+
+
 def prepare_movielens(data: str, out_dir: str):
     """Preprocess the bundled MovieLens with the shipped config into ``out_dir`` (reused when it is there).
-    Returns (config, schema)."""
-    from persia_core.config import load_config
+    Returns (``bench_movielens_config()``, schema)."""
     from persia_core.data.reader import read_schema
     from persia_core.preprocess.pipeline import run_preprocess
 
-    config = load_config("movielens")
+    config = bench_movielens_config()
     if os.path.exists(os.path.join(out_dir, "schema.json")):
         return config, read_schema(out_dir)
     log(f"movielens: preprocessing {data} -> {out_dir}")
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             data_dir = os.path.join(work, "movielens")
             config, schema = prepare_movielens(args.movielens_data, data_dir)
             tc = config.trainer
-            samples = int(schema["rows"]["train"]) * tc.epochs
+            samples = int(schema["rows"]["train"]) * tc.scheduled_epochs
             line = bench_dataset(
                 "movielens",
                 config,

@@ -34,7 +34,8 @@ class ModelConfig:
 
     wide: bool = False
     """A first-order (wide) term for every model: the wide table (``embedding.tables`` ``wide``, added with dim 1,
-    rows starting at 0, unless declared) holds one weight per feature ID of every slot, and the sum of a sample's
+    rows starting at 0 and the first table's optimizer settings, unless declared) holds one weight per feature ID
+    of every slot, and the sum of a sample's
     weights is added to the logit (Cheng et al., "Wide & Deep", 2016; DeepFM's first-order term)."""
 
     def __post_init__(self) -> None:

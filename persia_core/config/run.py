@@ -56,9 +56,9 @@ class RunConfig:
         self._add_wide_table()
 
     def _add_wide_table(self) -> None:
-        """With ``model.wide``: add the wide table (dim 1, rows starting at 0, the first table's optimizer kind
-        and learning rate, element-wise where that is row-wise) unless it is declared; a declared one must have
-        dim 1. Without it, a table named ``wide`` is refused."""
+        """With ``model.wide``: add the wide table (dim 1, rows starting at 0, the first table's optimizer
+        settings, element-wise where that is row-wise) unless it is declared; a declared one must have dim 1.
+        Without it, a table named ``wide`` is refused."""
         wide = next((t for t in self.embedding.tables if t.name == WIDE_TABLE), None)
         if not self.model.wide:
             if wide is not None:
@@ -70,7 +70,7 @@ class RunConfig:
             return
         first = self.embedding.tables[0].optimizer
         name = "adagrad" if first.name == "rowwise_adagrad" else first.name
-        optimizer = OptimizerConfig(**{**dataclasses.asdict(first), "name": name, "weight_decay": 0.0})
+        optimizer = OptimizerConfig(**{**dataclasses.asdict(first), "name": name})
         self.embedding.tables.append(TableConfig(name=WIDE_TABLE, dim=1, optimizer=optimizer, init_scale=0.0))
         self.embedding._check_budget()
 
