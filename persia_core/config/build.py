@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import types
 import typing
 from typing import Any
 
@@ -35,6 +36,14 @@ def build(tp: Any, value: Any, path: str) -> Any:
             if path and f"'{path}" not in str(e):  # a nested section's own check: say where it sits
                 raise ValueError(f"{e} (in '{path}')") from None
             raise
+    if origin in (typing.Union, types.UnionType):  # ``int | str``: the first member the value converts to
+        errors = []
+        for member in typing.get_args(tp):
+            try:
+                return build(member, value, path)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(errors[-1])
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from persia_core.config.errors import config_error
 
+AUTO_EPOCHS = -1
+"""The pipeline's and ``make run``'s ``epochs`` parameter value that means ``trainer.epochs: auto``."""
+
 
 @dataclass
 class TrainerConfig:
@@ -13,8 +16,17 @@ class TrainerConfig:
 
     batch_size: int = 512
     """Samples per NN worker per step."""
-    epochs: int = 2
-    """Passes over the train split."""
+    epochs: int | str = 2
+    """Passes over the train split, or ``auto``: up to ``max_epochs``, scoring the validation slice after each
+    and stopping once its logloss has not improved for ``patience`` epochs; the model of the best epoch is kept,
+    its embedding rows and optimizer state restored exactly (``persia_core.train.validation``)."""
+    max_epochs: int = 10
+    """``epochs: auto``: the most epochs trained."""
+    patience: int = 2
+    """``epochs: auto``: epochs without a better validation logloss before training stops."""
+    validation_fraction: float = 0.1
+    """``epochs: auto``: the last fraction of the train split by timestamp (by row order where the data has none),
+    held back from training and scored with read-only lookups after every epoch."""
     embedding_staleness: int = 4
     """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
     K = 0 is fully synchronous training."""
@@ -67,9 +79,21 @@ class TrainerConfig:
     fp16 is caught and that step's push is sent in fp32, never as inf)."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "epochs", "num_workers", "threads_per_worker", "prefetch_threads"):
+        if isinstance(self.epochs, str) and self.epochs != "auto":
+            raise config_error("trainer.epochs", f"must be an integer >= 1 or 'auto', got {self.epochs!r}")
+        for name in ("batch_size", "num_workers", "threads_per_worker", "prefetch_threads", "max_epochs", "patience"):
             if getattr(self, name) < 1:
                 raise config_error(f"trainer.{name}", "must be >= 1")
+        if not self.auto_epochs and int(self.epochs) < 1:
+            raise config_error("trainer.epochs", "must be >= 1 (or 'auto')")
+        if not 0 < self.validation_fraction <= 0.5:
+            raise config_error("trainer.validation_fraction", "must be in (0, 0.5]")
+        if self.auto_epochs and self.delta_every_s > 0:
+            raise config_error(
+                "trainer.delta_every_s",
+                "incremental exports are not written with epochs: auto yet (rows of epochs after the kept one would "
+                "be served); use a fixed number of epochs or delta_every_s: 0",
+            )
         if self.embedding_workers < 0:
             raise config_error("trainer.embedding_workers", "must be >= 0 (0: automatic)")
         if self.embedding_staleness < 0:
@@ -89,3 +113,13 @@ class TrainerConfig:
             raise config_error("trainer.checkpoint_keep", "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise config_error("trainer.device", f"must be auto, cpu or cuda, got {self.device!r}")
+
+    @property
+    def auto_epochs(self) -> bool:
+        """Whether ``epochs`` is ``auto`` (validation-driven)."""
+        return self.epochs == "auto"
+
+    @property
+    def scheduled_epochs(self) -> int:
+        """The epochs the batch schedule holds: ``max_epochs`` with ``epochs: auto``, else ``epochs``."""
+        return self.max_epochs if self.auto_epochs else int(self.epochs)

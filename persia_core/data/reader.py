@@ -200,6 +200,22 @@ class ParquetExamples:
             self.ids = {s: (load(f"values{i}"), load(f"offsets{i}")) for i, s in enumerate(self.slots)}
         return self
 
+    def subset(self, rows: np.ndarray) -> ParquetExamples:
+        """A copy holding only the examples ``rows: int64[R']``, in that order (vectorized gathers)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = ParquetExamples.__new__(ParquetExamples)
+        out.slots, out.num_rows = list(self.slots), len(rows)
+        out.labels, out.ts = np.take(self.labels, rows), np.take(self.ts, rows)
+        out.dense = np.take(self.dense, rows, axis=0)
+        one = np.arange(len(rows) + 1, dtype=np.int64)
+        if self.fixed is not None:
+            out.fixed = np.take(self.fixed, rows, axis=1)
+            out.ids = {s: (out.fixed[i], one) for i, s in enumerate(out.slots)}
+        else:
+            out.fixed = None
+            out.ids = {s: jagged_take(*self.ids[s], rows) for s in out.slots}
+        return out
+
     def batch(self, rows: np.ndarray) -> Batch:
         """The examples ``rows: int64[B]`` as a ``Batch`` (slots in ``self.slots`` order)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -241,3 +257,38 @@ def shard_files(data_dir: str, split: str) -> list[str]:
     """Paths of the Parquet shards of ``split`` (``train`` or ``eval``) listed in ``schema.json``."""
     sch = read_schema(data_dir)
     return [io.join(data_dir, f) for f in sch[f"{split}_files"]]
+
+
+def read_ts(files: list[str]) -> np.ndarray:
+    """``int64[R]``: the timestamp column of the Parquet shards ``files``, in order (no other column is decoded).
+    Raises ``FileNotFoundError`` naming a missing shard."""
+    parts = []
+    for f in files:
+        if not io.exists(f):
+            raise FileNotFoundError(f"Parquet shard not found: {f}")
+        if io.is_gcs(f):
+            import io as _io
+
+            pf = pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
+        else:
+            pf = pq.ParquetFile(f)
+        parts.append(pf.read(columns=[S.TS]).column(S.TS).to_numpy().astype(np.int64, copy=False))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def validation_cutoff(data_dir: str, fraction: float) -> int:
+    """The timestamp that splits the train split of ``data_dir`` for ``epochs: auto``: rows with ``ts`` above it
+    (at most ``ceil(fraction * R)`` of the R train rows, the latest; rows tied at the cutoff stay in training)
+    are the validation slice. Preprocess numbers rows without a timestamp in file order, so that there it is the
+    last fraction by order. Raises ``ValueError`` naming the data when the slice would be empty or all of it."""
+    ts = read_ts(shard_files(data_dir, "train"))
+    n = len(ts)
+    k = int(np.ceil(fraction * n))
+    if n < 2 or not 0 < k < n:
+        raise ValueError(f"{data_dir}: {n} train rows are too few for a validation slice of {fraction:g}")
+    cutoff = int(np.partition(ts, n - k - 1)[n - k - 1])
+    if not (ts > cutoff).any():
+        raise ValueError(
+            f"{data_dir}: no validation slice: the latest {k} of {n} train rows share the timestamp {cutoff}"
+        )
+    return cutoff

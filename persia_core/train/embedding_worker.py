@@ -36,7 +36,7 @@ import numpy as np
 
 from persia_core.allocator import keep_freed_memory
 from persia_core.config import WIDE_TABLE, RunConfig
-from persia_core.data.reader import ParquetExamples, read_schema, shard_files
+from persia_core.data.reader import ParquetExamples, read_schema, shard_files, validation_cutoff
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.kernels import bag_grads, pool_into
 from persia_core.embedding.layout import TableLayout, model_slot_order, prepare_ids, prepare_wide, table_layouts
@@ -347,10 +347,21 @@ class EmbeddingWorker:
             raise self.error
 
 
-def rank_examples(config: RunConfig, data_dir: str, rank: int, world: int) -> ParquetExamples:
-    """NN worker ``rank``'s share of the train split of ``data_dir``: its files ``rank, rank + world, ...``."""
+def rank_split(config: RunConfig, data_dir: str, rank: int, world: int):
+    """NN worker ``rank``'s share of the train split of ``data_dir`` (its files ``rank, rank + world, ...``) as
+    ``(training examples, validation examples or None)``: with ``epochs: auto`` the rows past the validation
+    cutoff (``reader.validation_cutoff``) are held back from training, in file order."""
     files = shard_files(data_dir, "train")[rank::world]
-    return ParquetExamples(files, model_slot_order(config), num_dense=len(read_schema(data_dir)["dense"]))
+    examples = ParquetExamples(files, model_slot_order(config), num_dense=len(read_schema(data_dir)["dense"]))
+    if not config.trainer.auto_epochs:
+        return examples, None
+    late = examples.ts > validation_cutoff(data_dir, config.trainer.validation_fraction)
+    return examples.subset(np.flatnonzero(~late)), examples.subset(np.flatnonzero(late))
+
+
+def rank_examples(config: RunConfig, data_dir: str, rank: int, world: int) -> ParquetExamples:
+    """NN worker ``rank``'s training examples (``rank_split``)."""
+    return rank_split(config, data_dir, rank, world)[0]
 
 
 def build_worker(
@@ -369,7 +380,7 @@ def build_worker(
             f"not the examples of NN worker {rank}: {len(examples)} rows, slots {examples.slots}; its NN worker has "
             f"{counts[rank]} rows, slots {model_slot_order(config)} (another data folder?)"
         )
-    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle, rank)
+    schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
     client = EmbeddingClient(
         spec["addresses"],
         config.embedding,

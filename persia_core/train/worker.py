@@ -37,14 +37,14 @@ from persia_core.allocator import keep_freed_memory
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import count_rows, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.layout import table_layouts
+from persia_core.embedding.layout import table_layouts, wide_layout
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
 from persia_core.models import build_model
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_HEADER
 from persia_core.train.checkpointer import Checkpointer, load_dense, load_rank_state, set_rng_state
-from persia_core.train.embedding_worker import BatchSource, StepRules, rank_examples
+from persia_core.train.embedding_worker import BatchSource, StepRules, rank_split
 from persia_core.train.feeders import (
     Feeders,
     NetworkFeeders,
@@ -56,6 +56,7 @@ from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.processes import die_with_spawner
 from persia_core.train.ready_ring import RingLayout
 from persia_core.train.schedule import make_schedule
+from persia_core.train.validation import EarlyStopping, remove_best, restore_best, save_best, validation_loss
 
 log = logging.getLogger("persia.worker")
 
@@ -110,19 +111,24 @@ def run_worker(
     tc = config.trainer
     schema = read_schema(data_dir)
     remote = list(embedding_worker_addresses or [])
-    # embedding workers on other hosts read this rank's rows themselves: here only their count is needed
-    examples = None if remote else rank_examples(config, data_dir, rank, world)
+    # embedding workers on other hosts read this rank's rows themselves: here only their count is needed (and,
+    # with epochs: auto, this rank's validation rows, which it scores itself)
+    examples, validation = (None, None) if remote and not tc.auto_epochs else rank_split(config, data_dir, rank, world)
     counts = [count_rows(shard_files(data_dir, "train")[rank::world]) if examples is None else len(examples)]
+    if remote:
+        examples = None
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, counts[0])
         counts = [int(c) for c in gathered]
-    schedule = make_schedule(counts, tc.batch_size, tc.epochs, tc.seed, tc.shuffle, rank)
+    schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
+    stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None
+    best_state: dict | None = None  # this rank's copy of the best epoch's dense weights (epochs: auto)
     if resume is not None:
         path, manifest = resume
         saved = load_rank_state(path, manifest, rank, world)
@@ -133,6 +139,8 @@ def run_worker(
         start, samples = int(saved["step"]), int(saved["samples"])
         elapsed0, max_stal0 = float(saved.get("elapsed_s", 0.0)), int(saved.get("max_staleness", 0))
         history = saved.get("history") or history
+        if saved.get("early_stopping") is not None:
+            stopping = EarlyStopping.from_dict(saved["early_stopping"])
         if len(schedule.global_batch) < start:
             raise ckpt.CheckpointError(f"{path} is at step {start}, beyond this run's {len(schedule.global_batch)}")
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
@@ -214,6 +222,7 @@ def run_worker(
             "max_staleness": max(max_stal0, pipe.max_staleness),
             "total_steps": total_steps,
             "history": history if rank == 0 else None,
+            "early_stopping": stopping.to_dict() if stopping is not None else None,
         }
 
     if checkpointer is not None:
@@ -245,8 +254,10 @@ def run_worker(
         pending.clear()
         return values[-1] > 0
 
+    steps_per_epoch = max(total_steps // tc.scheduled_epochs, 1)
+    wide = wide_layout(config)
     try:
-        while True:
+        while stopping is None or not stopping.stopped:
             try:
                 r = pipe.progress()
             except StopIteration:
@@ -275,6 +286,23 @@ def run_worker(
                         samples / max(history["elapsed_s"][-1], 1e-9),
                         r.staleness,
                     )
+            if stopping is not None and done % steps_per_epoch == 0:  # an epoch's end: score the validation slice
+                flush()
+                pipe.drain()
+                v_loss, v_rows = validation_loss(model, backend, layouts, wide, validation, device, world)
+                if stopping.update(done // steps_per_epoch, done, v_loss, v_rows):
+                    best_state, stopping.shard_files = save_best(
+                        model, backend, out_dir, rank, world, config.embedding.num_shards
+                    )
+                if rank == 0:
+                    log.info(
+                        "epoch %d: validation logloss %.6f over %d rows (best: epoch %d)%s",
+                        done // steps_per_epoch,
+                        v_loss,
+                        v_rows,
+                        stopping.best_epoch,
+                        f"; stopping after {tc.patience} epochs without a better one" if stopping.stopped else "",
+                    )
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()
                 checkpointer.save(done, pipe, model, opt, state(done, pipe))
@@ -292,6 +320,20 @@ def run_worker(
     finally:
         pipe.close()
         gc.unfreeze()
+    if stopping is not None:  # the embedding workers are stopped: nothing looks rows up any more
+        if stopping.best_step and stopping.best_step != done:
+            restore_best(model, backend, out_dir, rank, world, config.embedding.num_shards, stopping, best_state)
+        if rank == 0:
+            remove_best(out_dir)
+        history.update(
+            {
+                "validation": stopping.history,
+                "best_epoch": stopping.best_epoch,
+                "best_step": stopping.best_step,
+                "stopped_early": done < total_steps,
+                "steps_trained": done,
+            }
+        )
     elapsed = time.perf_counter() - t0
     cpu_s, main_cpu_s = time.process_time() - cpu0, time.thread_time() - main_cpu0
     max_stal = torch.tensor([max(max_stal0, pipe.max_staleness)])

@@ -1,0 +1,195 @@
+"""``epochs: auto``: the validation slice scored after every epoch, early stopping, and the best epoch's model kept.
+
+After the last step of each epoch every NN worker drains its pushes, scores its share of the validation slice
+(``embedding_worker.rank_split``) with read-only lookups (no row is created or touched), and the ranks all-reduce
+the summed logloss and the row count, so that all of them take the same decision. A better logloss (strictly
+lower) makes that epoch the best: rank 0 has every parameter server dump its shard into ``<model>/best/`` (a
+consistent cut: every rank has drained, and waits at a barrier until the dump is done) and every rank keeps a copy
+of the dense weights. Once ``patience`` epochs in a row bring no better logloss, or at ``max_epochs``, training
+stops; when the last epoch is not the best, the servers load the best shard files back and the dense weights are
+restored, so that the Model artifact is the best epoch's model, embedding rows and optimizer state exactly.
+"""
+
+from __future__ import annotations
+
+import io as _io
+import logging
+import shutil
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from persia_core import io
+from persia_core.config import WIDE_TABLE
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.layout import TableLayout, prepare_ids, prepare_wide
+from persia_core.embedding.pooling import pool
+from persia_core.model_store import shard_file_name
+from persia_core.models import wide_logit
+
+log = logging.getLogger("persia.validation")
+
+BEST_DIR = "best"
+"""Folder of the model folder where the best epoch's shard files and dense weights wait (removed at the end)."""
+SCORE_BATCH = 4096
+"""Validation rows scored per forward pass."""
+
+
+@dataclass
+class EarlyStopping:
+    """The state of ``epochs: auto``: each epoch's validation logloss, the best one so far and where it was."""
+
+    patience: int
+    history: list[dict] = field(default_factory=list)
+    """Per epoch scored: ``{"epoch", "step", "logloss", "rows"}`` (epoch counted from 1, step: steps trained)."""
+    best_logloss: float = float("inf")
+    best_epoch: int = 0
+    best_step: int = 0
+    stopped: bool = False
+    shard_files: list[tuple[int, int]] = field(default_factory=list)
+    """``(bytes, CRC-32C)`` of the best epoch's shard files."""
+
+    def update(self, epoch: int, step: int, logloss: float, rows: int) -> bool:
+        """Record epoch ``epoch`` (ending after ``step`` steps); returns whether it is the best so far. Sets
+        ``stopped`` once ``patience`` epochs have passed without a better logloss."""
+        self.history.append({"epoch": epoch, "step": step, "logloss": logloss, "rows": rows})
+        better = logloss < self.best_logloss
+        if better:
+            self.best_logloss, self.best_epoch, self.best_step = logloss, epoch, step
+        elif epoch - self.best_epoch >= self.patience:
+            self.stopped = True
+        return better
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> EarlyStopping:
+        d = dict(d)
+        d["shard_files"] = [(int(a), int(b)) for a, b in d.get("shard_files", [])]
+        return cls(**d)
+
+
+@torch.no_grad()
+def validation_loss(
+    model: torch.nn.Module,
+    backend: EmbeddingBackend,
+    layouts: list[TableLayout],
+    wide: TableLayout | None,
+    examples,
+    device: torch.device,
+    world: int,
+) -> tuple[float, int]:
+    """``(mean logloss, rows)`` of the validation slice over all ranks: this rank's ``examples``
+    (``ParquetExamples``) scored with ``backend.lookup_readonly`` (unseen IDs read the zero row), summed and
+    all-reduced when ``world > 1``. The model is put back in training mode."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for start in range(0, len(examples), SCORE_BATCH):
+        batch = examples.batch(np.arange(start, min(start + SCORE_BATCH, len(examples))))
+        prepared = prepare_ids(batch.ids, layouts)
+        pooled = [
+            pool(
+                torch.from_numpy(backend.lookup_readonly(t.name, prepared[t.name].uniq)),
+                prepared[t.name],
+                len(t.slots),
+                batch.size,
+            )
+            for t in layouts
+        ]
+        emb = (torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]).to(device)
+        logits = model(emb, torch.from_numpy(batch.dense).to(device))
+        if wide is not None:
+            p = prepare_wide(batch.ids, wide, prepared)
+            rows = torch.from_numpy(backend.lookup_readonly(WIDE_TABLE, p.uniq))
+            logits = logits + wide_logit(pool(rows, p, len(wide.slots), batch.size).to(device))
+        labels = torch.from_numpy(batch.labels).to(device)
+        total += float(F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum"))
+    model.train(was_training)
+    sums = torch.tensor([total, float(len(examples))], dtype=torch.float64)
+    if world > 1:
+        sums = sums.to(device) if dist.get_backend() == "nccl" else sums
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    loss, rows = sums.tolist()
+    if rows < 1:
+        raise ValueError("epochs: auto: the validation slice holds no rows")
+    return loss / rows, int(rows)
+
+
+def best_paths(model_dir: str, num_shards: int) -> list[str]:
+    """Where the best epoch's shard files go: ``<model_dir>/best/shard-SSSSS...``."""
+    return [io.join(model_dir, BEST_DIR, shard_file_name(s)) for s in range(num_shards)]
+
+
+def best_dense_path(model_dir: str) -> str:
+    return io.join(model_dir, BEST_DIR, "dense.pt")
+
+
+def save_best(
+    model: torch.nn.Module, backend: EmbeddingBackend, model_dir: str, rank: int, world: int, num_shards: int
+) -> tuple[dict, list[tuple[int, int]]]:
+    """The consistent cut of the best epoch (every rank has drained its pushes): rank 0 has the servers dump their
+    shards under ``best/`` and writes the dense weights there; the ranks wait for it at a barrier. Returns this
+    rank's copy of the dense weights and (rank 0) the shard files' ``(bytes, CRC-32C)``."""
+    if world > 1:
+        dist.barrier()
+    files: list[tuple[int, int]] = []
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        files = [(int(a), int(b)) for a, b in backend.dump(best_paths(model_dir, num_shards))]
+        buf = _io.BytesIO()
+        torch.save(state, buf)
+        io.write_bytes(best_dense_path(model_dir), buf.getvalue())
+    if world > 1:
+        shared: list = [files]
+        dist.broadcast_object_list(shared, src=0)
+        files = [(int(a), int(b)) for a, b in shared[0]]
+        dist.barrier()
+    return state, files
+
+
+def restore_best(
+    model: torch.nn.Module,
+    backend: EmbeddingBackend,
+    model_dir: str,
+    rank: int,
+    world: int,
+    num_shards: int,
+    stopping: EarlyStopping,
+    state: dict | None,
+) -> None:
+    """Put the best epoch's model back: rank 0 has the servers load its shard files (checked against their
+    recorded size and CRC-32C); every rank loads its dense weights (``state``, or the file where a resumed run has
+    no copy). Then removes ``best/``."""
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        backend.load(best_paths(model_dir, num_shards), [(int(a), int(b)) for a, b in stopping.shard_files])
+    if state is None:
+        state = torch.load(_io.BytesIO(io.read_bytes(best_dense_path(model_dir))), weights_only=True)
+    model.load_state_dict(state)
+    if world > 1:
+        dist.barrier()
+    log.info(
+        "epochs: auto: kept epoch %d (step %d, validation logloss %.6f)",
+        stopping.best_epoch,
+        stopping.best_step,
+        stopping.best_logloss,
+    )
+
+
+def remove_best(model_dir: str) -> None:
+    """Remove ``best/`` (rank 0, once nothing reads it)."""
+    path = io.join(model_dir, BEST_DIR)
+    if not io.isdir(path):
+        return
+    if io.is_remote(path):
+        for rel in io.walk_files(path):
+            io.remove(io.join(path, rel))
+    else:
+        shutil.rmtree(path)
