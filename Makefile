@@ -45,7 +45,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv from requirements.txt and install the project in it
 
-run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS, MAX_ROWS override the config; WARM_START: a model or blessed-model location to start from; LR_MARGIN: how far below the LR reference's AUC a blessed model may be)
+run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS (a number, or auto: validation-driven), MAX_ROWS override the config; WARM_START: a model or blessed-model location to start from; LR_MARGIN: how far below the LR reference's AUC a blessed model may be)
 	$(PY) -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml
 	PERSIA_DIE_WITH=$$PPID $(PY) -m pipelines.run_local --data "$(DATA)" --config "$(CONFIG)" --pipeline-root $(PIPELINE_ROOT) \
 		--parameter-servers $(PS) --nn-workers $(WORKERS) --staleness $(STALENESS) --epochs $(EPOCHS) \

@@ -20,7 +20,8 @@ def preprocess(
     stats: Output[Metrics],
 ):
     """Parse, validate and hash the raw data at ``data`` with the run config ``config`` (a shipped name or a
-    YAML path), overriding its cluster and trainer settings (0 = keep the config's value); Beam runner options
+    YAML path), overriding its cluster and trainer settings (0 = keep the config's value; ``epochs`` -1:
+    ``epochs: auto``); Beam runner options
     (JSON list, e.g. ``["--runner=DataflowRunner", ...]``) pass through. Writes train/eval Parquet shards,
     ``schema.json``, ``run_config.yaml`` and ``dead_letter/`` into ``dataset``."""
     from persia_core.train.processes import die_with_local_runner
@@ -30,15 +31,18 @@ def preprocess(
     import json
 
     from persia_core.config import load_config
+    from persia_core.config.trainer import AUTO_EPOCHS
     from persia_core.preprocess.pipeline import run_preprocess
 
-    overrides = {
+    given = {
         "embedding.num_shards": num_parameter_servers,
         "trainer.num_workers": num_nn_workers,
         "trainer.epochs": epochs,
         "split.max_rows": max_rows,
     }
-    overrides = {k: v for k, v in overrides.items() if v > 0}
+    overrides: dict[str, int | str] = {k: v for k, v in given.items() if v > 0}
+    if epochs == AUTO_EPOCHS:
+        overrides["trainer.epochs"] = "auto"
     if embedding_staleness >= 0:
         overrides["trainer.embedding_staleness"] = embedding_staleness
     cfg = load_config(config, overrides)

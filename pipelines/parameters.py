@@ -16,6 +16,7 @@ from components import LOCAL_IMAGE
 from components.data_path import check_cloud_folders, resolve_data_path
 from persia_core import io
 from persia_core.config import is_config_name, shipped_configs
+from persia_core.config.trainer import AUTO_EPOCHS
 from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
 _REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
@@ -142,8 +143,10 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
     data = value("data") if "data" in specs else ""
     for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
-        if name in specs and float(value(name) or 0) < 0:
-            raise ValueError(f"{name} must be >= 0 (0 = the run config's value), got {value(name)}")
+        least = AUTO_EPOCHS if name == "epochs" else 0
+        if name in specs and float(value(name) or 0) < least:
+            auto = f", or {AUTO_EPOCHS} for epochs: auto" if name == "epochs" else ""
+            raise ValueError(f"{name} must be >= 0 (0 = the run config's value{auto}), got {value(name)}")
     if "embedding_staleness" in specs and float(value("embedding_staleness") or 0) < -1:
         raise ValueError(
             f"embedding_staleness must be >= 0, or -1 for the run config's value, got {value('embedding_staleness')}"

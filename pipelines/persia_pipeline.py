@@ -81,7 +81,8 @@ def persia_pipeline(
     num_nn_workers: NN workers / DDP ranks (default 0 = the config's ``trainer.num_workers``).
     embedding_staleness: K, batches a worker may look up ahead of its oldest unapplied push (0 = fully
         synchronous; default -1 = the config's ``trainer.embedding_staleness``).
-    epochs: training epochs (0 = the config's). max_rows: read only this many examples (0 = all).
+    epochs: training epochs (0 = the config's; -1 = ``epochs: auto``: up to ``trainer.max_epochs``, stopping on
+        the validation slice's logloss). max_rows: read only this many examples (0 = all).
     beam_args: Beam pipeline options as a JSON list (e.g. DataflowRunner settings); empty = DirectRunner.
     blessed_dir: the stable "latest blessed model" location the gate writes (local path, gs:// or /gcs/).
     warm_start_from: start from a previous model: a Model artifact, a checkpoint, or a blessed-model location

@@ -27,6 +27,7 @@ from kfp import local
 
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
+from persia_core.config.trainer import AUTO_EPOCHS
 from persia_core.embedding.warm_start import check_warm_start_location
 from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 from persia_core.logging_utils import PROGRESS_PATTERN
@@ -202,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parameter-servers", type=int, default=0, help="embedding parameter servers (0 = config's)")
     p.add_argument("--nn-workers", type=int, default=0, help="NN workers / DDP ranks (0 = config's)")
     p.add_argument("--staleness", type=int, default=-1, help="embedding staleness K (-1 = config's)")
-    p.add_argument("--epochs", type=int, default=0, help="epochs (0 = config's)")
+    p.add_argument(
+        "--epochs",
+        type=lambda v: AUTO_EPOCHS if v == "auto" else int(v),
+        default=0,
+        help="epochs (0 = config's; auto: validation-driven, up to trainer.max_epochs)",
+    )
     p.add_argument("--max-rows", type=int, default=0, help="read only this many examples (0 = all)")
     p.add_argument(
         "--blessed-dir",
@@ -233,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
-        if getattr(args, name) < 0:
-            zero = "all" if name == "max_rows" else "the config's value"
+        if getattr(args, name) < (AUTO_EPOCHS if name == "epochs" else 0):
+            zero = "all" if name == "max_rows" else "the config's value" + (", or auto" if name == "epochs" else "")
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = {zero})")
     if args.staleness < -1:
         p.error("--staleness must be >= 0, or -1 for the config's value")

@@ -259,12 +259,25 @@ def _check_history(h: Mapping) -> dict:
 
 
 def _loss_figure(h: dict) -> str:
+    """Training loss over samples; with ``epochs: auto`` (``h["validation"]``: ``{"step", "logloss"}`` per epoch)
+    the validation slice's logloss at each epoch's end too, and the kept epoch marked."""
     fig = Figure(figsize=(6.5, 4.0))
     ax = fig.add_subplot()
-    ax.plot(h["samples"], h["loss"], color="tab:blue", lw=1.5)
+    ax.plot(h["samples"], h["loss"], color="tab:blue", lw=1.5, label="Training loss (per step)")
+    val = h.get("validation") or []
+    steps = list(h.get("step") or [])
+    if val and len(steps) == len(h["samples"]):
+        at = {int(s) + 1: float(n) for s, n in zip(steps, h["samples"], strict=True)}  # steps trained -> samples
+        pts = [(at[int(v["step"])], float(v["logloss"])) for v in val if int(v["step"]) in at]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), color="tab:orange", marker="o", lw=1.2, label="Validation logloss")
+            best = int(h.get("best_step") or 0)
+            if best in at:
+                ax.axvline(at[best], color="black", ls="--", lw=1, label=f"Kept: epoch {h.get('best_epoch')}")
+            ax.legend()
     ax.set_xlabel("Samples seen")
-    ax.set_ylabel("Training loss")
-    ax.set_title("Training loss over samples")
+    ax.set_ylabel("Loss")
+    ax.set_title("Training loss" + (" and validation logloss" if val else "") + " over samples")
     ax.grid(alpha=0.3)
     return _png_img(fig, "Training loss")
 
@@ -419,6 +432,17 @@ def write_report(
             f"<p>Max observed staleness: <b>{_esc(_fmt(history['max_staleness']))}</b> batches; "
             f"mean throughput: <b>{_esc(_fmt(history['samples_per_s']))}</b> samples/s.</p>",
         ]
+        val = history.get("validation") or []
+        if val:
+            kept = next((v for v in val if int(v["step"]) == int(history.get("best_step") or -1)), None)
+            curve = ", ".join(f"{_fmt(float(v['logloss']))}" for v in val)
+            parts.append(
+                f"<p>Validation slice (<code>epochs: auto</code>, {_esc(_fmt(int(val[-1]['rows'])))} rows): logloss "
+                f"per epoch {_esc(curve)}; kept epoch <b>{_esc(_fmt(history.get('best_epoch')))}</b>"
+                + (f" (logloss {_esc(_fmt(float(kept['logloss'])))})" if kept else "")
+                + (", stopped early" if history.get("stopped_early") else "")
+                + ".</p>"
+            )
         if history["samples"].shape[0] > 0:
             parts += [_loss_figure(history), _throughput_figure(history)]
         else:

@@ -189,3 +189,19 @@ def test_report_every_plot_has_labelled_axes(tmp_path, monkeypatch):
     for fig in figures:
         for ax in fig.axes:
             assert ax.get_xlabel() and ax.get_ylabel(), f"unlabelled axes in {ax.get_title()!r}"
+
+
+def test_report_of_an_epochs_auto_run_shows_the_validation_curve_and_the_kept_epoch(tmp_path):
+    labels, preds = _data(n=300, seed=2)
+    h = _history()
+    h["step"] = [0, 1, 2, 3, 4]  # steps trained after each point: 1..5
+    h["validation"] = [
+        {"epoch": 1, "step": 2, "logloss": 0.61, "rows": 77},
+        {"epoch": 2, "step": 4, "logloss": 0.58, "rows": 77},
+        {"epoch": 3, "step": 5, "logloss": 0.63, "rows": 77},
+    ]
+    h.update(best_epoch=2, best_step=4, stopped_early=True)
+    write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds, train_history=h)
+    text = (tmp_path / "r.html").read_text()
+    assert "logloss per epoch 0.61, 0.58, 0.63; kept epoch <b>2</b> (logloss 0.58), stopped early" in text
+    assert "77 rows" in text and len(_IMG.findall(text)) == 4
