@@ -31,20 +31,10 @@ def preprocess(
     import json
 
     from persia_core.config import load_config
-    from persia_core.config.trainer import AUTO_EPOCHS
+    from persia_core.config.loading import pipeline_overrides
     from persia_core.preprocess.pipeline import run_preprocess
 
-    given = {
-        "embedding.num_shards": num_parameter_servers,
-        "trainer.num_workers": num_nn_workers,
-        "trainer.epochs": epochs,
-        "split.max_rows": max_rows,
-    }
-    overrides: dict[str, int | str] = {k: v for k, v in given.items() if v > 0}
-    if epochs == AUTO_EPOCHS:
-        overrides["trainer.epochs"] = "auto"
-    if embedding_staleness >= 0:
-        overrides["trainer.embedding_staleness"] = embedding_staleness
+    overrides = pipeline_overrides(num_parameter_servers, num_nn_workers, embedding_staleness, epochs, max_rows)
     cfg = load_config(config, overrides)
     from persia_core import io
 

@@ -80,3 +80,25 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         except yaml.YAMLError as e:
             raise ValueError(f"--set {key.strip()}: not a valid YAML value: {e}") from e
     return out
+
+
+def pipeline_overrides(
+    num_parameter_servers: int, num_nn_workers: int, embedding_staleness: int, epochs: int, max_rows: int
+) -> dict[str, int | str]:
+    """The run-config overrides of the pipeline's (and ``make run``'s) cluster and trainer parameters: 0 keeps
+    the config's value (-1 for ``embedding_staleness``); ``epochs`` -1 (``trainer.AUTO_EPOCHS``) is
+    ``epochs: auto``."""
+    from persia_core.config.trainer import AUTO_EPOCHS
+
+    given = {
+        "embedding.num_shards": num_parameter_servers,
+        "trainer.num_workers": num_nn_workers,
+        "trainer.epochs": epochs,
+        "split.max_rows": max_rows,
+    }
+    out: dict[str, int | str] = {k: v for k, v in given.items() if v > 0}
+    if epochs == AUTO_EPOCHS:
+        out["trainer.epochs"] = "auto"
+    if embedding_staleness >= 0:
+        out["trainer.embedding_staleness"] = embedding_staleness
+    return out

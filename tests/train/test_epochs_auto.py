@@ -99,3 +99,20 @@ def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_mo
     b = torch.load(os.path.join(ref_model, "dense.pt"), weights_only=True)
     for k in b:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_pipeline_parameters_minus_one_epochs_is_epochs_auto_and_zero_keeps_the_config():
+    from persia_core.config import load_config
+    from persia_core.config.loading import pipeline_overrides
+    from persia_core.config.trainer import AUTO_EPOCHS
+
+    assert pipeline_overrides(0, 0, -1, AUTO_EPOCHS, 0) == {"trainer.epochs": "auto"}
+    assert pipeline_overrides(3, 2, 0, 4, 100) == {
+        "embedding.num_shards": 3,
+        "trainer.num_workers": 2,
+        "trainer.epochs": 4,
+        "split.max_rows": 100,
+        "trainer.embedding_staleness": 0,
+    }
+    assert load_config("movielens", pipeline_overrides(0, 0, -1, AUTO_EPOCHS, 0)).trainer.auto_epochs
+    assert load_config("movielens", pipeline_overrides(0, 0, -1, 0, 0)).trainer.epochs == 1
