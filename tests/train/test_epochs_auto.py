@@ -2,6 +2,8 @@
 
 import json
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -74,12 +76,32 @@ def _tables(cfg: RunConfig, model: str, manifest: dict) -> dict:
     return {n: {k: np.concatenate(v) for k, v in d.items()} for n, d in out.items()}
 
 
-@pytest.mark.processes
-def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_model_exactly(tmp_path):
-    data = write_dataset(str(tmp_path / "data"), rows=256)
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("auto")
+    data = write_dataset(str(root / "data"), rows=256)
     cfg = _auto(8)
-    model = str(tmp_path / "model")
-    manifest = train(cfg, data, model, work_dir=str(tmp_path / "work"))
+    model = str(root / "model")
+    manifest = train(cfg, data, model, work_dir=str(root / "work"))
+    return {"root": root, "data": data, "cfg": cfg, "model": model, "manifest": manifest}
+
+
+def _same_model(cfg: RunConfig, a: str, a_manifest: dict, b: str, b_manifest: dict) -> None:
+    """Every table's keys, weights and optimizer state, and the dense weights, bit for bit."""
+    got, ref = _tables(cfg, a, a_manifest), _tables(cfg, b, b_manifest)
+    assert set(got) == set(ref) == {"default", "wide"}
+    for name in got:
+        for k in ref[name]:
+            np.testing.assert_array_equal(got[name][k], ref[name][k], err_msg=f"{name}.{k}")
+    da = torch.load(os.path.join(a, "dense.pt"), weights_only=True)
+    db = torch.load(os.path.join(b, "dense.pt"), weights_only=True)
+    for k in db:
+        assert torch.equal(da[k], db[k]), k
+
+
+@pytest.mark.processes
+def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_model_exactly(auto_run):
+    root, data, cfg, model = auto_run["root"], auto_run["data"], auto_run["cfg"], auto_run["model"]
     hist = json.load(open(os.path.join(model, "train_metrics.json")))
     curve = [v["logloss"] for v in hist["validation"]]
     best = int(np.argmin(curve)) + 1
@@ -88,17 +110,59 @@ def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_mo
     assert hist["steps_trained"] == len(curve) * hist["best_step"] // best
     assert not os.path.exists(os.path.join(model, "best"))
     # the same run scheduled for the best epoch only ends there: its model is the one kept, bit for bit
-    ref_model = str(tmp_path / "ref")
-    ref_manifest = train(_auto(best), data, ref_model, work_dir=str(tmp_path / "ref-work"))
-    got, ref = _tables(cfg, model, manifest), _tables(cfg, ref_model, ref_manifest)
-    assert set(got) == set(ref) == {"default", "wide"}
-    for name in got:
-        for k in ref[name]:
-            np.testing.assert_array_equal(got[name][k], ref[name][k], err_msg=f"{name}.{k}")
-    a = torch.load(os.path.join(model, "dense.pt"), weights_only=True)
-    b = torch.load(os.path.join(ref_model, "dense.pt"), weights_only=True)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    ref = str(root / "ref")
+    ref_manifest = train(_auto(best), data, ref, work_dir=str(root / "ref-work"))
+    _same_model(cfg, model, auto_run["manifest"], ref, ref_manifest)
+
+
+def _server_pids(work: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if os.path.join(work, "ps-1.port").encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.processes
+def test_a_run_killed_after_its_best_epoch_resumes_and_keeps_the_same_best_model(auto_run, tmp_path):
+    from persia_core.checkpoints import CheckpointSettings, list_checkpoints
+    from persia_core.train.local_cluster import TrainingFailed
+
+    hist = json.load(open(os.path.join(auto_run["model"], "train_metrics.json")))
+    after_best = hist["best_step"] + hist["best_step"] // hist["best_epoch"]  # the epoch after the best one
+    settings = CheckpointSettings(every_steps=hist["best_step"] // hist["best_epoch"], keep=8, at_end=False)
+    model, work = str(tmp_path / "model"), str(tmp_path / "work")
+
+    def kill_once_checkpointed():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = [
+                s
+                for s, p in list_checkpoints(os.path.join(model, "checkpoints"))
+                if os.path.exists(f"{p}/manifest.json")
+            ]
+            if after_best in done:
+                for pid in _server_pids(work):
+                    os.kill(pid, 9)
+                return
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_once_checkpointed)
+    killer.start()
+    slow = _auto(8, network_delay_s=0.01)  # the arithmetic is the same; the kill lands before the last epoch
+    with pytest.raises(TrainingFailed):
+        train(slow, auto_run["data"], model, work_dir=work, checkpoint=settings)
+    killer.join()
+    assert os.path.isdir(os.path.join(model, "best"))  # kept for the retry
+    manifest = train(slow, auto_run["data"], model, work_dir=str(tmp_path / "retry"), checkpoint=settings)
+    assert manifest["resumed_from"].endswith(f"ckpt-{after_best:010d}")
+    resumed = json.load(open(os.path.join(model, "train_metrics.json")))
+    assert (resumed["best_epoch"], resumed["best_step"]) == (hist["best_epoch"], hist["best_step"])
+    _same_model(auto_run["cfg"], model, manifest, auto_run["model"], auto_run["manifest"])
 
 
 def test_the_pipeline_parameters_minus_one_epochs_is_epochs_auto_and_zero_keeps_the_config():
