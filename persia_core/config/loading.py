@@ -9,6 +9,7 @@ import yaml
 
 from persia_core import io
 from persia_core.config.run import RunConfig
+from persia_core.config.trainer import AUTO_EPOCHS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -88,8 +89,6 @@ def pipeline_overrides(
     """The run-config overrides of the pipeline's (and ``make run``'s) cluster and trainer parameters: 0 keeps
     the config's value (-1 for ``embedding_staleness``); ``epochs`` -1 (``trainer.AUTO_EPOCHS``) is
     ``epochs: auto``."""
-    from persia_core.config.trainer import AUTO_EPOCHS
-
     given = {
         "embedding.num_shards": num_parameter_servers,
         "trainer.num_workers": num_nn_workers,
