@@ -95,14 +95,7 @@ class ParquetExamples:
         cols = [S.LABEL, S.DENSE, S.TS, *[S.slot_column(s) for s in slots]]
         opened = []
         for f in files:
-            if not io.exists(f):
-                raise FileNotFoundError(f"Parquet shard not found: {f}")
-            if io.is_gcs(f):
-                import io as _io
-
-                pf = pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
-            else:
-                pf = pq.ParquetFile(f)
+            pf = open_shard(f)
             missing = [c for c in cols if c not in pf.schema_arrow.names]
             if missing:
                 raise ValueError(f"{f}: missing columns {missing}")
@@ -259,19 +252,24 @@ def shard_files(data_dir: str, split: str) -> list[str]:
     return [io.join(data_dir, f) for f in sch[f"{split}_files"]]
 
 
+def open_shard(f: str) -> pq.ParquetFile:
+    """The Parquet shard ``f`` (local, ``/gcs/`` or ``gs://``: read whole into memory). Raises
+    ``FileNotFoundError`` naming it."""
+    if not io.exists(f):
+        raise FileNotFoundError(f"Parquet shard not found: {f}")
+    if io.is_gcs(f):
+        import io as _io
+
+        return pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
+    return pq.ParquetFile(f)
+
+
 def read_ts(files: list[str]) -> np.ndarray:
     """``int64[R]``: the timestamp column of the Parquet shards ``files``, in order (no other column is decoded).
     Raises ``FileNotFoundError`` naming a missing shard."""
     parts = []
     for f in files:
-        if not io.exists(f):
-            raise FileNotFoundError(f"Parquet shard not found: {f}")
-        if io.is_gcs(f):
-            import io as _io
-
-            pf = pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
-        else:
-            pf = pq.ParquetFile(f)
+        pf = open_shard(f)
         parts.append(pf.read(columns=[S.TS]).column(S.TS).to_numpy().astype(np.int64, copy=False))
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
