@@ -1,5 +1,6 @@
 """Sum pooling of a batch's bags into ``[B, S, D]`` on torch tensors (evaluation's path, and the reference of the
-compiled kernels). Slot layout and dedup: ``persia_core.embedding.layout``.
+compiled kernels), and the logits of a batch from read-only lookups (evaluation and the validation slice). Slot
+layout and dedup: ``persia_core.embedding.layout``.
 """
 
 from __future__ import annotations
@@ -7,7 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from persia_core.embedding.layout import PreparedIds
+from persia_core.config import WIDE_TABLE
+from persia_core.embedding.backend import EmbeddingBackend
+from persia_core.embedding.layout import PreparedIds, TableLayout, prepare_ids, prepare_wide
+from persia_core.models.dense import wide_logit
 
 
 def pool_bags(
@@ -37,3 +41,28 @@ def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int)
     return pool_bags(
         rows, torch.from_numpy(prep.inverse), torch.from_numpy(prep.offsets), num_slots, batch_size, prep.one_per_bag
     )
+
+
+def readonly_logits(
+    dense: torch.nn.Module,
+    backend: EmbeddingBackend,
+    layouts: list[TableLayout],
+    wide: TableLayout | None,
+    batch,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Logits ``float32[B]`` of ``batch`` (a ``Batch`` in the layouts' slot order) by the dense model ``dense``, plus
+    the wide table's term when ``wide`` is given; every row is read with ``backend.lookup_readonly`` (an unseen
+    ID reads the zero row, nothing is created). Call under ``torch.no_grad()``."""
+    prepared = prepare_ids(batch.ids, layouts)
+    pooled = []
+    for t in layouts:
+        rows = torch.from_numpy(backend.lookup_readonly(t.name, prepared[t.name].uniq))
+        pooled.append(pool(rows, prepared[t.name], len(t.slots), batch.size))
+    emb = (torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]).to(device)
+    logits = dense(emb, torch.from_numpy(batch.dense).to(device))
+    if wide is not None:
+        p = prepare_wide(batch.ids, wide, prepared)
+        rows = torch.from_numpy(backend.lookup_readonly(WIDE_TABLE, p.uniq))
+        logits = logits + wide_logit(pool(rows, p, len(wide.slots), batch.size).to(device))
+    return logits

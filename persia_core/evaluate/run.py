@@ -22,16 +22,16 @@ import numpy as np
 import torch
 
 from persia_core import io
-from persia_core.config import WIDE_TABLE, RunConfig
+from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
-from persia_core.embedding.layout import model_slot_order, prepare_ids, prepare_wide, table_layouts, wide_layout
-from persia_core.embedding.pooling import pool
+from persia_core.embedding.layout import model_slot_order, table_layouts, wide_layout
+from persia_core.embedding.pooling import readonly_logits
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.evaluate.lr_reference import lr_reference as fit_reference
 from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
 from persia_core.logging_utils import progress
 from persia_core.model_store import METRICS_FILE, read_manifest
-from persia_core.models import build_model, wide_logit
+from persia_core.models import build_model
 
 log = logging.getLogger("persia.evaluate")
 
@@ -88,17 +88,7 @@ class LoadedModel:
     @torch.no_grad()
     def predict(self, batch) -> np.ndarray:
         """Click probabilities ``float32[B]`` of a ``Batch`` whose slots are in ``self.slots`` order."""
-        prepared = prepare_ids(batch.ids, self.layouts)
-        pooled = []
-        for t in self.layouts:
-            rows = torch.from_numpy(self.embedding.lookup_readonly(t.name, prepared[t.name].uniq))
-            pooled.append(pool(rows, prepared[t.name], len(t.slots), batch.size))
-        emb = torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]
-        logits = self.dense(emb, torch.from_numpy(batch.dense))
-        if self.wide is not None:
-            p = prepare_wide(batch.ids, self.wide, prepared)
-            rows = torch.from_numpy(self.embedding.lookup_readonly(WIDE_TABLE, p.uniq))
-            logits = logits + wide_logit(pool(rows, p, len(self.wide.slots), batch.size))
+        logits = readonly_logits(self.dense, self.embedding, self.layouts, self.wide, batch)
         return torch.sigmoid(logits).numpy()
 
 

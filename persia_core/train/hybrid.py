@@ -180,7 +180,8 @@ class HybridTrainPipeline:
         emb.grad = None
         if wide is not None:
             assert wide_buf is not None
-            torch.from_numpy(wide_buf[:b]).copy_(wide.grad if wide.grad is not None else torch.zeros_like(wide))
+            assert wide.grad is not None  # the logit always depends on it
+            torch.from_numpy(wide_buf[:b]).copy_(wide.grad)
         self.feeders.give_grad(step, slot, half)
         t4 = time.perf_counter()
         self.optimizer.step()

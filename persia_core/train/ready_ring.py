@@ -93,21 +93,26 @@ class RingLayout:
     def slot(self, buf: np.ndarray, worker: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Views ``(emb float32[B, S, D], dense float32[B, F], labels float32[B])`` of slot ``k`` of ``worker``."""
         b, s, d, f = self.batch, self.num_slots, self.dim, self.num_dense
-        off = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
-        emb = buf[off : off + 4 * b * s * d].view(np.float32).reshape(b, s, d)
-        off += _align(4 * b * s * d)
-        dense = buf[off : off + 4 * b * f].view(np.float32).reshape(b, f)
-        off += _align(4 * b * f)
-        labels = buf[off : off + 4 * b].view(np.float32)
+        off_emb, off_dense, off_labels, _ = self._offsets(worker, k)
+        emb = buf[off_emb : off_emb + 4 * b * s * d].view(np.float32).reshape(b, s, d)
+        dense = buf[off_dense : off_dense + 4 * b * f].view(np.float32).reshape(b, f)
+        labels = buf[off_labels : off_labels + 4 * b].view(np.float32)
         return emb, dense, labels
+
+    def _offsets(self, worker: int, k: int) -> tuple[int, int, int, int]:
+        """Byte offsets of slot ``k`` of ``worker``'s regions: embeddings, dense, labels, wide."""
+        b = self.batch
+        emb = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
+        dense = emb + _align(4 * b * self.num_slots * self.dim)
+        labels = dense + _align(4 * b * self.num_dense)
+        return emb, dense, labels, labels + _align(4 * b)
 
     def wide_view(self, buf: np.ndarray, worker: int, k: int) -> np.ndarray | None:
         """``float32[B, S, 1]`` view of slot ``k``'s wide region (None without one)."""
         if not self.wide:
             return None
-        b, s, d, f = self.batch, self.num_slots, self.dim, self.num_dense
-        off = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
-        off += _align(4 * b * s * d) + _align(4 * b * f) + _align(4 * b)
+        b, s = self.batch, self.num_slots
+        off = self._offsets(worker, k)[3]
         return buf[off : off + 4 * b * s].view(np.float32).reshape(b, s, 1)
 
     def emb(self, buf: np.ndarray, worker: int, k: int, half: bool) -> np.ndarray:
@@ -119,7 +124,7 @@ class RingLayout:
         """``float16[B, S, D]`` view of the start of slot ``k``'s embedding region (a ``half`` ring's embeddings,
         or an fp16 gradient)."""
         b, s, d = self.batch, self.num_slots, self.dim
-        off = self.header_bytes + (worker * self.slots_per_worker + k) * self.slot_bytes
+        off = self._offsets(worker, k)[0]
         return buf[off : off + 2 * b * s * d].view(np.float16).reshape(b, s, d)
 
     @classmethod

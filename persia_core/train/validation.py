@@ -23,12 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from persia_core import io
-from persia_core.config import WIDE_TABLE
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.layout import TableLayout, prepare_ids, prepare_wide
-from persia_core.embedding.pooling import pool
+from persia_core.embedding.layout import TableLayout
+from persia_core.embedding.pooling import readonly_logits
 from persia_core.model_store import shard_file_name
-from persia_core.models import wide_logit
 
 log = logging.getLogger("persia.validation")
 
@@ -50,7 +48,7 @@ class EarlyStopping:
     best_step: int = 0
     stopped: bool = False
     shard_files: list[tuple[int, int]] = field(default_factory=list)
-    """``(bytes, CRC-32C)`` of the best epoch's shard files."""
+    """``(bytes, CRC-32C)`` of the best epoch's shard files (rank 0's state only: it loads them back)."""
 
     def update(self, epoch: int, step: int, logloss: float, rows: int) -> bool:
         """Record epoch ``epoch`` (ending after ``step`` steps); returns whether it is the best so far. Sets
@@ -91,22 +89,7 @@ def validation_loss(
     total = 0.0
     for start in range(0, len(examples), SCORE_BATCH):
         batch = examples.batch(np.arange(start, min(start + SCORE_BATCH, len(examples))))
-        prepared = prepare_ids(batch.ids, layouts)
-        pooled = [
-            pool(
-                torch.from_numpy(backend.lookup_readonly(t.name, prepared[t.name].uniq)),
-                prepared[t.name],
-                len(t.slots),
-                batch.size,
-            )
-            for t in layouts
-        ]
-        emb = (torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]).to(device)
-        logits = model(emb, torch.from_numpy(batch.dense).to(device))
-        if wide is not None:
-            p = prepare_wide(batch.ids, wide, prepared)
-            rows = torch.from_numpy(backend.lookup_readonly(WIDE_TABLE, p.uniq))
-            logits = logits + wide_logit(pool(rows, p, len(wide.slots), batch.size).to(device))
+        logits = readonly_logits(model, backend, layouts, wide, batch, device)
         labels = torch.from_numpy(batch.labels).to(device)
         total += float(F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum"))
     model.train(was_training)
@@ -135,7 +118,8 @@ def save_best(
 ) -> tuple[dict, list[tuple[int, int]]]:
     """The consistent cut of the best epoch (every rank has drained its pushes): rank 0 has the servers dump their
     shards under ``best/`` and writes the dense weights there; the ranks wait for it at a barrier. Returns this
-    rank's copy of the dense weights and (rank 0) the shard files' ``(bytes, CRC-32C)``."""
+    rank's copy of the dense weights and, on rank 0 (the one that loads them back), the shard files' ``(bytes,
+    CRC-32C)``; ``[]`` elsewhere."""
     if world > 1:
         dist.barrier()
     files: list[tuple[int, int]] = []
@@ -146,9 +130,6 @@ def save_best(
         torch.save(state, buf)
         io.write_bytes(best_dense_path(model_dir), buf.getvalue())
     if world > 1:
-        shared: list = [files]
-        dist.broadcast_object_list(shared, src=0)
-        files = [(int(a), int(b)) for a, b in shared[0]]
         dist.barrier()
     return state, files
 
@@ -169,7 +150,7 @@ def restore_best(
     if world > 1:
         dist.barrier()
     if rank == 0:
-        backend.load(best_paths(model_dir, num_shards), [(int(a), int(b)) for a, b in stopping.shard_files])
+        backend.load(best_paths(model_dir, num_shards), stopping.shard_files)
     if state is None:
         state = torch.load(_io.BytesIO(io.read_bytes(best_dense_path(model_dir))), weights_only=True)
     model.load_state_dict(state)
