@@ -32,6 +32,10 @@ class ModelConfig:
     """dcnv2: ``stacked`` (the MLP on the cross layers' output) or ``parallel`` (beside them, outputs
     concatenated)."""
 
+    dropout: float = 0.0
+    """Dropout rate after each hidden layer of the top (DNN, DLRM, DeepFM) or deep (DCNv2) MLP, in training only
+    (Srivastava et al., JMLR 2014); not in the bottom MLP, the cross layers or ``lr``. 0: off."""
+
     wide: bool = False
     """A first-order (wide) term for every model: the wide table (``embedding.tables`` ``wide``, added with dim 1,
     rows starting at 0 and the first table's optimizer settings, unless declared) holds one weight per feature ID
@@ -50,6 +54,8 @@ class ModelConfig:
             raise config_error("model.structure", f"must be 'stacked' or 'parallel', got {self.structure!r}")
         if any(h < 1 for h in self.hidden + self.bottom):
             raise config_error("model.hidden/bottom", "layer sizes must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise config_error("model.dropout", f"must be in [0, 1), got {self.dropout!r}")
         if self.kind == "lr" and not self.wide:
             raise config_error("model.wide", "model.kind lr is the wide term and a linear dense term: set wide: true")
 

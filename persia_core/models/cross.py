@@ -38,7 +38,7 @@ class DCNv2(ModelBase):
 
     Args: num_slots S, dim D, num_dense F, hidden (MLP sizes), bottom (dense MLP sizes, its last layer ReLU; [] =
     raw standardized dense features), cross_layers, cross_rank (0: full rank), structure (``stacked`` or
-    ``parallel``)."""
+    ``parallel``), dropout (rate after each hidden layer of the MLP, training mode only)."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class DCNv2(ModelBase):
         cross_layers: int = 3,
         cross_rank: int = 0,
         structure: str = "stacked",
+        dropout: float = 0.0,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
         if structure not in ("stacked", "parallel"):
@@ -60,7 +61,7 @@ class DCNv2(ModelBase):
         d = num_slots * dim + dense_out
         self.cross = nn.ModuleList(CrossLayer(d, cross_rank) for _ in range(cross_layers))
         self.structure = structure
-        self.deep = mlp([d, *hidden], last_activation=True) if hidden else nn.Identity()
+        self.deep = mlp([d, *hidden], last_activation=True, dropout=dropout) if hidden else nn.Identity()
         deep_out = hidden[-1] if hidden else d
         self.head = nn.Linear(deep_out + d if structure == "parallel" else deep_out, 1)
 
@@ -83,7 +84,8 @@ class DeepFM(ModelBase):
     layer carries the bias. The FM's first-order term over feature IDs is a wide table's (a 1-dim embedding per
     ID), not part of this module.
 
-    Args: num_slots S, dim D, num_dense F, hidden (MLP sizes), bottom (dense MLP sizes; [] = raw dense)."""
+    Args: num_slots S, dim D, num_dense F, hidden (MLP sizes), bottom (dense MLP sizes; [] = raw dense), dropout
+    (rate after each hidden layer of the MLP, training mode only)."""
 
     def __init__(
         self,
@@ -94,10 +96,11 @@ class DeepFM(ModelBase):
         bottom: list[int],
         dense_mean=None,
         dense_std=None,
+        dropout: float = 0.0,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
         self.bottom, dense_out = bottom_mlp(num_dense, bottom)
-        self.deep = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
+        self.deep = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False, dropout=dropout)
         self.linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -122,6 +125,6 @@ def build_model(
     config.check_fits(num_slots, dim, num_dense)
     args = (num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)
     if config.kind == "dcnv2":
-        return DCNv2(*args, config.cross_layers, config.cross_rank, config.structure)
+        return DCNv2(*args, config.cross_layers, config.cross_rank, config.structure, dropout=config.dropout)
     cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM, "lr": LR}[config.kind]
-    return cls(*args)
+    return cls(*args, dropout=config.dropout)

@@ -13,13 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
-    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between (and after the last if asked)."""
+def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between (and after the last if asked), each ReLU
+    followed by inverted dropout of rate ``dropout`` in training mode (Srivastava et al., JMLR 2014). A ReLU and
+    its dropout are one parameter-free module, so the state-dict keys do not depend on ``dropout``."""
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
         if i < len(sizes) - 2 or last_activation:
-            layers.append(nn.ReLU())
+            layers.append(nn.Sequential(nn.ReLU(), nn.Dropout(dropout)) if dropout else nn.ReLU())
     return nn.Sequential(*layers)
 
 
@@ -62,7 +64,9 @@ class LR(ModelBase):
 
     Args: num_dense F (the other arguments, as for every model, are ignored)."""
 
-    def __init__(self, num_slots: int, dim: int, num_dense: int, hidden, bottom, dense_mean=None, dense_std=None):
+    def __init__(
+        self, num_slots: int, dim: int, num_dense: int, hidden, bottom, dense_mean=None, dense_std=None, dropout=0.0
+    ):
         super().__init__(num_dense, dense_mean, dense_std)
         self.linear = nn.Linear(num_dense, 1) if num_dense else None
         self.bias = None if num_dense else nn.Parameter(torch.zeros(1))
@@ -77,7 +81,8 @@ class LR(ModelBase):
 class DNN(ModelBase):
     """concat(flatten(emb), bottom_mlp(dense)) -> MLP(hidden) -> logit (PERSIA's benchmark model shape).
 
-    Args: num_slots S, dim D, num_dense F, hidden (top MLP sizes), bottom (dense MLP sizes; [] = raw dense).
+    Args: num_slots S, dim D, num_dense F, hidden (top MLP sizes), bottom (dense MLP sizes; [] = raw dense),
+    dropout (rate after each hidden layer of the top MLP, training mode only).
     """
 
     def __init__(
@@ -89,10 +94,11 @@ class DNN(ModelBase):
         bottom: list[int],
         dense_mean=None,
         dense_std=None,
+        dropout: float = 0.0,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
         self.bottom, dense_out = bottom_mlp(num_dense, bottom)
-        self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False)
+        self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False, dropout=dropout)
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         # the top MLP's first layer on concat(flatten(emb), bottom(dense)), computed as the sum of its two column
@@ -111,7 +117,8 @@ class DNN(ModelBase):
 
 class DLRM(ModelBase):
     """DLRM (Naumov et al., arXiv:1906.00091, Sec. 2): bottom MLP maps dense features to dim D; the S+1 vectors
-    interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]."""
+    interact by pairwise dot products (upper triangle, no diagonal); the top MLP takes [bottom out, dots]. ``dropout``:
+    the rate after each hidden layer of the top MLP (training mode only)."""
 
     _iu_flat: torch.Tensor  # a buffer (register_buffer), typed for mypy
 
@@ -124,6 +131,7 @@ class DLRM(ModelBase):
         bottom: list[int],
         dense_mean=None,
         dense_std=None,
+        dropout: float = 0.0,
     ):
         super().__init__(num_dense, dense_mean, dense_std)
         if not num_dense:
@@ -134,7 +142,7 @@ class DLRM(ModelBase):
         # the upper triangle of each [n, n] dot-product matrix, as positions in its flattened n*n entries: a gather
         # by index_select, whose backward (index_add) is cheaper than that of two-index advanced indexing
         self.register_buffer("_iu_flat", iu[0] * n + iu[1], persistent=False)
-        self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False)
+        self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False, dropout=dropout)
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = self.bottom(self.normalize(dense))

@@ -124,6 +124,7 @@ def run_worker(
     schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
+    torch.manual_seed(tc.seed * 100_003 + rank)  # the dropout masks (model.dropout): distinct per rank, seeded
     opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0

@@ -1,0 +1,70 @@
+"""Dense-side regularization: dropout in the MLPs (``model.dropout``), against plain recomputations."""
+
+import pytest
+import torch
+
+from persia_core.config import ModelConfig, load_config
+from persia_core.embedding.warm_start import warm_start_differences
+from persia_core.models import build_model
+
+KINDS = ["dnn", "dlrm", "dcnv2", "deepfm"]
+
+
+def _model(kind: str, dropout: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], dropout=dropout), 3, 4, 2).double()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropout_changes_no_parameter_and_is_the_identity_in_eval_mode(kind):
+    # the same state-dict keys with and without dropout (a model saved by either loads into the other, and warm
+    # start does not see a changed model), and in eval mode the same function
+    plain, dropped = _model(kind, 0.0), _model(kind, 0.5)
+    assert list(plain.state_dict()) == list(dropped.state_dict())
+    dropped.load_state_dict(plain.state_dict())
+    emb, dense = torch.randn(6, 3, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    plain.eval(), dropped.eval()
+    torch.testing.assert_close(dropped(emb, dense), plain(emb, dense), rtol=0, atol=0)
+    dropped.train()
+    assert not torch.equal(dropped(emb, dense), plain(emb, dense))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_training_mode_dropout_zeroes_hidden_units_at_the_rate_and_scales_the_rest_by_one_over_keep(kind):
+    # inverted dropout after every hidden ReLU of the top/deep MLP: each unit is 0 or relu(x) / (1 - p)
+    p = 0.3
+    model = _model(kind, p).train()
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(d.p == p for d in drops)
+    assert len(drops) == 2  # one per hidden layer [32, 16], none in the bottom MLP or the cross layers
+    seen = []
+
+    def hook(module, args, out):
+        seen.append((args[0].detach(), out.detach()))
+
+    for d in drops:
+        d.register_forward_hook(hook)
+    model(torch.randn(4096, 3, 4, dtype=torch.float64), torch.randn(4096, 2, dtype=torch.float64))
+    for x, y in seen:
+        kept = y != 0
+        torch.testing.assert_close(y[kept], x[kept] / (1 - p), rtol=1e-12, atol=0)
+        live = x > 0
+        rate = 1 - (kept & live).sum().item() / live.sum().item()
+        assert abs(rate - p) < 0.02, rate
+
+
+def test_a_change_of_dropout_is_no_warm_start_difference_even_from_a_model_saved_without_the_key():
+    config = load_config("criteo")
+    old = config.to_dict()
+    del old["model"]["dropout"]
+    dense = list(config.layout.dense_columns)
+    assert warm_start_differences(old, dense, config.with_overrides({"model.dropout": 0.2}), dense) == []
+    changed = config.with_overrides({"model.hidden": [64]})
+    assert warm_start_differences(old, dense, changed, dense) == [f"model.hidden: {config.model.hidden!r} -> [64]"]
+
+
+def test_model_dropout_is_checked_naming_the_field():
+    with pytest.raises(ValueError, match="model.dropout"):
+        ModelConfig(dropout=1.0)
+    with pytest.raises(ValueError, match="model.dropout"):
+        ModelConfig(dropout=-0.1)
