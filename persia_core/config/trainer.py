@@ -34,6 +34,9 @@ class TrainerConfig:
     """NN workers (torch DDP ranks, gloo on CPU)."""
     dense_lr: float = 1e-3
     """Adam learning rate of the dense network."""
+    dense_weight_decay: float = 0.0
+    """Decoupled weight decay of the dense network's weight matrices (AdamW, Loshchilov & Hutter 2019; biases
+    are not decayed): each step multiplies them by ``1 - dense_lr * dense_weight_decay``. 0: plain Adam."""
     seed: int = 0
     """Seed of the dense initialization, shuffling, ID dropout and the rows' initial values."""
     shuffle: bool = True
@@ -102,6 +105,10 @@ class TrainerConfig:
             raise config_error("trainer.seed", "must be >= 0")
         if self.dense_lr <= 0:
             raise config_error("trainer.dense_lr", "must be > 0")
+        if not 0 <= self.dense_weight_decay * self.dense_lr < 1:
+            raise config_error(
+                "trainer.dense_weight_decay", "must be >= 0 with dense_lr * dense_weight_decay < 1 (the per-step shrink)"
+            )
         if not 0 < self.rpc_timeout_s <= 86400:  # gRPC refuses deadlines far beyond a day outright
             raise config_error("trainer.rpc_timeout_s", "must be in (0, 86400] seconds")
         if self.network_delay_s < 0 or self.network_bandwidth_bytes_per_s < 0:

@@ -1,7 +1,8 @@
 """Dense networks on top of pooled embeddings: a DNN, DLRM, DCNv2, DeepFM and logistic regression (``build_model``
-picks one; ``wide_logit`` is the wide table's term)."""
+picks one; ``wide_logit`` is the wide table's term) and their optimizer (``dense_optimizer``)."""
 
 from persia_core.models.cross import DCNv2, DeepFM, build_model
 from persia_core.models.dense import DLRM, DNN, LR, wide_logit
+from persia_core.models.optim import dense_optimizer
 
-__all__ = ["DNN", "DLRM", "LR", "DCNv2", "DeepFM", "build_model", "wide_logit"]
+__all__ = ["DNN", "DLRM", "LR", "DCNv2", "DeepFM", "build_model", "dense_optimizer", "wide_logit"]

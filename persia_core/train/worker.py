@@ -39,7 +39,7 @@ from persia_core.data.reader import count_rows, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts, wide_layout
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
-from persia_core.models import build_model
+from persia_core.models import build_model, dense_optimizer
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_HEADER
@@ -125,7 +125,7 @@ def run_worker(
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema).to(device)
     torch.manual_seed(tc.seed * 100_003 + rank)  # the dropout masks (model.dropout): distinct per rank, seeded
-    opt = torch.optim.Adam(model.parameters(), lr=tc.dense_lr, fused=True)  # one kernel for all parameters
+    opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True)  # one kernel for all parameters
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None

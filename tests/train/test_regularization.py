@@ -1,11 +1,12 @@
-"""Dense-side regularization: dropout in the MLPs (``model.dropout``), against plain recomputations."""
+"""Dense-side regularization: dropout in the MLPs (``model.dropout``) and decoupled weight decay
+(``trainer.dense_weight_decay``), against plain recomputations."""
 
 import pytest
 import torch
 
-from persia_core.config import ModelConfig, load_config
+from persia_core.config import ModelConfig, TrainerConfig, load_config
 from persia_core.embedding.warm_start import warm_start_differences
-from persia_core.models import build_model
+from persia_core.models import build_model, dense_optimizer
 
 KINDS = ["dnn", "dlrm", "dcnv2", "deepfm"]
 
@@ -63,8 +64,55 @@ def test_a_change_of_dropout_is_no_warm_start_difference_even_from_a_model_saved
     assert warm_start_differences(old, dense, changed, dense) == [f"model.hidden: {config.model.hidden!r} -> [64]"]
 
 
-def test_model_dropout_is_checked_naming_the_field():
+def test_model_dropout_and_dense_weight_decay_are_checked_naming_the_field():
     with pytest.raises(ValueError, match="model.dropout"):
         ModelConfig(dropout=1.0)
     with pytest.raises(ValueError, match="model.dropout"):
         ModelConfig(dropout=-0.1)
+    with pytest.raises(ValueError, match="trainer.dense_weight_decay"):
+        TrainerConfig(dense_weight_decay=-1.0)
+    with pytest.raises(ValueError, match="trainer.dense_weight_decay"):
+        TrainerConfig(dense_lr=0.1, dense_weight_decay=10.0)
+
+
+def test_dense_weight_decay_is_adamw_on_weight_matrices_recomputed_in_float64():
+    # Loshchilov & Hutter (ICLR 2019), Algorithm 2 with torch's placement of the decay before the Adam update:
+    #   w <- w * (1 - lr * wd);  m, v <- Adam moments;  w <- w - lr * m_hat / (sqrt(v_hat) + eps)
+    # on parameters of >= 2 dims; biases take the Adam update alone
+    lr, wd, eps, b1, b2 = 0.01, 0.5, 1e-8, 0.9, 0.999
+    model = _model("dnn", 0.0)
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    m = {n: torch.zeros_like(p) for n, p in ref.items()}
+    v = {n: torch.zeros_like(p) for n, p in ref.items()}
+    opt = dense_optimizer(model, lr, wd)
+    torch.manual_seed(1)
+    for t in range(1, 4):
+        emb, dense = torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        opt.zero_grad()
+        model(emb, dense).pow(2).mean().backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        for n, g in grads.items():
+            if ref[n].dim() >= 2:
+                ref[n] = ref[n] * (1 - lr * wd)
+            m[n] = b1 * m[n] + (1 - b1) * g
+            v[n] = b2 * v[n] + (1 - b2) * g * g
+            mh, vh = m[n] / (1 - b1**t), v[n] / (1 - b2**t)
+            ref[n] = ref[n] - lr * mh / (vh.sqrt() + eps)
+    decayed = 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref[n], rtol=1e-10, atol=1e-12)
+        decayed += p.dim() >= 2
+    assert decayed >= 3
+
+
+def test_no_weight_decay_is_plain_adam_and_decay_covers_every_parameter_once():
+    model = _model("dlrm", 0.0)
+    assert type(dense_optimizer(model, 1e-3)) is torch.optim.Adam
+    decayed = dense_optimizer(model, 1e-3, 0.1)
+    assert type(decayed) is torch.optim.AdamW
+    groups = [{id(p) for p in g["params"]} for g in decayed.param_groups]
+    assert [g["weight_decay"] for g in decayed.param_groups] == [0.1, 0.0]
+    assert groups[0].isdisjoint(groups[1])
+    assert groups[0] | groups[1] == {id(p) for p in model.parameters()}
+    assert all(p.dim() >= 2 for p in decayed.param_groups[0]["params"])
