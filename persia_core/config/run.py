@@ -73,6 +73,7 @@ class RunConfig:
         optimizer = OptimizerConfig(**{**dataclasses.asdict(first), "name": name})
         self.embedding.tables.append(TableConfig(name=WIDE_TABLE, dim=1, optimizer=optimizer, init_scale=0.0))
         self.embedding._check_budget()
+        self._implied_wide = True  # not a field: to_dict writes the table, with_overrides derives it again
 
     def table_slots(self, table: str) -> list[str]:
         """The slots whose feature IDs ``table`` holds, in config order: those naming it; the wide table's: every
@@ -100,5 +101,14 @@ class RunConfig:
         """A copy with dotted-key overrides applied; validated again. An item of a list of named sections
         (``embedding.tables``, ``slots``) is reached by its name or its index: ``{"trainer.epochs": 1,
         "embedding.tables.default.dim": 32, "embedding.tables[0].optimizer.lr": 0.05, "slots.user.id_dropout":
-        0.5}``. Raises ``ValueError`` naming the override and the unknown key or item."""
-        return RunConfig.from_dict(apply_overrides(self.to_dict(), overrides))
+        0.5}``. An implied wide table (``model.wide`` without one declared) is derived again after the overrides,
+        so it follows the first table's and goes with ``model.wide: false``, unless an override addresses it.
+        Raises ``ValueError`` naming the override and the unknown key or item."""
+        d = self.to_dict()
+        tables = d["embedding"]["tables"]
+        if getattr(self, "_implied_wide", False):
+            at = next(i for i, t in enumerate(tables) if t["name"] == WIDE_TABLE)
+            names = (f"embedding.tables.{WIDE_TABLE}", f"embedding.tables[{WIDE_TABLE}]", f"embedding.tables[{at}]")
+            if not any(k == "embedding.tables" or k.startswith(names) for k in overrides):
+                del tables[at]
+        return RunConfig.from_dict(apply_overrides(d, overrides))

@@ -58,6 +58,23 @@ def test_model_wide_adds_a_dim_1_table_starting_at_zero_and_the_name_is_reserved
     refused(slot_names_it, r"slots\[a\]\.table.*wide table")
 
 
+def test_overrides_of_the_first_table_reach_an_implied_wide_table_and_wide_can_be_turned_off():
+    # the wide table a config implies (not declared) follows the first table's optimizer through --set-style
+    # overrides, however many are applied; turning model.wide off drops it; one declared or addressed is kept
+    cfg = _wide_config(kind="dnn", optimizer="adagrad", lr=0.07)
+    lr = cfg.with_overrides({"trainer.seed": 1}).with_overrides({"embedding.tables[0].optimizer.lr": 0.2})
+    assert lr.embedding.table(WIDE_TABLE).optimizer.lr == 0.2
+    wd = cfg.with_overrides({"embedding.tables.default.optimizer.weight_decay": 0.01})
+    assert wd.embedding.table(WIDE_TABLE).optimizer.weight_decay == 0.01
+    off = cfg.with_overrides({"model.wide": False})
+    assert [t.name for t in off.embedding.tables] == ["default"]
+    own = cfg.with_overrides({"embedding.tables.wide.optimizer.lr": 0.5})
+    assert own.embedding.table(WIDE_TABLE).optimizer.lr == 0.5
+    assert own.with_overrides({"embedding.tables[0].optimizer.lr": 0.2}).embedding.table(WIDE_TABLE).optimizer.lr == 0.5
+    declared = RunConfig.from_dict(cfg.to_dict())  # a saved config declares it: it keeps its own settings
+    assert declared.with_overrides({"embedding.tables[0].optimizer.lr": 0.2}).embedding.table(WIDE_TABLE).optimizer.lr == 0.07
+
+
 def test_the_wide_table_gets_a_share_of_the_shard_holding_as_many_rows_as_the_deep_table():
     cfg = _wide_config(kind="dnn", optimizer="rowwise_adagrad").with_overrides(
         {"embedding.shard_memory_bytes": 1 << 26}
