@@ -36,6 +36,10 @@ class ModelConfig:
     """Dropout rate after each hidden layer of the top (DNN, DLRM, DeepFM) or deep (DCNv2) MLP, in training only
     (Srivastava et al., JMLR 2014); not in the bottom MLP, the cross layers or ``lr``. 0: off."""
 
+    bias_init: str = "base_rate"
+    """The logit's bias at the start of a run: ``base_rate``, the log-odds of the train split's fraction of
+    positives (the first predictions are the base rate, not 0.5), or ``zero``."""
+
     wide: bool = False
     """A first-order (wide) term for every model: the wide table (``embedding.tables`` ``wide``, added with dim 1,
     rows starting at 0 and the first table's optimizer settings, unless declared) holds one weight per feature ID
@@ -54,6 +58,8 @@ class ModelConfig:
             raise config_error("model.structure", f"must be 'stacked' or 'parallel', got {self.structure!r}")
         if any(h < 1 for h in self.hidden + self.bottom):
             raise config_error("model.hidden/bottom", "layer sizes must be >= 1")
+        if self.bias_init not in ("base_rate", "zero"):
+            raise config_error("model.bias_init", f"must be 'base_rate' or 'zero', got {self.bias_init!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise config_error("model.dropout", f"must be in [0, 1), got {self.dropout!r}")
         if self.kind == "lr" and not self.wide:

@@ -264,14 +264,21 @@ def open_shard(f: str) -> pq.ParquetFile:
     return pq.ParquetFile(f)
 
 
+def _read_column(files: list[str], column: str, dtype) -> np.ndarray:
+    parts = [open_shard(f).read(columns=[column]).column(column).to_numpy().astype(dtype, copy=False) for f in files]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
 def read_ts(files: list[str]) -> np.ndarray:
     """``int64[R]``: the timestamp column of the Parquet shards ``files``, in order (no other column is decoded).
     Raises ``FileNotFoundError`` naming a missing shard."""
-    parts = []
-    for f in files:
-        pf = open_shard(f)
-        parts.append(pf.read(columns=[S.TS]).column(S.TS).to_numpy().astype(np.int64, copy=False))
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return _read_column(files, S.TS, np.int64)
+
+
+def read_labels(files: list[str]) -> np.ndarray:
+    """``float32[R]``: the label column of the Parquet shards ``files``, in order (no other column is decoded).
+    Raises ``FileNotFoundError`` naming a missing shard."""
+    return _read_column(files, S.LABEL, np.float32)
 
 
 def validation_cutoff(data_dir: str, fraction: float) -> int:

@@ -88,8 +88,8 @@ def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
 def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
     """What the previous model's state depends on and this run changed (``key: before -> now``). A table added
     since (the wide table of ``model.wide``, or one no slot used before) is not a difference: it starts cold;
-    ``model.wide`` itself adds no dense weight, so turning it on is none either, nor is ``model.dropout`` (no weight
-    either; a model saved before the key existed had none)."""
+    ``model.wide`` itself adds no dense weight, so turning it on is none either, nor are ``model.dropout`` and
+    ``model.bias_init`` (no weight either, and a model saved before the keys existed had none)."""
     out = []
     old_tables = {t["name"]: t for t in old["embedding"]["tables"]}
     for t in config.embedding.tables:
@@ -114,7 +114,7 @@ def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense:
         if o is not None and slot(o) != slot(s):
             out.append(f"slots[{s['name']}]: {slot(o)} -> {slot(s)}")
     new_model = config.to_dict()["model"]
-    for k in sorted((set(old["model"]) | set(new_model)) - {"wide", "dropout"}):
+    for k in sorted((set(old["model"]) | set(new_model)) - {"wide", "dropout", "bias_init"}):
         if old["model"].get(k) != new_model.get(k):
             out.append(f"model.{k}: {old['model'].get(k)!r} -> {new_model.get(k)!r}")
     if list(old_dense) != list(dense):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from persia_core.config import ModelConfig
-from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, mlp
+from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, init_output_bias, mlp
 
 
 class CrossLayer(nn.Module):
@@ -65,6 +65,9 @@ class DCNv2(ModelBase):
         deep_out = hidden[-1] if hidden else d
         self.head = nn.Linear(deep_out + d if structure == "parallel" else deep_out, 1)
 
+    def output_bias(self) -> torch.Tensor:
+        return self.head.bias
+
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x0 = emb.flatten(1)
         if dense.shape[1]:
@@ -103,6 +106,9 @@ class DeepFM(ModelBase):
         self.deep = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False, dropout=dropout)
         self.linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
 
+    def output_bias(self) -> torch.Tensor:
+        return self.deep[-1].bias
+
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         s = emb.sum(dim=1)
         fm = 0.5 * (s * s - (emb * emb).sum(dim=1)).sum(dim=1)
@@ -117,14 +123,20 @@ class DeepFM(ModelBase):
 
 
 def build_model(
-    config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None
-) -> nn.Module:
+    config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None, base_rate=None
+) -> ModelBase:
     """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``, ``lr``; a wide table's
-    term, ``model.wide``, is added to its logits by the caller: ``dense.wide_logit``). Raises ``ValueError``
-    for an unusable combination (``ModelConfig.check_fits``)."""
+    term, ``model.wide``, is added to its logits by the caller: ``dense.wide_logit``), its logit's bias at the
+    log-odds of ``base_rate`` (the train split's fraction of positives) when given and ``config.bias_init`` is
+    ``base_rate``. Raises ``ValueError`` for an unusable combination (``ModelConfig.check_fits``)."""
     config.check_fits(num_slots, dim, num_dense)
     args = (num_slots, dim, num_dense, list(config.hidden), list(config.bottom), dense_mean, dense_std)
+    model: ModelBase
     if config.kind == "dcnv2":
-        return DCNv2(*args, config.cross_layers, config.cross_rank, config.structure, dropout=config.dropout)
-    cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM, "lr": LR}[config.kind]
-    return cls(*args, dropout=config.dropout)
+        model = DCNv2(*args, config.cross_layers, config.cross_rank, config.structure, dropout=config.dropout)
+    else:
+        cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM, "lr": LR}[config.kind]
+        model = cls(*args, dropout=config.dropout)
+    if base_rate is not None and config.bias_init == "base_rate":
+        init_output_bias(model, base_rate)
+    return model

@@ -8,6 +8,8 @@ mean/std from the preprocess statistics, kept as buffers so a saved model carrie
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +53,19 @@ class ModelBase(nn.Module):
     def normalize(self, dense: torch.Tensor) -> torch.Tensor:
         return (dense - self.dense_mean) / self.dense_std
 
+    def output_bias(self) -> torch.Tensor:
+        """The bias of the logit (``float32[1]``): the last layer's, which every model has."""
+        raise NotImplementedError
+
+
+def init_output_bias(model: ModelBase, base_rate: float) -> None:
+    """Start the logit's bias at the log-odds of the train split's base rate ``base_rate`` (the fraction of
+    positive labels), so that the first predictions are the base rate rather than 0.5: the loss does not spend
+    its first steps (all of them, on a small sample) learning the mean. A rate of 0 or 1 leaves it alone."""
+    if 0.0 < base_rate < 1.0:
+        with torch.no_grad():
+            model.output_bias().fill_(math.log(base_rate / (1.0 - base_rate)))
+
 
 def wide_logit(wide: torch.Tensor) -> torch.Tensor:
     """The wide (first-order) term of the logit, added to the dense model's: ``wide: float32[B, S, 1]`` (a sample's
@@ -70,6 +85,12 @@ class LR(ModelBase):
         super().__init__(num_dense, dense_mean, dense_std)
         self.linear = nn.Linear(num_dense, 1) if num_dense else None
         self.bias = None if num_dense else nn.Parameter(torch.zeros(1))
+
+    def output_bias(self) -> torch.Tensor:
+        if self.linear is not None:
+            return self.linear.bias
+        assert self.bias is not None
+        return self.bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         if self.linear is not None:
@@ -99,6 +120,9 @@ class DNN(ModelBase):
         super().__init__(num_dense, dense_mean, dense_std)
         self.bottom, dense_out = bottom_mlp(num_dense, bottom)
         self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False, dropout=dropout)
+
+    def output_bias(self) -> torch.Tensor:
+        return self.top[-1].bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         # the top MLP's first layer on concat(flatten(emb), bottom(dense)), computed as the sum of its two column
@@ -143,6 +167,9 @@ class DLRM(ModelBase):
         # by index_select, whose backward (index_add) is cheaper than that of two-index advanced indexing
         self.register_buffer("_iu_flat", iu[0] * n + iu[1], persistent=False)
         self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False, dropout=dropout)
+
+    def output_bias(self) -> torch.Tensor:
+        return self.top[-1].bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = self.bottom(self.normalize(dense))

@@ -28,6 +28,7 @@ import uuid
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -35,7 +36,7 @@ from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.allocator import keep_freed_memory
 from persia_core.config import RunConfig, load_config
-from persia_core.data.reader import count_rows, read_schema, shard_files
+from persia_core.data.reader import read_labels, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts, wide_layout
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
@@ -73,8 +74,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
-    """The dense model for a run, seeded by ``trainer.seed`` (identical on every rank)."""
+def build_dense(config: RunConfig, schema: dict, base_rate: float | None = None) -> torch.nn.Module:
+    """The dense model for a run, seeded by ``trainer.seed`` (identical on every rank); its logit's bias at the
+    log-odds of ``base_rate`` (the train rows' fraction of positives) where given (``model.bias_init``)."""
     torch.manual_seed(config.trainer.seed)
     layouts = table_layouts(config)
     return build_model(
@@ -84,6 +86,7 @@ def build_dense(config: RunConfig, schema: dict) -> torch.nn.Module:
         len(schema["dense"]),
         schema.get("dense_mean"),
         schema.get("dense_std"),
+        base_rate,
     )
 
 
@@ -114,16 +117,19 @@ def run_worker(
     # embedding workers on other hosts read this rank's rows themselves: here only their count is needed (and,
     # with epochs: auto, this rank's validation rows, which it scores itself)
     examples, validation = (None, None) if remote and not tc.auto_epochs else rank_split(config, data_dir, rank, world)
-    counts = [count_rows(shard_files(data_dir, "train")[rank::world]) if examples is None else len(examples)]
+    labels = read_labels(shard_files(data_dir, "train")[rank::world]) if examples is None else examples.labels
+    mine = (len(labels), float(labels.sum(dtype=np.float64)))  # rows, positives: the base rate of the output bias
     if remote:
         examples = None
+    gathered: list[Any] = [mine]
     if world > 1:
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, counts[0])
-        counts = [int(c) for c in gathered]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+    counts = [int(c) for c, _ in gathered]
+    base_rate = sum(p for _, p in gathered) / max(sum(counts), 1)
     schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
-    model = build_dense(config, schema).to(device)
+    model = build_dense(config, schema, base_rate).to(device)
     torch.manual_seed(tc.seed * 100_003 + rank)  # the dropout masks (model.dropout): distinct per rank, seeded
     opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True)  # one kernel for all parameters
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}

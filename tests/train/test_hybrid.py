@@ -177,7 +177,8 @@ def test_two_workers_k0_equal_one_worker_on_the_concatenated_batches(tmp_path):
     rows = [np.concatenate([sched.rows[0][t], len(ex[0]) + sched.rows[1][t]]) for t in range(len(sched.global_batch))]
     from persia_core.data.reader import read_schema
 
-    model = build_dense(cfg, read_schema(data))
+    # the output bias starts at the log-odds of the positives of both ranks' rows together (unequal shards)
+    model = build_dense(cfg, read_schema(data), float(both.labels.astype(np.float64).mean()))
     opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr)
     ref = LocalEmbedding(cfg.embedding, 1)
     layouts = table_layouts(cfg)

@@ -1,6 +1,8 @@
 """Dense-side regularization: dropout in the MLPs (``model.dropout``) and decoupled weight decay
 (``trainer.dense_weight_decay``), against plain recomputations."""
 
+import math
+
 import pytest
 import torch
 
@@ -116,3 +118,27 @@ def test_no_weight_decay_is_plain_adam_and_decay_covers_every_parameter_once():
     assert groups[0].isdisjoint(groups[1])
     assert groups[0] | groups[1] == {id(p) for p in model.parameters()}
     assert all(p.dim() >= 2 for p in decayed.param_groups[0]["params"])
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "lr"])
+def test_the_output_bias_shifts_every_logit_by_itself_and_starts_at_the_base_rate_log_odds(kind):
+    # output_bias() is the logit's bias: adding delta to it adds exactly delta to every logit; build_model with a
+    # base rate starts it at log(p / (1 - p)), and with bias_init: zero leaves the default initialization
+    cfg = ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr")
+    torch.manual_seed(0)
+    model = build_model(cfg, 3, 4, 2, base_rate=0.2).double()
+    assert model.output_bias().item() == pytest.approx(math.log(0.2 / 0.8), rel=1e-7)
+    emb, dense = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    before = model(emb, dense)
+    with torch.no_grad():
+        model.output_bias().add_(0.75)
+    torch.testing.assert_close(model(emb, dense), before + 0.75, rtol=0, atol=1e-12)
+    torch.manual_seed(0)
+    zero = build_model(ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr", bias_init="zero"),
+                       3, 4, 2, base_rate=0.2)
+    torch.manual_seed(0)
+    default = build_model(ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr"), 3, 4, 2)
+    for a, b in zip(zero.state_dict().values(), default.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="model.bias_init"):
+        ModelConfig(bias_init="mean")

@@ -94,12 +94,12 @@ def test_the_wide_table_gets_a_share_of_the_shard_holding_as_many_rows_as_the_de
 
 
 def _plain_torch_lr(cfg: RunConfig, data: str, steps_rows: list[np.ndarray], global_batch: list[int]):
-    """The reference: the same dense LR part (same seed), every feature ID's weight a float64 zero-started entry
-    of one tensor, ``torch.optim.Adagrad`` on those, Adam on the dense part; the loss of each step as the trainer
-    scales it."""
+    """The reference: the same dense LR part (same seed, its bias at the log-odds of the train labels' mean),
+    every feature ID's weight a float64 zero-started entry of one tensor, ``torch.optim.Adagrad`` on those, Adam
+    on the dense part; the loss of each step as the trainer scales it."""
     examples = ParquetExamples(shard_files(data, "train"), cfg.slot_names)
     schema = json.load(open(f"{data}/schema.json"))
-    dense = build_dense(cfg, schema).double()
+    dense = build_dense(cfg, schema, float(examples.labels.astype(np.float64).mean())).double()
     opt = torch.optim.Adam(dense.parameters(), lr=cfg.trainer.dense_lr)
     all_ids = np.unique(examples.batch(np.arange(len(examples))).ids.values)
     w = torch.zeros(len(all_ids), dtype=torch.float64, requires_grad=True)
