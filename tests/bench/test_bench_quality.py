@@ -1,0 +1,48 @@
+"""Smoke test of ``make bench-quality`` at a tiny size: its lines carry every field, on data cut as it says."""
+
+import csv
+import json
+
+import pytest
+
+from persia_core.bench import quality
+
+
+def test_movielens_subset_keeps_the_first_ratings_by_timestamp_and_the_other_files(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = [["userId", "movieId", "rating", "timestamp"], ["1", "5", "4.0", "30"], ["2", "6", "3.0", "10"],
+            ["3", "7", "2.0", "20"], ["4", "8", "5.0", "10"]]
+    with open(src / "ratings.csv", "w", newline="") as f:
+        csv.writer(f, lineterminator="\n").writerows(rows)
+    (src / "movies.csv").write_text("movieId,title,genres\n5,A (1990),Drama\n")
+    out = quality.movielens_subset(str(src), str(tmp_path / "out"), 3)
+    with open(f"{out}/ratings.csv", newline="") as f:
+        got = list(csv.reader(f))
+    assert got == [rows[0], rows[2], rows[4], rows[3]]  # by timestamp, ties in file order
+    assert (tmp_path / "out" / "movies.csv").read_text() == (src / "movies.csv").read_text()
+
+
+@pytest.mark.processes
+def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_reference(tmp_path, capsys):
+    out = tmp_path / "lines.jsonl"
+    args = ["--movielens-sizes", "4000", "--criteo-sizes", "3000", "--eval-rows", "2000", "--seeds", "1",
+            "--models", "movielens,criteo,criteo_before", "--work", str(tmp_path / "w"), "--out", str(out)]
+    assert quality.main(args) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert lines == [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["dataset"], x["size"], x["model"], x["default"]) for x in lines] == [
+        ("movielens", 4000, "movielens", True),
+        ("criteo_synth", 3000, "criteo", True),
+        ("criteo_synth", 3000, "criteo_before", False),
+    ]
+    for x in lines:
+        assert x["seeds"] == 1 and len(x["epochs_kept"]) == 1 and x["auc_std"] == 0
+        assert 0.5 < x["auc"] < 1 and 0 < x["logloss"] < 1
+        assert 0.5 < x["lr_auc"] < 1 and 0 < x["lr_logloss"] < 1
+        assert x["auc_lift"] == pytest.approx(x["auc"] - x["lr_auc"], abs=2e-5)
+        assert x["beats_lr"] == (x["auc"] >= x["lr_auc"] and x["logloss"] <= x["lr_logloss"])
+    assert lines[0]["train_rows"] < 4000 and "planted_auc" not in lines[0]
+    assert lines[1]["train_rows"] == 3000 and 0.8 < lines[1]["planted_auc"] < 0.95
+    assert lines[1]["lr_auc"] == lines[2]["lr_auc"]  # one reference per dataset and size
+    assert lines[2]["epochs_kept"] == [1]  # the pre-issue config: one fixed epoch
