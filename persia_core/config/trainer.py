@@ -107,7 +107,8 @@ class TrainerConfig:
             raise config_error("trainer.dense_lr", "must be > 0")
         if not 0 <= self.dense_weight_decay * self.dense_lr < 1:
             raise config_error(
-                "trainer.dense_weight_decay", "must be >= 0 with dense_lr * dense_weight_decay < 1 (the per-step shrink)"
+                "trainer.dense_weight_decay",
+                "must be >= 0 with dense_lr * dense_weight_decay < 1 (the per-step shrink)",
             )
         if not 0 < self.rpc_timeout_s <= 86400:  # gRPC refuses deadlines far beyond a day outright
             raise config_error("trainer.rpc_timeout_s", "must be in (0, 86400] seconds")

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 
-def dense_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, fused: bool = False) -> torch.optim.Optimizer:
+def dense_optimizer(
+    model: nn.Module, lr: float, weight_decay: float = 0.0, fused: bool = False
+) -> torch.optim.Optimizer:
     """Adam on every parameter of ``model`` at learning rate ``lr``; with ``weight_decay > 0``, AdamW's decoupled
     decay (Loshchilov & Hutter, ICLR 2019: ``w -= lr * weight_decay * w`` each step, outside the adaptive
     scaling) on the weight matrices and kernels (parameters of 2 or more dimensions), none on biases. Both keep

@@ -11,8 +11,13 @@ from persia_core.bench import quality
 def test_movielens_subset_keeps_the_first_ratings_by_timestamp_and_the_other_files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    rows = [["userId", "movieId", "rating", "timestamp"], ["1", "5", "4.0", "30"], ["2", "6", "3.0", "10"],
-            ["3", "7", "2.0", "20"], ["4", "8", "5.0", "10"]]
+    rows = [
+        ["userId", "movieId", "rating", "timestamp"],
+        ["1", "5", "4.0", "30"],
+        ["2", "6", "3.0", "10"],
+        ["3", "7", "2.0", "20"],
+        ["4", "8", "5.0", "10"],
+    ]
     with open(src / "ratings.csv", "w", newline="") as f:
         csv.writer(f, lineterminator="\n").writerows(rows)
     (src / "movies.csv").write_text("movieId,title,genres\n5,A (1990),Drama\n")
@@ -26,8 +31,22 @@ def test_movielens_subset_keeps_the_first_ratings_by_timestamp_and_the_other_fil
 @pytest.mark.processes
 def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_reference(tmp_path, capsys):
     out = tmp_path / "lines.jsonl"
-    args = ["--movielens-sizes", "4000", "--criteo-sizes", "3000", "--eval-rows", "2000", "--seeds", "1",
-            "--models", "movielens,criteo,criteo_before", "--work", str(tmp_path / "w"), "--out", str(out)]
+    args = [
+        "--movielens-sizes",
+        "4000",
+        "--criteo-sizes",
+        "3000",
+        "--eval-rows",
+        "2000",
+        "--seeds",
+        "1",
+        "--models",
+        "movielens,criteo,criteo_before",
+        "--work",
+        str(tmp_path / "w"),
+        "--out",
+        str(out),
+    ]
     assert quality.main(args) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert lines == [json.loads(x) for x in out.read_text().splitlines()]

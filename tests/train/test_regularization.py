@@ -134,8 +134,9 @@ def test_the_output_bias_shifts_every_logit_by_itself_and_starts_at_the_base_rat
         model.output_bias().add_(0.75)
     torch.testing.assert_close(model(emb, dense), before + 0.75, rtol=0, atol=1e-12)
     torch.manual_seed(0)
-    zero = build_model(ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr", bias_init="zero"),
-                       3, 4, 2, base_rate=0.2)
+    zero = build_model(
+        ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr", bias_init="zero"), 3, 4, 2, base_rate=0.2
+    )
     torch.manual_seed(0)
     default = build_model(ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=kind == "lr"), 3, 4, 2)
     for a, b in zip(zero.state_dict().values(), default.state_dict().values(), strict=True):

@@ -70,9 +70,10 @@ def test_overrides_of_the_first_table_reach_an_implied_wide_table_and_wide_can_b
     assert [t.name for t in off.embedding.tables] == ["default"]
     own = cfg.with_overrides({"embedding.tables.wide.optimizer.lr": 0.5})
     assert own.embedding.table(WIDE_TABLE).optimizer.lr == 0.5
-    assert own.with_overrides({"embedding.tables[0].optimizer.lr": 0.2}).embedding.table(WIDE_TABLE).optimizer.lr == 0.5
+    first_lr = {"embedding.tables[0].optimizer.lr": 0.2}
+    assert own.with_overrides(first_lr).embedding.table(WIDE_TABLE).optimizer.lr == 0.5
     declared = RunConfig.from_dict(cfg.to_dict())  # a saved config declares it: it keeps its own settings
-    assert declared.with_overrides({"embedding.tables[0].optimizer.lr": 0.2}).embedding.table(WIDE_TABLE).optimizer.lr == 0.07
+    assert declared.with_overrides(first_lr).embedding.table(WIDE_TABLE).optimizer.lr == 0.07
 
 
 def test_the_wide_table_gets_a_share_of_the_shard_holding_as_many_rows_as_the_deep_table():
