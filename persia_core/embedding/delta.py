@@ -15,11 +15,19 @@ number of the last delta exported before it (``delta_seq``); the current table i
 delta applied in order (``apply_deltas``, ``deltas_after``). A shard restarted from a checkpoint continues the
 numbering from the checkpoint's ``delta_seq`` and removes the deltas of the lost run after it.
 
+A shard that loads an earlier dump while exporting (``epochs: auto`` putting the best epoch's model back) marks the
+deltas numbered after the dump's ``delta_seq`` *superseded* in ``<delta_dir>/shard-SSSSS/superseded.json``
+(``{"superseded": [[first, last], ...]}``): they hold rows of a discarded model, and ``deltas_after`` (so
+``load_with_deltas``) skips them. It then writes a *rollback* delta at once: the loaded rows of every ID those
+deltas or the unexported changes touched, with ``live_keys``, so a consumer that had already applied the
+superseded deltas (online serving, as they came) is back at the loaded state after applying it.
+
 The table itself is not changed: the IDs are recorded in the server's lookup and push paths.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -35,6 +43,7 @@ from persia_core.embedding.shard_tables import lru_state_dict
 from persia_core.embedding.table import EmbeddingTable
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
+SUPERSEDED_FILE = "superseded.json"
 log = logging.getLogger("persia.delta")
 
 
@@ -64,9 +73,40 @@ def list_deltas(delta_dir: str, shard: int) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _superseded_path(delta_dir: str, shard: int) -> str:
+    return io.join(delta_dir, f"shard-{shard:05d}", SUPERSEDED_FILE)
+
+
+def _superseded_ranges(delta_dir: str, shard: int) -> list[list[int]]:
+    path = _superseded_path(delta_dir, shard)
+    if not io.exists(path):
+        return []
+    try:
+        ranges = json.loads(io.read_text(path))["superseded"]
+        return [[int(a), int(b)] for a, b in ranges]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a list of superseded delta ranges ({e})") from e
+
+
+def _write_superseded(delta_dir: str, shard: int, ranges: list[list[int]]) -> None:
+    path = _superseded_path(delta_dir, shard)
+    if ranges:
+        io.write_text(path, json.dumps({"superseded": ranges}))
+    elif io.exists(path):
+        io.remove(path)
+
+
+def superseded_deltas(delta_dir: str, shard: int) -> set[int]:
+    """The numbers of a shard's deltas marked superseded (rows of a model its shard later replaced by an earlier
+    dump). Raises ``ValueError`` naming a malformed ``superseded.json``."""
+    return {seq for a, b in _superseded_ranges(delta_dir, shard) for seq in range(a, b + 1)}
+
+
 def deltas_after(delta_dir: str, shard: int, delta_seq: int) -> list[str]:
-    """Paths of a shard's deltas numbered above ``delta_seq`` (the ``delta_seq`` of a full dump), in order."""
-    return [p for seq, p in list_deltas(delta_dir, shard) if seq > delta_seq]
+    """Paths of a shard's deltas numbered above ``delta_seq`` (the ``delta_seq`` of a full dump), in order,
+    superseded ones left out."""
+    gone = superseded_deltas(delta_dir, shard)
+    return [p for seq, p in list_deltas(delta_dir, shard) if seq > delta_seq and seq not in gone]
 
 
 class DeltaTracker:
@@ -78,6 +118,7 @@ class DeltaTracker:
         self.pending: dict[str, list[np.ndarray]] = {name: [] for name in tables}
         self.counts = {name: 0 for name in tables}
         self.evictions = {name: self._evictions(name) for name in tables}
+        self.force_live_keys = False  # the next take reports every table as evicted (its delta lists live keys)
 
     def _evictions(self, name: str) -> int:
         return int(self.tables[name].counters[1])
@@ -102,8 +143,9 @@ class DeltaTracker:
             evicted = {}
             for name in self.tables:
                 now = self._evictions(name)
-                evicted[name] = now != self.evictions[name]
+                evicted[name] = now != self.evictions[name] or self.force_live_keys
                 self.evictions[name] = now
+            self.force_live_keys = False
         ids = {n: sorted_unique(np.concatenate(p)) if p else np.zeros(0, np.uint64) for n, p in pending.items()}
         return ids, evicted
 
@@ -163,32 +205,55 @@ class DeltaExporter:
                     io.remove(path)
                 else:
                     os.remove(path)
+        ranges = _superseded_ranges(delta_dir, shard)
+        kept = [[a, min(b, self.seq)] for a, b in ranges if a <= self.seq]
+        if kept != ranges:
+            _write_superseded(delta_dir, shard, kept)
 
     def export(self) -> str | None:
         """Write the rows changed since the last export as the next delta file. Returns its path, or None when
         nothing changed."""
         with self.export_lock:
-            if self.lock is not None:
-                with self.lock:
-                    ids, evicted = self.tracker.take()
-                    tables = {
-                        n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]
-                    }
-            else:
-                ids, evicted = self.tracker.take()
-                tables = {
-                    n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]
-                }
-            now = time.time()
-            if not tables:
-                self.since = now
-                return None
-            self.seq += 1
-            path = delta_path(self.delta_dir, self.shard, self.seq)
-            server = {"delta": {"seq": self.seq, "since": self.since, "at": now, "shard": self.shard}}
-            write_shard_arrays(path, tables, server, fsync=False)
+            return self._export()
+
+    def supersede_after(self, loaded_seq: int) -> str | None:
+        """The shard's tables were just replaced by a dump whose ``delta_seq`` is ``loaded_seq``: mark the deltas
+        numbered after it superseded and write the rollback delta (module docstring). Returns its path."""
+        with self.export_lock:
+            self.seq = max(self.seq, loaded_seq)  # a later dump than any delta: number on after it
+            if self.seq > loaded_seq:
+                gone = superseded_deltas(self.delta_dir, self.shard)
+                for seq, path in list_deltas(self.delta_dir, self.shard):
+                    if loaded_seq < seq <= self.seq and seq not in gone:
+                        for name, ta in read_shard_file(path, build_index=False).tables.items():
+                            if name in self.tables:
+                                self.tracker.record(name, ta.arrays["keys"])
+                ranges = _superseded_ranges(self.delta_dir, self.shard)
+                _write_superseded(self.delta_dir, self.shard, [*ranges, [loaded_seq + 1, self.seq]])
+                log.info("deltas %d..%d superseded (loaded a dump of delta %d)", loaded_seq + 1, self.seq, loaded_seq)
+            self.tracker.force_live_keys = True
+            return self._export()
+
+    def _export(self) -> str | None:
+        def collect() -> dict[str, TableArrays]:
+            ids, evicted = self.tracker.take()
+            return {n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]}
+
+        if self.lock is not None:
+            with self.lock:
+                tables = collect()
+        else:
+            tables = collect()
+        now = time.time()
+        if not tables:
             self.since = now
-            return path
+            return None
+        self.seq += 1
+        path = delta_path(self.delta_dir, self.shard, self.seq)
+        server = {"delta": {"seq": self.seq, "since": self.since, "at": now, "shard": self.shard}}
+        write_shard_arrays(path, tables, server, fsync=False)
+        self.since = now
+        return path
 
     def start(self) -> None:
         """Export every ``every_s`` seconds until ``stop``."""

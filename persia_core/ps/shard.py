@@ -269,6 +269,10 @@ class ParameterServerShard:
         with self.cond:
             restore_shard_contents(contents, self.tables, path)
             self.restore_server_state(contents.server)
+        if self.exporter is not None:  # the deltas after the loaded state are superseded (embedding.delta)
+            server = contents.server or {}
+            same = server.get("shard") == self.shard and server.get("num_shards") == self.num_shards
+            self.exporter.supersede_after(int(server.get("delta_seq", 0)) if same else 0)
 
 
 def warm_up(config: RunConfig) -> None:

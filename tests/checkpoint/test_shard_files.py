@@ -10,7 +10,14 @@ from persia_core.config import OptimizerConfig
 from persia_core.embedding import shard_file as F
 from persia_core.embedding import shard_tables as T
 from persia_core.embedding.checksums import file_crc32c
-from persia_core.embedding.delta import load_with_deltas
+from persia_core.embedding.delta import (
+    apply_deltas,
+    delta_path,
+    deltas_after,
+    list_deltas,
+    load_with_deltas,
+    superseded_deltas,
+)
 from persia_core.embedding.reshard import reshard
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.hashing import shard_of
@@ -182,6 +189,68 @@ def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path)
         got = by_key(load_with_deltas(base, deltas, 0)["default"])
         for k in current:
             np.testing.assert_array_equal(got[k], current[k], err_msg=f"{base} {k}")
+
+
+def test_loading_an_earlier_dump_marks_the_later_deltas_superseded_and_exports_a_rollback(tmp_path):
+    # epochs: auto loads the best epoch's dump back into the servers at the end: the deltas written after that
+    # dump hold rows of a discarded model. They are marked superseded (load_with_deltas skips them), and a
+    # rollback delta holds the loaded rows of every ID changed since plus the live keys, so a consumer that
+    # already applied every delta in order (online serving) also ends at the loaded state
+    cfg = tiny_config()
+    shard = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
+    deltas = str(tmp_path / "deltas")
+    shard.start_deltas(deltas, every_s=0)
+    rng = np.random.default_rng(1)
+    seq = [0]
+
+    def train_a_bit(n_ids: int, hi: int) -> None:
+        ids = np.unique(rng.integers(0, hi, n_ids).astype(np.uint64))
+        shard.lookup("default", ids)
+        seq[0] += 1
+        meta = {"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0}
+        shard.push(meta, ids, rng.normal(size=(len(ids), 4)).astype(np.float32), None)
+
+    def by_key(sd: dict) -> dict:
+        o = np.argsort(sd["keys"])
+        return {k: sd[k][o] for k in ("keys", "weights", "acc")}
+
+    base = str(tmp_path / "base.npz")
+    shard.dump(base)  # delta_seq 0
+    train_a_bit(300, 1000)
+    assert shard.export_delta().endswith("delta-00000001.npz")
+    train_a_bit(300, 1000)  # changes not exported yet when the best dump is taken
+    best = str(tmp_path / "best.npz")
+    shard.dump(best)  # delta_seq 1
+    kept = by_key(shard.tables["default"].state_dict())
+    train_a_bit(300, 2000)  # the discarded epochs: new IDs too
+    assert shard.export_delta().endswith("delta-00000002.npz")
+    train_a_bit(300, 2000)
+    assert shard.export_delta().endswith("delta-00000003.npz")
+    train_a_bit(300, 2000)  # pending at the load
+    shard.load(best)
+    assert by_key(shard.tables["default"].state_dict())["keys"].tolist() == kept["keys"].tolist()
+    assert superseded_deltas(deltas, 0) == {2, 3}
+    assert [seq for seq, _ in list_deltas(deltas, 0)] == [1, 2, 3, 4]  # 4: the rollback
+    assert deltas_after(deltas, 0, 1) == [delta_path(deltas, 0, 4)]
+    for start in (base, best):  # a full dump and the deltas after it, superseded ones skipped
+        got = by_key(load_with_deltas(start, deltas, 0)["default"])
+        for k in kept:
+            np.testing.assert_array_equal(got[k], kept[k], err_msg=f"{start} {k}")
+    contents = F.read_shard_file(base, build_index=False)
+    online = apply_deltas(
+        {n: T.lru_state_dict(ta) for n, ta in contents.tables.items()}, [p for _, p in list_deltas(deltas, 0)]
+    )
+    got = by_key(online["default"])
+    for k in kept:
+        np.testing.assert_array_equal(got[k], kept[k], err_msg=f"every delta in order: {k}")
+    # training goes on from the loaded state: the next delta follows the rollback
+    train_a_bit(100, 1000)
+    assert shard.export_delta().endswith("delta-00000005.npz")
+    # a shard restarted from the base dump (delta_seq 0) removes every later delta and the marks with them
+    again = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
+    again.load(base)
+    again.start_deltas(deltas, every_s=0)
+    assert list_deltas(deltas, 0) == [] and superseded_deltas(deltas, 0) == set()
 
 
 def test_delta_export_runs_every_t_seconds_on_its_own(tmp_path):
