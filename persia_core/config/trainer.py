@@ -91,12 +91,6 @@ class TrainerConfig:
             raise config_error("trainer.epochs", "must be >= 1 (or 'auto')")
         if not 0 < self.validation_fraction <= 0.5:
             raise config_error("trainer.validation_fraction", "must be in (0, 0.5]")
-        if self.auto_epochs and self.delta_every_s > 0:
-            raise config_error(
-                "trainer.delta_every_s",
-                "incremental exports are not written with epochs: auto yet (rows of epochs after the kept one would "
-                "be served); use a fixed number of epochs or delta_every_s: 0",
-            )
         if self.embedding_workers < 0:
             raise config_error("trainer.embedding_workers", "must be >= 0 (0: automatic)")
         if self.embedding_staleness < 0:

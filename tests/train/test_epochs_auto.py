@@ -12,7 +12,9 @@ from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_ts, shard_files, validation_cutoff
-from persia_core.embedding.shard_tables import load_shard_file, make_tables
+from persia_core.embedding.delta import apply_deltas, list_deltas, load_with_deltas, superseded_deltas
+from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_tables import load_shard_file, lru_state_dict, make_tables
 from persia_core.train.launcher import train
 from persia_core.train.validation import EarlyStopping
 
@@ -27,15 +29,13 @@ def _auto(max_epochs: int, **over) -> RunConfig:
     return RunConfig.from_dict(d)
 
 
-def test_epochs_takes_auto_and_refuses_other_words_and_auto_with_incremental_exports():
+def test_epochs_takes_auto_and_refuses_other_words():
     assert _auto(5).trainer.scheduled_epochs == 5 and _auto(5).trainer.auto_epochs
     assert tiny_config(epochs=3).trainer.scheduled_epochs == 3 and not tiny_config(epochs=3).trainer.auto_epochs
     with pytest.raises(ValueError, match=r"trainer.epochs.*'auto', got 'often'"):
         tiny_config(epochs="often")
     with pytest.raises(ValueError, match=r"trainer.epochs.*>= 1"):
         tiny_config(epochs=0)
-    with pytest.raises(ValueError, match=r"trainer.delta_every_s.*epochs: auto"):
-        _auto(5, delta_every_s=1.0)
     with pytest.raises(ValueError, match=r"trainer.validation_fraction"):
         _auto(5, validation_fraction=0.0)
 
@@ -113,6 +113,36 @@ def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_mo
     ref = str(root / "ref")
     ref_manifest = train(_auto(best), data, ref, work_dir=str(root / "ref-work"))
     _same_model(cfg, model, auto_run["manifest"], ref, ref_manifest)
+
+
+@pytest.mark.processes
+def test_deltas_after_the_kept_epoch_are_superseded_and_every_delta_in_order_ends_at_the_kept_model(tmp_path):
+    # incremental exports while epochs: auto trains past its best epoch: a consumer applying every delta as it
+    # came (online serving) ends at the Model's rows, as does one starting from the Model's shard files
+    data = write_dataset(str(tmp_path / "data"), rows=256)
+    cfg = _auto(8, delta_every_s=0.02)
+    model, deltas = str(tmp_path / "model"), str(tmp_path / "deltas")
+    manifest = train(cfg, data, model, work_dir=str(tmp_path / "work"), delta_dir=deltas)
+    hist = json.load(open(os.path.join(model, "train_metrics.json")))
+    assert hist["stopped_early"] and hist["best_epoch"] < len(hist["validation"])
+    kept = _tables(cfg, model, manifest)
+    superseded, rows = 0, {}
+    for s, rel in enumerate(manifest["shard_files"]):
+        superseded += len(superseded_deltas(deltas, s))
+        contents = read_shard_file(os.path.join(model, rel), build_index=False)
+        empty = {n: {k: v[:0] for k, v in lru_state_dict(ta).items()} for n, ta in contents.tables.items()}
+        for name, state in (
+            ("every delta in order", apply_deltas(empty, [p for _, p in list_deltas(deltas, s)])),
+            ("the Model and the deltas after it", load_with_deltas(os.path.join(model, rel), deltas, s)),
+        ):
+            for table, sd in state.items():
+                rows[name, table] = rows.get((name, table), 0) + len(sd["keys"])
+                o = np.argsort(sd["keys"])
+                mine = np.isin(kept[table]["keys"], sd["keys"])
+                for k in kept[table]:
+                    np.testing.assert_array_equal(sd[k][o], kept[table][k][mine], err_msg=f"{name}: {table}.{k}")
+    assert rows == {(n, t): len(kept[t]["keys"]) for n, t in rows} and len(rows) == 4  # no row missing
+    assert superseded > 0  # deltas were written after the kept epoch, and marked
 
 
 def _server_pids(work: str) -> list[int]:
