@@ -65,3 +65,16 @@ def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_re
     assert lines[1]["train_rows"] == 3000 and 0.8 < lines[1]["planted_auc"] < 0.95
     assert lines[1]["lr_auc"] == lines[2]["lr_auc"]  # one reference per dataset and size
     assert lines[2]["epochs_kept"] == [1]  # the pre-issue config: one fixed epoch
+
+
+@pytest.mark.processes
+def test_bench_staleness_reports_both_ks_and_their_gap_per_model(tmp_path, capsys):
+    from persia_core.bench import staleness_auc
+
+    args = ["--models", "deepfm", "--samples", "3000", "--eval-rows", "1000", "--seeds", "1", "--batch-size", "512"]
+    assert staleness_auc.main([*args, "--work", str(tmp_path)]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert (line["model"], line["samples"], line["seeds"], line["staleness"]) == ("deepfm", 3000, 1, 4)
+    assert 0.5 < line["auc_stale"] < 1 and 0.5 < line["auc_sync"] < 1
+    assert line["auc_gap"] == pytest.approx(line["auc_sync"] - line["auc_stale"], abs=2e-5)
+    assert line["auc_gap_per_seed"] == [line["auc_gap"]]
