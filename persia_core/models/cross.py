@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from persia_core.config import ModelConfig
-from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, init_output_bias, mlp
+from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, init_output_bias, last_linear, mlp
 
 
 class CrossLayer(nn.Module):
@@ -107,7 +107,7 @@ class DeepFM(ModelBase):
         self.linear = nn.Linear(num_dense, 1, bias=False) if num_dense else None
 
     def output_bias(self) -> torch.Tensor:
-        return self.deep[-1].bias
+        return last_linear(self.deep).bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         s = emb.sum(dim=1)

@@ -27,6 +27,13 @@ def mlp(sizes: list[int], last_activation: bool, dropout: float = 0.0) -> nn.Seq
     return nn.Sequential(*layers)
 
 
+def last_linear(seq: nn.Sequential) -> nn.Linear:
+    """The last layer of an ``mlp`` (its output layer)."""
+    layer = seq[-1]
+    assert isinstance(layer, nn.Linear)
+    return layer
+
+
 def bottom_mlp(num_dense: int, bottom: list[int]) -> tuple[nn.Module, int]:
     """The MLP of the (standardized) dense features, ReLU after its last layer, and its output width: the
     identity (the raw features) for ``bottom = []``, width 0 without dense features."""
@@ -122,7 +129,7 @@ class DNN(ModelBase):
         self.top = mlp([num_slots * dim + dense_out, *hidden, 1], last_activation=False, dropout=dropout)
 
     def output_bias(self) -> torch.Tensor:
-        return self.top[-1].bias
+        return last_linear(self.top).bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         # the top MLP's first layer on concat(flatten(emb), bottom(dense)), computed as the sum of its two column
@@ -169,7 +176,7 @@ class DLRM(ModelBase):
         self.top = mlp([dim + n * (n - 1) // 2, *hidden, 1], last_activation=False, dropout=dropout)
 
     def output_bias(self) -> torch.Tensor:
-        return self.top[-1].bias
+        return last_linear(self.top).bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = self.bottom(self.normalize(dense))
