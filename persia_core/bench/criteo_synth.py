@@ -43,7 +43,8 @@ CHUNK_ROWS = 250_000
 def criteo_config_dict(batch_size: int = 4096, num_workers: int = 1, staleness: int = 4, seed: int = 0) -> dict:
     """The run config (``RunConfig.from_dict`` input) of the synthetic set: Criteo's delimited layout, slots
     C1..C26 in one table (dim 16, row-wise Adagrad), DLRM of the Criteo Kaggle shape (bottom 13-512-256-64-16,
-    top 512-256-1), 2 parameter-server shards, one epoch. ``batch_size`` is per NN worker."""
+    top 512-256-1, the logit's bias starting at 0 as the plain-PyTorch and TorchRec contestants' does), 2
+    parameter-server shards, one epoch. ``batch_size`` is per NN worker."""
     return {
         "layout": {
             "kind": "delimited",
@@ -67,7 +68,7 @@ def criteo_config_dict(batch_size: int = 4096, num_workers: int = 1, staleness: 
             "num_shards": 2,
             "shard_memory_bytes": 268435456,
         },
-        "model": {"kind": "dlrm", "hidden": [512, 256], "bottom": [512, 256, 64]},
+        "model": {"kind": "dlrm", "hidden": [512, 256], "bottom": [512, 256, 64], "bias_init": "zero"},
         "trainer": {
             "batch_size": batch_size,
             "epochs": 1,

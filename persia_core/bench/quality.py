@@ -58,6 +58,8 @@ def model_configs(dataset: str) -> dict[str, tuple[Any, bool]]:
     before["embedding"]["tables"] = [t for t in before["embedding"]["tables"] if t["name"] != WIDE_TABLE]
     before["trainer"].update(epochs=1, dense_lr=0.001)
     before["model"].update(dropout=0.0, bias_init="zero")
+    for t in before["embedding"]["tables"]:
+        t["optimizer"].update(initial_accumulator=0.0, weight_decay=0.0)
     return {
         "criteo": (base, True),
         "dcnv2": (load_config("dcnv2").with_overrides(auto), False),
