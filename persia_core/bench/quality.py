@@ -12,7 +12,7 @@ same slots and trainer: DCNv2 and DeepFM on both, and on ``criteo_synth`` also `
 config as shipped before the issue (DLRM, no wide table, one epoch). Every model but ``criteo_before`` trains
 with ``epochs: auto``. Each is trained (``init_shards`` + ``train``, as the pipeline does) and evaluated
 (``persia_core.evaluate.run.evaluate``) once per seed; the LR reference is fitted by the evaluate step once per
-dataset and size (it does not depend on the seed).
+dataset and size (it does not depend on the seed) and kept beside the dataset in ``--work`` for later runs.
 
 Prints progress lines, then one JSON line per dataset x size x model with ``dataset``, ``size`` (ratings or
 train rows), ``train_rows``, ``model``, ``default``, ``seeds``, ``auc``, ``auc_std``, ``logloss``,
@@ -151,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         for size in [s for s in sizes.split(",") if s]:
             data, train_rows, planted = prepare(dataset, size, work, args.movielens_data, args.eval_rows)
             log(f"{dataset} {size}: {train_rows} train rows")
+            ref_path = os.path.join(os.path.dirname(data), "lr_reference.json")  # reused with the dataset
             reference: dict[str, Any] = {}
+            if os.path.exists(ref_path):
+                with open(ref_path) as f:
+                    reference = json.load(f)
             for name, (config, default) in models.items():
                 runs = []
                 for seed in range(args.seeds):
@@ -159,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                     m = r["metrics"]
                     if not reference:
                         reference = {"lr_auc": m.get("lr_auc"), "lr_logloss": m.get("lr_logloss")}
+                        with open(ref_path, "w") as f:
+                            json.dump(reference, f)
                     runs.append(r)
                     log(
                         f"{dataset} {size} {name} seed {seed}: AUC {m['auc']:.4f} logloss {m['logloss']:.4f} "
