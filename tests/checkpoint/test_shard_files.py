@@ -148,29 +148,37 @@ def test_reshard_beyond_capacity_keeps_the_most_recent_rows(tmp_path):
     np.testing.assert_array_equal(np.sort(new[0]["default"].arrays["keys"]), np.sort(recent[:1000]))
 
 
-def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path):
-    cfg = tiny_config()
-    shard = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
+class _Trainer:
+    """Lookups (creating rows) and one async push of random gradients per call, on a shard's ``default`` table."""
+
+    def __init__(self, shard: ParameterServerShard, seed: int):
+        self.shard, self.rng, self.seq = shard, np.random.default_rng(seed), 0
+
+    def __call__(self, n_ids: int, hi: int) -> None:
+        ids = np.unique(self.rng.integers(0, hi, n_ids).astype(np.uint64))
+        self.shard.lookup("default", ids)
+        self.seq += 1
+        meta = {"table": "default", "client": "c", "seq": self.seq, "step": 0, "sync_workers": 0}
+        self.shard.push(meta, ids, self.rng.normal(size=(len(ids), 4)).astype(np.float32), None)
+
+
+def _by_key(sd: dict) -> dict:
+    o = np.argsort(sd["keys"])
+    return {k: sd[k][o] for k in ("keys", "weights", "acc")}
+
+
+def _exporting_shard(tmp_path, seed: int) -> tuple[ParameterServerShard, str, _Trainer]:
+    """A one-shard server of ``tiny_config`` (1,500 rows) exporting deltas on demand, its delta folder and a
+    trainer of it."""
+    shard = ParameterServerShard(tiny_config(), 0, 1, capacities={"default": 1500})
     deltas = str(tmp_path / "deltas")
     shard.start_deltas(deltas, every_s=0)
-    rng = np.random.default_rng(0)
-    seq = [0]
+    return shard, deltas, _Trainer(shard, seed)
 
-    def train_a_bit(n_ids: int, hi: int) -> None:
-        ids = np.unique(rng.integers(0, hi, n_ids).astype(np.uint64))
-        shard.lookup("default", ids)  # creates rows
-        seq[0] += 1
-        shard.push(
-            {"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0},
-            ids,
-            rng.normal(size=(len(ids), 4)).astype(np.float32),
-            None,
-        )
 
-    def by_key(sd: dict) -> dict:
-        o = np.argsort(sd["keys"])
-        return {k: sd[k][o] for k in ("keys", "weights", "acc")}
-
+def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path):
+    shard, deltas, train_a_bit = _exporting_shard(tmp_path, 0)
+    by_key = _by_key
     for _ in range(3):
         train_a_bit(400, 1000)
     full = str(tmp_path / "full.npz")
@@ -196,23 +204,8 @@ def test_loading_an_earlier_dump_marks_the_later_deltas_superseded_and_exports_a
     # dump hold rows of a discarded model. They are marked superseded (load_with_deltas skips them), and a
     # rollback delta holds the loaded rows of every ID changed since plus the live keys, so a consumer that
     # already applied every delta in order (online serving) also ends at the loaded state
-    cfg = tiny_config()
-    shard = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
-    deltas = str(tmp_path / "deltas")
-    shard.start_deltas(deltas, every_s=0)
-    rng = np.random.default_rng(1)
-    seq = [0]
-
-    def train_a_bit(n_ids: int, hi: int) -> None:
-        ids = np.unique(rng.integers(0, hi, n_ids).astype(np.uint64))
-        shard.lookup("default", ids)
-        seq[0] += 1
-        meta = {"table": "default", "client": "c", "seq": seq[0], "step": 0, "sync_workers": 0}
-        shard.push(meta, ids, rng.normal(size=(len(ids), 4)).astype(np.float32), None)
-
-    def by_key(sd: dict) -> dict:
-        o = np.argsort(sd["keys"])
-        return {k: sd[k][o] for k in ("keys", "weights", "acc")}
+    shard, deltas, train_a_bit = _exporting_shard(tmp_path, 1)
+    by_key = _by_key
 
     base = str(tmp_path / "base.npz")
     shard.dump(base)  # delta_seq 0
@@ -247,7 +240,7 @@ def test_loading_an_earlier_dump_marks_the_later_deltas_superseded_and_exports_a
     train_a_bit(100, 1000)
     assert shard.export_delta().endswith("delta-00000005.npz")
     # a shard restarted from the base dump (delta_seq 0) removes every later delta and the marks with them
-    again = ParameterServerShard(cfg, 0, 1, capacities={"default": 1500})
+    again = ParameterServerShard(tiny_config(), 0, 1, capacities={"default": 1500})
     again.load(base)
     again.start_deltas(deltas, every_s=0)
     assert list_deltas(deltas, 0) == [] and superseded_deltas(deltas, 0) == set()
