@@ -61,8 +61,9 @@ class ModelBase(nn.Module):
         return (dense - self.dense_mean) / self.dense_std
 
     def output_bias(self) -> torch.Tensor:
-        """The bias of the logit (``float32[1]``): the last layer's, which every model has."""
-        raise NotImplementedError
+        """The bias of the logit (``float32[1]``): the last layer's. Every model overrides this; raises
+        ``NotImplementedError`` naming a subclass that does not (``init_output_bias`` needs it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not name its logit's bias (output_bias)")
 
 
 def init_output_bias(model: ModelBase, base_rate: float) -> None:
