@@ -27,6 +27,10 @@ class TrainerConfig:
     validation_fraction: float = 0.1
     """``epochs: auto``: the last fraction of the train split by timestamp (by row order where the data has none),
     held back from training and scored with read-only lookups after every epoch."""
+    train_on_validation: bool = True
+    """``epochs: auto``: once the best epoch is kept, train one pass over the validation slice (the latest rows of
+    the train split), so that the Model has learnt from them too; its validation figures are the kept epoch's,
+    measured before this pass."""
     embedding_staleness: int = 4
     """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
     K = 0 is fully synchronous training."""

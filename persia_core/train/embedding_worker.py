@@ -368,9 +368,9 @@ def build_worker(
     spec: dict, examples: ParquetExamples, buf: np.ndarray, sock: socket.socket, notify=None
 ) -> tuple[EmbeddingWorker, EmbeddingClient]:
     """The embedding worker ``spec`` describes (config, world, counts, rank, index, start, parameter-server
-    addresses, ring layout, client id), with its own client of the parameter servers (token: ``$PERSIA_PS_TOKEN``),
-    on ring memory ``buf`` and control socket ``sock``. Raises ``ValueError`` when ``examples`` are not its NN
-    worker's (row count, slots)."""
+    addresses, ring layout, client id; ``epochs`` where not the config's), with its own client of the parameter
+    servers (token: ``$PERSIA_PS_TOKEN``), on ring memory ``buf`` and control socket ``sock``.
+    Raises ``ValueError`` when ``examples`` are not its NN worker's (row count, slots)."""
     rank, index = int(spec["rank"]), int(spec["index"])
     config = RunConfig.from_dict(spec["config"])
     tc = config.trainer
@@ -380,7 +380,8 @@ def build_worker(
             f"not the examples of NN worker {rank}: {len(examples)} rows, slots {examples.slots}; its NN worker has "
             f"{counts[rank]} rows, slots {model_slot_order(config)} (another data folder?)"
         )
-    schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
+    epochs = int(spec.get("epochs", tc.scheduled_epochs))  # 1 for the pass over the validation slice
+    schedule = make_schedule(counts, tc.batch_size, epochs, tc.seed, tc.shuffle, rank)
     client = EmbeddingClient(
         spec["addresses"],
         config.embedding,

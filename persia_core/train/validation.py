@@ -6,12 +6,16 @@ the summed logloss and the row count, so that all of them take the same decision
 lower) makes that epoch the best: rank 0 has every parameter server dump its shard into ``<model>/best/`` (a
 consistent cut: every rank has drained, and waits at a barrier until the dump is done) and every rank keeps a copy
 of the dense weights. Once ``patience`` epochs in a row bring no better logloss, or at ``max_epochs``, training
-stops; when the last epoch is not the best, the servers load the best shard files back and the dense weights are
-restored, so that the Model artifact is the best epoch's model, embedding rows and optimizer state exactly.
+stops; when the last epoch is not the best, the servers load the best shard files back and the dense weights and
+the dense optimizer's state are restored, so that the Model artifact is the best epoch's model, embedding rows and
+optimizer state exactly. With ``trainer.train_on_validation`` (the default) that model then trains one pass over
+the validation slice (``worker.train_validation_slice``): the slice is the latest data, the most telling of the
+days the Model will serve; the epoch was chosen on it before that pass.
 """
 
 from __future__ import annotations
 
+import copy
 import io as _io
 import logging
 import shutil
@@ -114,16 +118,26 @@ def best_dense_path(model_dir: str) -> str:
 
 
 def save_best(
-    model: torch.nn.Module, backend: EmbeddingBackend, model_dir: str, rank: int, world: int, num_shards: int
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backend: EmbeddingBackend,
+    model_dir: str,
+    rank: int,
+    world: int,
+    num_shards: int,
 ) -> tuple[dict, list[tuple[int, int]]]:
     """The consistent cut of the best epoch (every rank has drained its pushes): rank 0 has the servers dump their
-    shards under ``best/`` and writes the dense weights there; the ranks wait for it at a barrier. Returns this
-    rank's copy of the dense weights and, on rank 0 (the one that loads them back), the shard files' ``(bytes,
+    shards under ``best/`` and writes the dense weights and the dense optimizer's state there (the same on every
+    rank: DDP averages the gradients); the ranks wait for it at a barrier. Returns this rank's copy of both
+    (``{"model", "optimizer"}``) and, on rank 0 (the one that loads them back), the shard files' ``(bytes,
     CRC-32C)``; ``[]`` elsewhere."""
     if world > 1:
         dist.barrier()
     files: list[tuple[int, int]] = []
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = {
+        "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),  # its tensors cloned: later steps update them in place
+    }
     if rank == 0:
         files = [(int(a), int(b)) for a, b in backend.dump(best_paths(model_dir, num_shards))]
         buf = _io.BytesIO()
@@ -136,6 +150,7 @@ def save_best(
 
 def restore_best(
     model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     backend: EmbeddingBackend,
     model_dir: str,
     rank: int,
@@ -145,15 +160,19 @@ def restore_best(
     state: dict | None,
 ) -> None:
     """Put the best epoch's model back: rank 0 has the servers load its shard files (checked against their
-    recorded size and CRC-32C); every rank loads its dense weights (``state``, or the file where a resumed run has
-    no copy). Then removes ``best/``."""
+    recorded size and CRC-32C); every rank loads its dense weights and dense optimizer state (``state`` from
+    ``save_best``, or the file where a resumed run has no copy), so that training can go on from there."""
     if world > 1:
         dist.barrier()
     if rank == 0:
         backend.load(best_paths(model_dir, num_shards), stopping.shard_files)
     if state is None:
         state = torch.load(_io.BytesIO(io.read_bytes(best_dense_path(model_dir))), weights_only=True)
-    model.load_state_dict(state)
+    if "model" not in state:  # best/ of a run before the optimizer's state was kept: the weights alone
+        state = {"model": state}
+    model.load_state_dict(state["model"])
+    if "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
     if world > 1:
         dist.barrier()
     log.info(

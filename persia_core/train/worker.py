@@ -180,29 +180,10 @@ def run_worker(
         half=tc.fp16_transfer and device.type == "cuda",  # fp16 across PCIe, converted by the embedding workers
         wide=config.model.wide,
     )
-    feeders: Feeders
-    if remote and not isinstance(backend, EmbeddingClient):
-        raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
-    if isinstance(backend, EmbeddingClient):  # embedding workers of their own, each with its own client
-        spec = {"config": config.to_dict(), "world": world, "counts": counts, "client_id": f"{backend.client_id}-ew"}
-        token = dict(backend.metadata).get(TOKEN_HEADER)
-        if remote:  # on other hosts: they read this NN worker's share of the data themselves
-            feeders = NetworkFeeders(
-                ring, start, rank, dict(spec, data=data_dir), list(backend.addresses), token, remote
-            )
-        else:  # beside it, sharing one saved copy of its examples
-            assert examples is not None  # read above unless remote
-            feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
-            del examples  # freed: the embedding workers map the saved copy
-    else:
-        assert examples is not None
-        source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
-        feeders = ThreadFeeders(backend, layouts, source, ring, start, StepRules.of(config, rank, world))
-    try:
-        feeders.wait_started()
-    except BaseException:
-        feeders.close()
-        raise
+    feeders = open_feeders(
+        config, backend, layouts, ring, rank, world, schedule, counts, start, examples, remote, data_dir
+    )
+    examples = None  # freed: embedding-worker processes map their saved copy
     loop_started_unix = time.time()  # the embedding workers start preparing the first batches at once
     pipe = HybridTrainPipeline(net, opt, feeders, schedule.global_batch, start, world, device=device)
     total_steps = len(schedule.global_batch)
@@ -299,7 +280,7 @@ def run_worker(
                 v_loss, v_rows = validation_loss(model, backend, layouts, wide, validation, device, world)
                 if stopping.update(done // steps_per_epoch, done, v_loss, v_rows):
                     best_state, stopping.shard_files = save_best(
-                        model, backend, out_dir, rank, world, config.embedding.num_shards
+                        model, opt, backend, out_dir, rank, world, config.embedding.num_shards
                     )
                 if rank == 0:
                     log.info(
@@ -329,9 +310,15 @@ def run_worker(
         gc.unfreeze()
     if stopping is not None:  # the embedding workers are stopped: nothing looks rows up any more
         if stopping.best_step and stopping.best_step != done:
-            restore_best(model, backend, out_dir, rank, world, config.embedding.num_shards, stopping, best_state)
+            restore_best(model, opt, backend, out_dir, rank, world, config.embedding.num_shards, stopping, best_state)
         if rank == 0:
             remove_best(out_dir)
+        if tc.train_on_validation:
+            assert validation is not None  # read with the train rows (rank_split) when epochs: auto
+            history["validation_pass"] = train_validation_slice(
+                config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir
+            )
+            max_stal0 = max(max_stal0, history["validation_pass"]["max_staleness"])
         history.update(
             {
                 "validation": stopping.history,
@@ -389,6 +376,114 @@ def run_worker(
     del pipe, net
     gc.collect()
     return history
+
+
+def open_feeders(
+    config: RunConfig,
+    backend: EmbeddingBackend,
+    layouts: list,
+    ring: RingLayout,
+    rank: int,
+    world: int,
+    schedule,
+    counts: list[int],
+    start: int,
+    examples,
+    remote: list[str],
+    data_dir: str,
+    epochs: int | None = None,
+    client_suffix: str = "ew",
+) -> Feeders:
+    """NN worker ``rank``'s embedding workers, started at step ``start`` of ``schedule`` (``counts`` rows per
+    rank over ``epochs``, the config's where None): on other hosts at the ``remote`` addresses (they read
+    ``data_dir`` themselves), else as processes beside it sharing one saved copy of ``examples`` (against the
+    parameter servers of an ``EmbeddingClient``), else as threads against an in-process ``backend``. Their
+    clients' ids end in ``-<client_suffix>-e<i>`` (a pass of its own needs ids of its own: the servers drop a
+    push whose client id and step they have applied). Returns them once started; raises ``ValueError`` for
+    remote embedding workers without parameter servers, ``EmbeddingWorkerFailed`` for one that did not start."""
+    feeders: Feeders
+    if remote and not isinstance(backend, EmbeddingClient):
+        raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
+    if isinstance(backend, EmbeddingClient):  # embedding workers of their own, each with its own client
+        spec = {"config": config.to_dict(), "world": world, "counts": counts}
+        spec["client_id"] = f"{backend.client_id}-{client_suffix}"
+        if epochs is not None:
+            spec["epochs"] = epochs
+        token = dict(backend.metadata).get(TOKEN_HEADER)
+        if remote:  # on other hosts: they read this NN worker's share of the data themselves
+            feeders = NetworkFeeders(
+                ring, start, rank, dict(spec, data=data_dir), list(backend.addresses), token, remote
+            )
+        else:  # beside it, sharing one saved copy of its examples
+            assert examples is not None  # read by the caller unless remote
+            feeders = ProcessFeeders(ring, start, rank, spec, list(backend.addresses), token, examples)
+    else:
+        assert examples is not None
+        source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
+        feeders = ThreadFeeders(backend, layouts, source, ring, start, StepRules.of(config, rank, world))
+    try:
+        feeders.wait_started()
+    except BaseException:
+        feeders.close()
+        raise
+    return feeders
+
+
+def train_validation_slice(
+    config: RunConfig,
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    backend: EmbeddingBackend,
+    layouts: list,
+    ring: RingLayout,
+    rank: int,
+    world: int,
+    validation,
+    device: torch.device,
+    data_dir: str,
+) -> dict:
+    """``trainer.train_on_validation``: one pass of the kept model over the validation slice (this rank's
+    ``validation`` examples, shuffled as an epoch is; every rank takes the same number of steps), through the
+    same embedding workers and staleness bound as training, beside this NN worker (the remote ones of a
+    multi-host job have ended with their stream). Every push is applied on return. Returns ``{"rows",
+    "steps", "loss" (mean train logloss over the pass), "seconds", "max_staleness"}``."""
+    tc = config.trainer
+    t0 = time.perf_counter()
+    gathered: list[Any] = [len(validation)]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, len(validation))
+    counts = [int(c) for c in gathered]
+    schedule = make_schedule(counts, tc.batch_size, 1, tc.seed, tc.shuffle, rank)
+    feeders = open_feeders(
+        config, backend, layouts, ring, rank, world, schedule, counts, 0, validation, [], data_dir, 1, "vp"
+    )
+    pipe = HybridTrainPipeline(net, opt, feeders, schedule.global_batch, 0, world, device=device)
+    total = 0.0
+    try:
+        while True:
+            try:
+                total += pipe.progress().loss_sum
+            except StopIteration:
+                break
+        pipe.drain()
+    finally:
+        pipe.close()
+    loss = torch.tensor([total], dtype=torch.float64)
+    if world > 1:
+        loss = loss.to(device) if dist.get_backend() == "nccl" else loss
+        dist.all_reduce(loss)
+        loss = loss.cpu()
+    rows = sum(counts)
+    if rank == 0:
+        log.info("trained one pass over the validation slice: %d rows, %d steps", rows, len(schedule.global_batch))
+    return {
+        "rows": rows,
+        "steps": len(schedule.global_batch),
+        "loss": float(loss.item()) / max(rows, 1),
+        "seconds": round(time.perf_counter() - t0, 3),
+        "max_staleness": pipe.max_staleness,
+    }
 
 
 def utilization(nn_phases: dict[str, float], ew_phases: list[dict[str, float]], wall_s: float) -> dict[str, float]:

@@ -15,6 +15,8 @@ from persia_core.data.reader import read_ts, shard_files, validation_cutoff
 from persia_core.embedding.delta import apply_deltas, list_deltas, load_with_deltas, superseded_deltas
 from persia_core.embedding.shard_file import read_shard_file
 from persia_core.embedding.shard_tables import load_shard_file, lru_state_dict, make_tables
+from persia_core.evaluate.run import LoadedModel, score
+from persia_core.train.embedding_worker import rank_split
 from persia_core.train.launcher import train
 from persia_core.train.validation import EarlyStopping
 
@@ -109,7 +111,21 @@ def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_mo
     assert len(curve) == best + 2 and min(curve[best:]) >= curve[best - 1]  # patience 2, then it stopped
     assert hist["steps_trained"] == len(curve) * hist["best_step"] // best
     assert not os.path.exists(os.path.join(model, "best"))
-    # the same run scheduled for the best epoch only ends there: its model is the one kept, bit for bit
+    # then one pass over the validation slice (trainer.train_on_validation): every late row, as the ranks split it
+    world, batch = cfg.trainer.num_workers, cfg.trainer.batch_size
+    files, cut = shard_files(data, "train"), validation_cutoff(data, cfg.trainer.validation_fraction)
+    late = [int((read_ts(files[r::world]) > cut).sum()) for r in range(world)]
+    assert hist["validation_pass"]["rows"] == sum(late) > 0
+    assert hist["validation_pass"]["steps"] == max(-(-n // batch) for n in late)
+    # it trained the kept model on them: their logloss (float64, from the Model artifact) fell below the kept epoch's
+    loaded = LoadedModel(model)
+    rows = [rank_split(cfg, data, r, world)[1] for r in range(world)]
+    labels = np.concatenate([v.labels for v in rows]).astype(np.float64)
+    p = np.clip(np.concatenate([score(loaded, v) for v in rows]).astype(np.float64), 1e-12, 1 - 1e-12)
+    after = float(-np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p)))
+    assert len(labels) == sum(late) and after < hist["validation"][best - 1]["logloss"] - 0.01, after
+    # the same run scheduled for the best epoch only ends there (then makes the same pass): its model is the one
+    # kept, bit for bit, so the best epoch's rows, dense weights and dense optimizer state were all restored
     ref = str(root / "ref")
     ref_manifest = train(_auto(best), data, ref, work_dir=str(root / "ref-work"))
     _same_model(cfg, model, auto_run["manifest"], ref, ref_manifest)
