@@ -17,6 +17,7 @@ checkpoint (which belong to the previous run's clients) can never mark a new pus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import io as _io
@@ -316,7 +317,7 @@ def run_worker(
         if tc.train_on_validation:
             assert validation is not None  # read with the train rows (rank_split) when epochs: auto
             history["validation_pass"] = train_validation_slice(
-                config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir
+                config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir, bool(remote)
             )
             max_stal0 = max(max_stal0, history["validation_pass"]["max_staleness"])
         history.update(
@@ -399,7 +400,7 @@ def open_feeders(
     ``data_dir`` themselves), else as processes beside it sharing one saved copy of ``examples`` (against the
     parameter servers of an ``EmbeddingClient``), else as threads against an in-process ``backend``. Their
     clients' ids end in ``-<client_suffix>-e<i>`` (a pass of its own needs ids of its own: the servers drop a
-    push whose client id and step they have applied). Returns them once started; raises ``ValueError`` for
+    push whose client id and sequence number they have applied). Returns them once started; raises ``ValueError`` for
     remote embedding workers without parameter servers, ``EmbeddingWorkerFailed`` for one that did not start."""
     feeders: Feeders
     if remote and not isinstance(backend, EmbeddingClient):
@@ -441,11 +442,13 @@ def train_validation_slice(
     validation,
     device: torch.device,
     data_dir: str,
+    remote: bool,
 ) -> dict:
     """``trainer.train_on_validation``: one pass of the kept model over the validation slice (this rank's
-    ``validation`` examples, shuffled as an epoch is; every rank takes the same number of steps), through the
-    same embedding workers and staleness bound as training, beside this NN worker (the remote ones of a
-    multi-host job have ended with their stream). Every push is applied on return. Returns ``{"rows",
+    ``validation`` examples, shuffled as an epoch is; every rank takes the same number of steps) under the same
+    staleness bound as training, through embedding workers beside this NN worker as in training or, where those
+    were on other hosts (``remote``: they served their one stream), through one embedding-worker thread of its
+    own against its client. Every push is applied on return. Returns ``{"rows",
     "steps", "loss" (mean train logloss over the pass), "seconds", "max_staleness"}``."""
     tc = config.trainer
     t0 = time.perf_counter()
@@ -455,9 +458,15 @@ def train_validation_slice(
         dist.all_gather_object(gathered, len(validation))
     counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, 1, tc.seed, tc.shuffle, rank)
-    feeders = open_feeders(
-        config, backend, layouts, ring, rank, world, schedule, counts, 0, validation, [], data_dir, 1, "vp"
-    )
+    if remote:  # its embedding workers on other hosts served their one stream: a thread here, without /dev/shm
+        source = BatchSource(validation, schedule.rows[rank], schedule.global_batch)
+        rules = StepRules.of(config, rank, world)
+        feeders = ThreadFeeders(backend, layouts, source, dataclasses.replace(ring, workers=1), 0, rules)
+        feeders.wait_started()
+    else:
+        feeders = open_feeders(
+            config, backend, layouts, ring, rank, world, schedule, counts, 0, validation, [], data_dir, 1, "vp"
+        )
     pipe = HybridTrainPipeline(net, opt, feeders, schedule.global_batch, 0, world, device=device)
     total = 0.0
     try:

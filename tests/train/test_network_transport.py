@@ -131,6 +131,28 @@ def test_two_embedding_workers_over_the_network_at_k0_give_the_in_process_refere
 
 
 @pytest.mark.processes
+def test_epochs_auto_over_the_network_ends_with_the_pass_over_the_validation_slice_of_the_in_process_run(tmp_path):
+    # the remote embedding workers stop with their stream after training; the pass over the validation slice
+    # then runs in a thread of the NN worker against its own client: the same model as the in-process run
+    data = write_dataset(str(tmp_path / "data"), rows=192)
+    cfg = tiny_config(num_workers=1, embedding_staleness=0, shuffle=True, embedding_workers=2)
+    cfg = cfg.with_overrides({"trainer.epochs": "auto", "trainer.max_epochs": 3, "trainer.validation_fraction": 0.25})
+    with _servers(tmp_path, cfg) as addresses, _embedding_workers(tmp_path, 2) as (procs, ews):
+        hist = _train(cfg, data, str(tmp_path / "net"), addresses, ews)
+        for p in procs:
+            assert p.wait(timeout=30) == 0
+    ref_backend = LocalEmbedding(cfg.embedding, num_shards=cfg.embedding.num_shards, seed=cfg.trainer.seed)
+    os.makedirs(tmp_path / "ref")
+    ref = run_worker(cfg, data, str(tmp_path / "ref"), ref_backend, rank=0, world=1)
+    assert hist["validation_pass"]["rows"] == ref["validation_pass"]["rows"] > 0
+    assert hist["validation_pass"]["steps"] == ref["validation_pass"]["steps"] > 0
+    assert hist["validation_pass"]["loss"] == pytest.approx(ref["validation_pass"]["loss"], abs=1e-5)
+    a, b = _dense(tmp_path / "net" / "dense.pt"), _dense(tmp_path / "ref" / "dense.pt")
+    for k in a:
+        np.testing.assert_allclose(a[k].numpy(), b[k].numpy(), atol=1e-5)
+
+
+@pytest.mark.processes
 def test_staleness_over_the_network_stays_within_k_per_nn_worker(tmp_path):
     data = write_dataset(str(tmp_path / "data"), rows=512)
     cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=1, embedding_workers=3)
