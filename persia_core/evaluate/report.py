@@ -443,6 +443,13 @@ def write_report(
                 + (", stopped early" if history.get("stopped_early") else "")
                 + ".</p>"
             )
+            vp = history.get("validation_pass")
+            if vp:
+                parts.append(
+                    f"<p>Then the kept model trained one pass over the validation slice "
+                    f"(<code>trainer.train_on_validation</code>): {_esc(_fmt(int(vp['steps'])))} steps, train logloss "
+                    f"{_esc(_fmt(float(vp['loss'])))}.</p>"
+                )
         if history["samples"].shape[0] > 0:
             parts += [_loss_figure(history), _throughput_figure(history)]
         else:

@@ -201,7 +201,9 @@ def test_report_of_an_epochs_auto_run_shows_the_validation_curve_and_the_kept_ep
         {"epoch": 3, "step": 5, "logloss": 0.63, "rows": 77},
     ]
     h.update(best_epoch=2, best_step=4, stopped_early=True)
+    h["validation_pass"] = {"rows": 77, "steps": 2, "loss": 0.57, "seconds": 0.1, "max_staleness": 0}
     write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds, train_history=h)
     text = (tmp_path / "r.html").read_text()
     assert "logloss per epoch 0.61, 0.58, 0.63; kept epoch <b>2</b> (logloss 0.58), stopped early" in text
+    assert "one pass over the validation slice (<code>trainer.train_on_validation</code>): 2 steps" in text
     assert "77 rows" in text and len(_IMG.findall(text)) == 4
