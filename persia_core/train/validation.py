@@ -117,63 +117,65 @@ def best_dense_path(model_dir: str) -> str:
     return io.join(model_dir, BEST_DIR, "dense.pt")
 
 
+@dataclass(frozen=True)
+class BestCut:
+    """Where the best epoch's model waits (``<model_dir>/best/``: ``num_shards`` shard files and the dense state)
+    and which rank this is of ``world`` (rank 0 writes and loads it)."""
+
+    model_dir: str
+    num_shards: int
+    rank: int
+    world: int
+
+
 def save_best(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    backend: EmbeddingBackend,
-    model_dir: str,
-    rank: int,
-    world: int,
-    num_shards: int,
+    cut: BestCut, model: torch.nn.Module, optimizer: torch.optim.Optimizer, backend: EmbeddingBackend
 ) -> tuple[dict, list[tuple[int, int]]]:
     """The consistent cut of the best epoch (every rank has drained its pushes): rank 0 has the servers dump their
     shards under ``best/`` and writes the dense weights and the dense optimizer's state there (the same on every
     rank: DDP averages the gradients); the ranks wait for it at a barrier. Returns this rank's copy of both
     (``{"model", "optimizer"}``) and, on rank 0 (the one that loads them back), the shard files' ``(bytes,
     CRC-32C)``; ``[]`` elsewhere."""
-    if world > 1:
+    if cut.world > 1:
         dist.barrier()
     files: list[tuple[int, int]] = []
     state = {
         "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "optimizer": copy.deepcopy(optimizer.state_dict()),  # its tensors cloned: later steps update them in place
     }
-    if rank == 0:
-        files = [(int(a), int(b)) for a, b in backend.dump(best_paths(model_dir, num_shards))]
+    if cut.rank == 0:
+        files = [(int(a), int(b)) for a, b in backend.dump(best_paths(cut.model_dir, cut.num_shards))]
         buf = _io.BytesIO()
         torch.save(state, buf)
-        io.write_bytes(best_dense_path(model_dir), buf.getvalue())
-    if world > 1:
+        io.write_bytes(best_dense_path(cut.model_dir), buf.getvalue())
+    if cut.world > 1:
         dist.barrier()
     return state, files
 
 
 def restore_best(
+    cut: BestCut,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     backend: EmbeddingBackend,
-    model_dir: str,
-    rank: int,
-    world: int,
-    num_shards: int,
     stopping: EarlyStopping,
     state: dict | None,
 ) -> None:
     """Put the best epoch's model back: rank 0 has the servers load its shard files (checked against their
     recorded size and CRC-32C); every rank loads its dense weights and dense optimizer state (``state`` from
     ``save_best``, or the file where a resumed run has no copy), so that training can go on from there."""
-    if world > 1:
+    if cut.world > 1:
         dist.barrier()
-    if rank == 0:
-        backend.load(best_paths(model_dir, num_shards), stopping.shard_files)
+    if cut.rank == 0:
+        backend.load(best_paths(cut.model_dir, cut.num_shards), stopping.shard_files)
     if state is None:
-        state = torch.load(_io.BytesIO(io.read_bytes(best_dense_path(model_dir))), weights_only=True)
+        state = torch.load(_io.BytesIO(io.read_bytes(best_dense_path(cut.model_dir))), weights_only=True)
     if "model" not in state:  # best/ of a run before the optimizer's state was kept: the weights alone
         state = {"model": state}
     model.load_state_dict(state["model"])
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
-    if world > 1:
+    if cut.world > 1:
         dist.barrier()
     log.info(
         "epochs: auto: kept epoch %d (step %d, validation logloss %.6f)",

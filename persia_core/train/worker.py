@@ -58,7 +58,14 @@ from persia_core.train.hybrid import HybridTrainPipeline
 from persia_core.train.processes import die_with_spawner
 from persia_core.train.ready_ring import RingLayout
 from persia_core.train.schedule import make_schedule
-from persia_core.train.validation import EarlyStopping, remove_best, restore_best, save_best, validation_loss
+from persia_core.train.validation import (
+    BestCut,
+    EarlyStopping,
+    remove_best,
+    restore_best,
+    save_best,
+    validation_loss,
+)
 
 log = logging.getLogger("persia.worker")
 
@@ -136,6 +143,7 @@ def run_worker(
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None
+    cut = BestCut(out_dir, config.embedding.num_shards, rank, world)  # where the best epoch's model waits
     best_state: dict | None = None  # this rank's copy of the best epoch's dense weights (epochs: auto)
     if resume is not None:
         path, manifest = resume
@@ -280,9 +288,7 @@ def run_worker(
                 pipe.drain()
                 v_loss, v_rows = validation_loss(model, backend, layouts, wide, validation, device, world)
                 if stopping.update(done // steps_per_epoch, done, v_loss, v_rows):
-                    best_state, stopping.shard_files = save_best(
-                        model, opt, backend, out_dir, rank, world, config.embedding.num_shards
-                    )
+                    best_state, stopping.shard_files = save_best(cut, model, opt, backend)
                 if rank == 0:
                     log.info(
                         "epoch %d: validation logloss %.6f over %d rows (best: epoch %d)%s",
@@ -311,7 +317,7 @@ def run_worker(
         gc.unfreeze()
     if stopping is not None:  # the embedding workers are stopped: nothing looks rows up any more
         if stopping.best_step and stopping.best_step != done:
-            restore_best(model, opt, backend, out_dir, rank, world, config.embedding.num_shards, stopping, best_state)
+            restore_best(cut, model, opt, backend, stopping, best_state)
         if rank == 0:
             remove_best(out_dir)
         if tc.train_on_validation:
@@ -458,6 +464,7 @@ def train_validation_slice(
         dist.all_gather_object(gathered, len(validation))
     counts = [int(c) for c in gathered]
     schedule = make_schedule(counts, tc.batch_size, 1, tc.seed, tc.shuffle, rank)
+    feeders: Feeders
     if remote:  # its embedding workers on other hosts served their one stream: a thread here, without /dev/shm
         source = BatchSource(validation, schedule.rows[rank], schedule.global_batch)
         rules = StepRules.of(config, rank, world)
