@@ -14,7 +14,7 @@ specifics (``"unparsable number"``) so that reasons can be counted.
 MovieLens (GroupLens ``ml-latest-small`` CSV files, quoted fields, one header row each) is three parsers
 (``parse_rating``, ``parse_movie``, ``parse_tag``), a join (``movielens_record``, ``tags_before_each``) and
 the optional user history (``user_history_each``, ``with_user_history``); the delimited layout (Criteo's
-Display Advertising Challenge TSV) is ``parse_delimited``.
+Display Advertising Challenge TSV) is ``parse_delimited`` (a line) and ``delimited_record`` (its fields by column).
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ class ParseError(ValueError):
     """A raw line that is not a valid example.
 
     ``reason`` (and ``str()``): short and specific (``"unparsable number in I3: 'abc'"``); ``kind``: the reason
-    without specifics, for counting (``"unparsable number"``; defaults to ``reason``).
+    without specifics, for counting (``"unparsable number"``; defaults to ``reason``); ``field``: the column or
+    field it names, where it names one.
     """
 
-    def __init__(self, reason: str, kind: str | None = None) -> None:
+    def __init__(self, reason: str, kind: str | None = None, field: str | None = None) -> None:
         self.reason = reason
         self.kind = kind or reason
+        self.field = field
         super().__init__(reason)
 
 
@@ -84,9 +86,9 @@ def _parse_int(text: str, name: str) -> int:
             raise ValueError
         x = int(s)
     except ValueError:
-        raise ParseError(f"unparsable integer in {name}: {text!r}", "unparsable integer") from None
+        raise ParseError(f"unparsable integer in {name}: {text!r}", "unparsable integer", field=name) from None
     if not -(2**63) <= x < 2**63:
-        raise ParseError(f"integer out of the 64-bit range in {name}: {text!r}", "out of range")
+        raise ParseError(f"integer out of the 64-bit range in {name}: {text!r}", "out of range", field=name)
     return x
 
 
@@ -94,7 +96,7 @@ def _parse_timestamp(text: str, name: str) -> int:
     """Seconds since 1970 (UTC), within [-MAX_TIMESTAMP, MAX_TIMESTAMP]."""
     x = _parse_int(text, name)
     if not -MAX_TIMESTAMP <= x <= MAX_TIMESTAMP:
-        raise ParseError(f"timestamp beyond year 9999 in {name}: {text!r}", "out of range")
+        raise ParseError(f"timestamp beyond year 9999 in {name}: {text!r}", "out of range", field=name)
     return x
 
 
@@ -105,14 +107,14 @@ def _parse_float(text: str, name: str) -> float:
     except ValueError:
         x = math.nan
     if not math.isfinite(x):
-        raise ParseError(f"unparsable number in {name}: {text!r}", "unparsable number")
+        raise ParseError(f"unparsable number in {name}: {text!r}", "unparsable number", field=name)
     return x
 
 
 def _require(text: str, name: str) -> str:
     s = text.strip()
     if not s:
-        raise ParseError(f"missing {name}", "missing value")
+        raise ParseError(f"missing {name}", "missing value", field=name)
     return s
 
 
@@ -321,7 +323,7 @@ def _parse_label(text: str, name: str) -> float:
     except ValueError:
         x = math.nan
     if x not in (0.0, 1.0):
-        raise ParseError(f"label not 0/1 in {name}: {text!r}", "label not 0/1")
+        raise ParseError(f"label not 0/1 in {name}: {text!r}", "label not 0/1", field=name)
     return x
 
 
@@ -341,7 +343,13 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
             "wrong field count",
         )
     _expect_fields(values, len(layout.columns))
-    row = dict(zip(layout.columns, values, strict=True))
+    return delimited_record(dict(zip(layout.columns, values, strict=True)), layout)
+
+
+def delimited_record(row: dict[str, str], layout: LayoutConfig) -> Record:
+    """The fields of one delimited example, ``{column: text}`` holding every one of ``layout.columns`` (an empty
+    text is a missing field), -> a record, as ``parse_delimited`` makes of a line (which it calls; the prediction
+    server calls it on a JSON instance's fields). Raises ``ParseError`` naming the field and value."""
     label = _parse_label(row[layout.label_column].strip(), layout.label_column)
     log1p = layout.dense_transform == "log1p"
     dense = []
@@ -350,7 +358,7 @@ def parse_delimited(line: str, layout: LayoutConfig) -> Record:
         x = _parse_float(text, name) if text else 0.0
         x = math.log1p(max(x, 0.0)) if log1p else x
         if abs(x) > FLOAT32_MAX:  # stored as float32: it would become inf and poison the dense statistics
-            raise ParseError(f"number beyond float32 range in {name}: {text!r}", "out of range")
+            raise ParseError(f"number beyond float32 range in {name}: {text!r}", "out of range", field=name)
         dense.append(x)
     ts = None
     if layout.timestamp_column:
