@@ -179,6 +179,21 @@ def isfile(path: str) -> bool:
     return bool(key) and not key.endswith("/") and gcs_client().bucket(bucket).blob(key).exists()
 
 
+def size(path: str) -> int:
+    """The file's size in bytes. Raises ``FileNotFoundError`` naming the path."""
+    uri = _remote(path)
+    if uri is None:
+        return os.path.getsize(path)
+    from google.api_core.exceptions import NotFound
+
+    blob = _blob(uri)
+    try:
+        blob.reload()
+    except NotFound as e:
+        raise FileNotFoundError(f"{path}: no such object") from e
+    return int(blob.size or 0)
+
+
 def read_bytes(path: str) -> bytes:
     """The whole file. Raises ``FileNotFoundError`` naming the path."""
     uri = _remote(path)
