@@ -7,7 +7,8 @@
 #                                                                           CUDA torch of the same version
 #   docker build --target tfrecord -t persia-kfp-tfrecord .                 TFRecord conversion (requirements-tfrecord.txt)
 #
-# `make image [CUDA=1] [IMAGE=tag]` runs the first two; cloudbuild.yaml builds and pushes all three.
+# `make image [CUDA=1] [IMAGE=tag]` runs the first two; cloudbuild.yaml builds and pushes all three. The main image
+# also serves predictions: `python -m persia_core serve --host 0.0.0.0` (the container command register-model sets).
 
 ARG PYTHON_IMAGE=python:3.11-slim
 

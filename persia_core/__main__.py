@@ -24,7 +24,7 @@ import argparse
 import logging
 import sys
 
-from persia_core.cli import scoring, shards, steps
+from persia_core.cli import scoring, serving, shards, steps
 from persia_core.cli.common import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
@@ -72,6 +72,7 @@ def build_parser() -> PersiaParser:
     steps.add_commands(add)
     scoring.add_commands(add)
     shards.add_commands(add)
+    serving.add_commands(add)
     return p
 
 

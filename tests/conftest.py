@@ -12,7 +12,7 @@ import signal
 import subprocess
 
 import pytest
-from support import write_dataset
+from support import tiny_config, write_dataset
 
 FAST = os.environ.get("PERSIA_TEST_FAST") == "1"
 
@@ -82,3 +82,15 @@ def _heap_refrozen():
 def tiny_data(tmp_path):
     """A small preprocessed dataset (2 train shards, 1 eval shard) for ``support.tiny_config``."""
     return write_dataset(str(tmp_path / "data"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny trained model per test module: ``(model_dir, data_dir)`` (about 8 s of training)."""
+    from persia_core.train.launcher import train
+
+    root = tmp_path_factory.mktemp("trained")
+    data = write_dataset(str(root / "data"), rows=256, eval_rows=200)
+    model = str(root / "model")
+    train(tiny_config(), data, model, work_dir=str(root / "work"))
+    return model, data

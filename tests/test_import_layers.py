@@ -33,6 +33,8 @@ FORBIDDEN = [
     ("persia_core.embedding", "persia_core.evaluate"),
     ("persia_core.config", "persia_core.embedding"),
     ("persia_core.evaluate", "persia_core.train"),
+    ("persia_core.evaluate", "persia_core.serve"),
+    ("persia_core.train", "persia_core.serve"),
 ]
 
 

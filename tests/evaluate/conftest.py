@@ -1,4 +1,4 @@
-"""Fixtures of the evaluation tests: a hand-made Model artifact (no training) and a shared trained one."""
+"""Fixtures of the evaluation tests: a hand-made Model artifact (no training); ``trained`` is in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
@@ -98,15 +97,3 @@ def model_factory():
 def eval_rows_writer():
     """``write_eval_rows(data_dir, rows, slots)``: a dataset whose eval split is ``rows``."""
     return write_eval_rows
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """One tiny trained model per test module: ``(model_dir, data_dir)`` (about 8 s of training)."""
-    from persia_core.train.launcher import train
-
-    root = tmp_path_factory.mktemp("trained")
-    data = write_dataset(str(root / "data"), rows=256, eval_rows=200)
-    model = str(root / "model")
-    train(tiny_config(), data, model, work_dir=str(root / "work"))
-    return model, data

@@ -1,0 +1,2 @@
+"""Online serving: ``persia serve``'s HTTP prediction server (``server``) and its request instances
+(``instances``)."""

@@ -1,0 +1,147 @@
+"""Prediction instances (the JSON of a request body) -> a ``Batch`` of the model's slots, as preprocess encodes rows.
+
+Two forms, by the model's layout:
+
+- ``delimited`` (Criteo): an instance is a JSON object keyed by the run config's column names. A string is the
+  field's text; a number is the text the raw file would hold (an integer without a decimal point); ``null`` or an
+  absent key is a missing field (the label column and a timestamp column may be left out: they are not features).
+  The fields are parsed by ``layouts.delimited_record`` and hashed by ``rows.encode_row``: the functions the
+  preprocess step and ``persia predict`` use on a file's lines.
+- ``movielens`` (which needs joins and the user's history): an instance is the preprocessed feature row, keyed as
+  the Parquet columns of ``persia_core.data.schema``: ``slot_<name>`` a list of feature IDs (``uint64``) for every
+  slot of the model, and ``dense`` a list of the model's dense features (standardized inside the model).
+
+A bad instance raises ``InstanceError`` naming its index and field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from persia_core.config import RunConfig
+from persia_core.data import schema as S
+from persia_core.preprocess import layouts
+from persia_core.preprocess.rows import DENSE, SLOTS, encode_row, slot_specs
+from persia_core.sparse import Batch, IdBatch
+
+U64_MAX = (1 << 64) - 1
+
+
+class InstanceError(ValueError):
+    """A request instance that cannot be scored; the message names the instance index and the field."""
+
+    def __init__(self, index: int, field: str | None, reason: str):
+        where = f"instance {index}" + (f", field {field!r}" if field is not None else "")
+        super().__init__(f"{where}: {reason}")
+        self.index, self.field, self.reason = index, field, reason
+
+
+def _field_text(value: Any, index: int, column: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):  # a JSON true/false is no field of a raw row (bool is an int in Python)
+        raise InstanceError(index, column, f"a boolean is not a field's text; send a string or a number, got {value}")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not np.isfinite(value):
+            raise InstanceError(index, column, f"not a finite number: {value}")
+        return repr(value)
+    raise InstanceError(index, column, f"expected a string, a number or null, got {type(value).__name__}")
+
+
+class InstanceEncoder:
+    """Turns the instances of a request into a ``Batch`` whose slots are in ``model_slots`` order.
+
+    Args: config (the model's run config), model_slots (``LoadedModel.slots``), num_dense F."""
+
+    def __init__(self, config: RunConfig, model_slots: list[str], num_dense: int):
+        self.config, self.layout = config, config.layout
+        self.model_slots, self.num_dense = list(model_slots), num_dense
+        self.specs = slot_specs(config)
+        order = config.slot_names
+        self.spec_of_slot = [order.index(s) for s in self.model_slots]  # encode_row's order -> the model's
+        if self.layout.kind == "delimited":
+            self.columns = list(self.layout.columns)
+            self.known = set(self.columns)
+            self.optional = {self.layout.label_column, self.layout.timestamp_column} - {None, ""}
+
+    def batch(self, instances: Any) -> Batch:
+        """``instances`` (the request's ``"instances"``: a non-empty JSON array) -> ``Batch`` of B rows (labels 0).
+        Raises ``InstanceError`` for the first bad instance."""
+        if not isinstance(instances, list) or not instances:
+            raise InstanceError(0, None, "'instances' must be a non-empty JSON array")
+        if self.layout.kind == "delimited":
+            return self._delimited(instances)
+        return self.features_batch(instances)
+
+    def _delimited(self, instances: list) -> Batch:
+        rows = []
+        for i, inst in enumerate(instances):
+            if not isinstance(inst, dict):
+                raise InstanceError(i, None, f"expected a JSON object keyed by column name, got {type(inst).__name__}")
+            unknown = [k for k in inst if k not in self.known]
+            if unknown:
+                raise InstanceError(i, unknown[0], f"not a column of the model's layout {self.columns}")
+            fields = {c: _field_text(inst.get(c), i, c) for c in self.columns}
+            for c in self.optional:
+                if not fields[c]:
+                    fields[c] = "0"  # the label and the timestamp are not features: absent is fine
+            try:
+                record = layouts.delimited_record(fields, self.layout)
+            except layouts.ParseError as e:
+                raise InstanceError(i, e.field, e.reason) from None
+            rows.append(encode_row(record, self.specs, f"instance:{i}", 0))
+        b = len(rows)
+        dense = np.frombuffer(b"".join(r[DENSE] for r in rows), np.float32).reshape(b, self.num_dense).copy()
+        lengths, values = [], []
+        for s in self.spec_of_slot:  # slot-major, as IdBatch holds them
+            blobs = [r[SLOTS][s] for r in rows]
+            lengths.append(np.fromiter((len(x) >> 3 for x in blobs), np.int64, b))
+            values.append(b"".join(blobs))
+        return self._assemble(dense, lengths, np.frombuffer(b"".join(values), np.uint64))
+
+    def features_batch(self, instances: list) -> Batch:
+        """Preprocessed feature rows (``slot_<name>`` feature IDs, ``dense`` values; the form of layouts that
+        need joins) -> ``Batch``. Raises ``InstanceError`` for the first bad instance."""
+        b, f = len(instances), self.num_dense
+        dense = np.zeros((b, f), np.float32)
+        per_slot: list[list[np.ndarray]] = [[] for _ in self.model_slots]
+        for i, inst in enumerate(instances):
+            if not isinstance(inst, dict):
+                raise InstanceError(i, None, f"expected a JSON object of the preprocessed columns, got {type(inst)}")
+            want = {S.DENSE, *(S.slot_column(s) for s in self.model_slots)}
+            unknown = [k for k in inst if k not in want]
+            if unknown:
+                raise InstanceError(i, unknown[0], f"not a column of the model's preprocessed rows {sorted(want)}")
+            d = inst.get(S.DENSE, [])
+            if not isinstance(d, list) or len(d) != f or not all(_is_number(x) for x in d):
+                raise InstanceError(i, S.DENSE, f"expected a list of {f} numbers")
+            dense[i] = d
+            for j, s in enumerate(self.model_slots):
+                col = S.slot_column(s)
+                ids = inst.get(col, [])
+                if not isinstance(ids, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64_MAX for x in ids
+                ):
+                    raise InstanceError(i, col, "expected a list of feature IDs (integers in [0, 2^64))")
+                per_slot[j].append(np.array(ids, dtype=np.uint64))
+        lengths = [np.fromiter((len(a) for a in bags), np.int64, b) for bags in per_slot]
+        flat = [a for bags in per_slot for a in bags]
+        values = np.concatenate(flat) if flat else np.zeros(0, np.uint64)
+        return self._assemble(dense, lengths, values.astype(np.uint64, copy=False))
+
+    def _assemble(self, dense: np.ndarray, lengths: list[np.ndarray], values: np.ndarray) -> Batch:
+        b = dense.shape[0]
+        offsets = np.zeros(len(self.model_slots) * b + 1, np.int64)
+        if lengths:
+            np.cumsum(np.concatenate(lengths), out=offsets[1:])
+        return Batch(IdBatch(self.model_slots, values, offsets, b), dense, np.zeros(b, np.float32))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and bool(np.isfinite(x))

@@ -1,0 +1,265 @@
+"""``persia serve``: an HTTP prediction server for a Model artifact, in Vertex AI's custom-container contract.
+
+Routes (Vertex AI: https://cloud.google.com/vertex-ai/docs/predictions/custom-container-requirements):
+
+- ``POST <predict route>`` (``AIP_PREDICT_ROUTE``, default ``/predict``): ``{"instances": [...]}`` ->
+  ``{"predictions": [p, ...], "model_version": "..."}`` (click probabilities, float32 printed to 9 digits; the
+  ``X-Model-Version`` header says the same). Instances: ``persia_core.serve.instances``. A malformed body or
+  instance gets 400 naming the instance index and field; a body over ``max_request_bytes`` gets 413.
+- ``GET <health route>`` (``AIP_HEALTH_ROUTE``, default ``/health``): 200 ``{"status": "ok", "model_version"}``
+  once the model is loaded.
+- ``GET /metrics``: Prometheus text format (``prometheus_client``): requests and instances by route and status,
+  request latency, the served model's version and load time.
+
+The server is aiohttp (``aiohttp.web``): one asyncio event loop, the scoring of a request in one worker thread
+(torch releases the GIL), so health checks and metrics answer while a large request is scored. SIGTERM and
+SIGINT stop accepting connections and let the requests in flight finish (up to ``drain_s``) before exiting.
+Embedding lookups are read-only and in-process (``LoadedModel``); the model must fit twice in memory
+(``check_memory``) so that a new one can be loaded beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from persia_core import io
+from persia_core.evaluate.run import LoadedModel
+from persia_core.model_store import MANIFEST, read_manifest
+from persia_core.serve.instances import InstanceEncoder, InstanceError
+
+log = logging.getLogger("persia.serve")
+
+DEFAULT_PREDICT_ROUTE = "/predict"
+DEFAULT_HEALTH_ROUTE = "/health"
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+
+class ModelTooLargeError(MemoryError):
+    """The model does not fit twice in the memory available to the server."""
+
+
+def available_memory_bytes() -> int:
+    """Bytes this process may still allocate: ``MemAvailable`` of ``/proc/meminfo``, lowered to the cgroup's
+    ``memory.max`` less ``memory.current`` where a limit is set (a container's)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            avail = min(avail, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return max(int(avail), 0)
+
+
+def model_bytes(model_dir: str) -> int:
+    """Bytes of a Model artifact's dense file and shard files (uncompressed arrays: about what it holds in
+    memory). ``model_dir`` may be a blessed-model location."""
+    folder, manifest = read_manifest(model_dir)
+    return sum(io.size(io.join(folder, rel)) for rel in (manifest.dense_file, *manifest.shard_files))
+
+
+def check_memory(model_dir: str, available: int | None = None) -> int:
+    """Refuse a model that does not fit twice in ``available`` bytes (default ``available_memory_bytes()``): a
+    swap to a new model holds both. Returns the model's bytes. Raises ``ModelTooLargeError`` naming both
+    figures."""
+    need = model_bytes(model_dir)
+    have = available_memory_bytes() if available is None else available
+    if 2 * need > have:
+        raise ModelTooLargeError(
+            f"{model_dir}: the model needs {need} bytes in memory and twice that ({2 * need} bytes) to swap in a new "
+            f"one, but {have} bytes are available; give the server more memory (a larger machine type)"
+        )
+    return need
+
+
+def model_version(model_dir: str) -> str:
+    """The version a response names: the model folder's name and the first 12 hex digits of the SHA-256 of its
+    manifest (which records its shards' CRCs), e.g. ``model-3f1c9a0b2d4e``."""
+    folder, _ = read_manifest(model_dir)
+    digest = hashlib.sha256(io.read_text(io.join(folder, MANIFEST)).encode()).hexdigest()[:12]
+    return f"{os.path.basename(folder.rstrip('/')) or 'model'}-{digest}"
+
+
+@dataclass
+class Served:
+    """The model being served: the loaded artifact, its instance encoder, version and load time (Unix s)."""
+
+    model: LoadedModel
+    encoder: InstanceEncoder
+    version: str
+    loaded_at: float
+    folder: str
+
+
+def load_served(model_dir: str) -> Served:
+    """Load ``model_dir`` (a Model artifact or a blessed-model location) for serving."""
+    model = LoadedModel(model_dir)
+    encoder = InstanceEncoder(model.config, model.slots, len(model.manifest.dense))
+    return Served(model, encoder, model_version(model.model_dir), time.time(), model.model_dir)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several servers in one process stay apart)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "persia_serve_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.instances = Counter("persia_serve_instances", "instances scored", registry=self.registry)
+        self.latency = Histogram(
+            "persia_serve_request_seconds",
+            "prediction request latency, body read to response, in seconds",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=self.registry,
+        )
+        self.version = Gauge(
+            "persia_serve_model_info", "the served model (value 1)", ["model_version"], registry=self.registry
+        )
+        self.loaded = Gauge(
+            "persia_serve_model_loaded_timestamp_seconds", "when the served model was loaded", registry=self.registry
+        )
+        self.freshness = Gauge(
+            "persia_serve_model_age_seconds", "seconds since the served model was loaded", registry=self.registry
+        )
+
+    def serving(self, served: Served) -> None:
+        self.version.clear()
+        self.version.labels(served.version).set(1)
+        self.loaded.set(served.loaded_at)
+
+    def text(self, served: Served | None) -> bytes:
+        from prometheus_client import generate_latest
+
+        if served is not None:
+            self.freshness.set(time.time() - served.loaded_at)
+        return generate_latest(self.registry)
+
+
+def _error(status: int, message: str):
+    from aiohttp import web
+
+    return web.json_response({"error": message}, status=status)
+
+
+def make_app(
+    served: Served,
+    predict_route: str = DEFAULT_PREDICT_ROUTE,
+    health_route: str = DEFAULT_HEALTH_ROUTE,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+):
+    """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring)."""
+    from aiohttp import web
+
+    metrics = Metrics()
+    metrics.serving(served)
+    state = {"served": served}
+    pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-score")
+
+    def score(body: bytes) -> tuple[int, dict]:
+        try:
+            request = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return 400, {"error": f"the body is not JSON: {e}"}
+        if not isinstance(request, dict) or "instances" not in request:
+            return 400, {"error": 'the body must be a JSON object with "instances": [...]'}
+        current: Served = state["served"]  # one model for the whole request, whatever a swap does meanwhile
+        try:
+            batch = current.encoder.batch(request["instances"])
+        except InstanceError as e:
+            return 400, {"error": str(e), "instance": e.index, "field": e.field}
+        probs = current.model.predict(batch)
+        metrics.instances.inc(len(probs))
+        return 200, {"predictions": [float(f"{p:.9g}") for p in probs.tolist()], "model_version": current.version}
+
+    async def predict(request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            metrics.requests.labels("predict", "413").inc()
+            return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")
+        status, payload = await asyncio.get_running_loop().run_in_executor(pool, score, body)
+        metrics.requests.labels("predict", str(status)).inc()
+        if status == 200:
+            metrics.latency.observe(time.perf_counter() - t0)
+            return web.json_response(payload, headers={"X-Model-Version": payload["model_version"]})
+        return web.json_response(payload, status=status)
+
+    async def health(_request: web.Request) -> web.Response:
+        metrics.requests.labels("health", "200").inc()
+        return web.json_response({"status": "ok", "model_version": state["served"].version})
+
+    async def metrics_route(_request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        resp = web.Response(body=metrics.text(state["served"]))
+        resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+        return resp
+
+    async def on_cleanup(_app) -> None:
+        pool.shutdown(wait=True)
+
+    app = web.Application(client_max_size=max_request_bytes)
+    app.router.add_post(predict_route, predict)
+    app.router.add_get(health_route, health)
+    app.router.add_get("/metrics", metrics_route)
+    app.on_cleanup.append(on_cleanup)
+    app["persia_state"], app["persia_metrics"] = state, metrics
+    return app
+
+
+def serve(
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    predict_route: str = DEFAULT_PREDICT_ROUTE,
+    health_route: str = DEFAULT_HEALTH_ROUTE,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    drain_s: float = 30.0,
+    threads: int = 0,
+) -> None:
+    """Load ``model_dir`` and serve it on ``host:port`` until SIGTERM or SIGINT (then drain for up to
+    ``drain_s`` seconds). ``threads``: torch intra-op threads (0: torch's default). Raises
+    ``ModelTooLargeError`` (``check_memory``), ``FileNotFoundError`` / ``ValueError`` for a missing or bad model."""
+    import torch
+    from aiohttp import web
+
+    if threads:
+        torch.set_num_threads(threads)
+    need = check_memory(model_dir)
+    served = load_served(model_dir)
+    log.info(
+        "serving %s (%s, %d bytes) on http://%s:%d: POST %s, GET %s, GET /metrics",
+        served.folder,
+        served.version,
+        need,
+        host,
+        port,
+        predict_route,
+        health_route,
+    )
+    app = make_app(served, predict_route, health_route, max_request_bytes)
+    web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
+    log.info("stopped: requests in flight drained")

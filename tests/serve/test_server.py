@@ -1,0 +1,269 @@
+"""``persia serve``: a real server process on 127.0.0.1 and a real HTTP client (``urllib``). Its predictions equal
+``persia predict`` on the same rows; Vertex AI's environment variables pick the port, routes and model; bad
+requests get 400/413 and crash nothing; ``/metrics`` counts what was served; SIGTERM drains a request in flight;
+a model that does not fit twice in memory is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from persia_core.data.reader import ParquetExamples
+from persia_core.evaluate.predict import predict
+from persia_core.evaluate.run import LoadedModel
+from persia_core.hashing import feature_ids
+from persia_core.serve.instances import InstanceEncoder
+from persia_core.serve.server import ModelTooLargeError, check_memory, model_bytes, model_version
+
+pytestmark = pytest.mark.processes
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m persia_core serve ARGS`` in a subprocess, waited for on its health route."""
+
+    def __init__(self, args: list[str], env: dict[str, str], port: int, health: str, log_path: str):
+        self.port, self.log_path = port, log_path
+        self.log = open(log_path, "wb")
+        full_env = {**os.environ, "PYTHONPATH": ROOT, **env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "persia_core", "serve", *args], env=full_env, stdout=self.log, stderr=self.log
+        )
+        deadline = time.time() + 60
+        while True:
+            try:
+                status, _, _ = self.get(health)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise AssertionError(f"the server did not come up: {open(log_path).read()}")
+            time.sleep(0.2)
+
+    def url(self, route: str) -> str:
+        return f"http://127.0.0.1:{self.port}{route}"
+
+    def get(self, route: str) -> tuple[int, dict, bytes]:
+        with urllib.request.urlopen(self.url(route), timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+
+    def post(self, route: str, body: bytes) -> tuple[int, dict, dict]:
+        req = urllib.request.Request(self.url(route), data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, dict(r.headers), json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            text = e.read()
+            return e.code, dict(e.headers), json.loads(text) if text.startswith(b"{") else {"raw": text.decode()}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+ROWS = [  # tiny_config's layout: label, x, a, b, tags
+    ["1", "0.5", "3", "17", "4"],
+    ["0", "", "19", "", ""],
+    ["1", "2.5", "7", "1", "9"],
+    ["0", "-1", "2", "44", "0"],
+    ["1", "3", "unseen-value", "5", "7"],
+]
+
+
+def _as_instances(rows: list[list[str]]) -> list[dict]:
+    """The rows as JSON instances, in every form a client may send: strings, numbers, null, absent keys; no
+    label."""
+    out = []
+    for i, (_label, x, a, b, tags) in enumerate(rows):
+        inst: dict = {"x": float(x) if "." in x else int(x)} if x else {"x": None}
+        inst["a"] = int(a) if a.isdigit() and i % 2 else a
+        if b:
+            inst["b"] = b
+        if tags:
+            inst["tags"] = tags
+        out.append(inst)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(trained, tmp_path_factory):
+    """The trained model served as Vertex AI would start the image: everything from the AIP_* variables."""
+    model, _ = trained
+    port = _free_port()
+    env = {
+        "AIP_HTTP_PORT": str(port),
+        "AIP_PREDICT_ROUTE": "/v1/endpoints/e1/deployedModels/m1:predict",
+        "AIP_HEALTH_ROUTE": "/v1/endpoints/e1/deployedModels/m1",
+        "AIP_STORAGE_URI": model,
+    }
+    log = str(tmp_path_factory.mktemp("serve") / "serve.log")
+    s = Server(["--max-request-bytes", "4096"], env, port, env["AIP_HEALTH_ROUTE"], log)
+    yield s, env
+    s.stop()
+
+
+def test_served_predictions_equal_persia_predict_on_the_same_rows(server, trained, tmp_path):
+    s, env = server
+    model, _ = trained
+    raw = tmp_path / "rows.tsv"
+    raw.write_text("".join("\t".join(r) + "\n" for r in ROWS))
+    expected = predict(model, str(raw), str(tmp_path / "p.csv"))["probability"]
+
+    status, headers, body = s.post(env["AIP_PREDICT_ROUTE"], json.dumps({"instances": _as_instances(ROWS)}).encode())
+    assert status == 200, body
+    got = np.array(body["predictions"], dtype=np.float64)
+    assert got.shape == (len(ROWS),)
+    np.testing.assert_allclose(got, expected.astype(np.float64), rtol=0, atol=1e-6)
+    assert body["model_version"] == headers["X-Model-Version"] == model_version(model)
+
+    status, _, raw_health = s.get(env["AIP_HEALTH_ROUTE"])
+    assert status == 200 and json.loads(raw_health) == {"status": "ok", "model_version": model_version(model)}
+
+
+def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
+    """The MovieLens-form instance (slot_<name> feature IDs, dense values) equals scoring the Parquet rows."""
+    model_dir, data = trained
+    model = LoadedModel(model_dir)
+    examples = ParquetExamples([os.path.join(data, "eval", "eval-00000-of-00001.parquet")], model.slots, 1)
+    rows = np.arange(40)
+    expected = model.predict(examples.batch(rows))
+    instances = []
+    for r in rows:
+        inst = {"dense": [float(examples.dense[r, 0])]}
+        for s in model.slots:
+            values, offsets = examples.ids[s]
+            inst[f"slot_{s}"] = [int(v) for v in values[offsets[r] : offsets[r + 1]]]
+        instances.append(inst)
+    enc = InstanceEncoder(model.config, model.slots, 1)
+    assert np.array_equal(model.predict(enc.features_batch(instances)), expected)
+    with pytest.raises(ValueError, match=r"instance 1, field 'slot_a'.*feature IDs"):
+        enc.features_batch([instances[0], {**instances[1], "slot_a": [-1]}])
+    with pytest.raises(ValueError, match=r"instance 0, field 'dense': expected a list of 1 numbers"):
+        enc.features_batch([{"dense": [1.0, 2.0]}])
+
+
+@pytest.mark.parametrize(
+    "body,status,match",
+    [
+        (b"not json", 400, "not JSON"),
+        (b'{"rows": []}', 400, '"instances"'),
+        (b'{"instances": []}', 400, "non-empty JSON array"),
+        (b'{"instances": [{"x": 1}, 7]}', 400, "instance 1: expected a JSON object"),
+        (b'{"instances": [{"x": 1}, {"a": "3", "zz": 1}]}', 400, "instance 1, field 'zz': not a column"),
+        (b'{"instances": [{"x": "abc"}]}', 400, "instance 0, field 'x': unparsable number"),
+        (b'{"instances": [{"x": 1, "a": true}]}', 400, "instance 0, field 'a': a boolean"),
+        (b'{"instances": [{"a": {"nested": 1}}]}', 400, "instance 0, field 'a': expected a string"),
+        (b'{"instances": [{"x": 1e999}]}', 400, "instance 0, field 'x': not a finite number"),
+        (json.dumps({"instances": [{"a": "3"}] * 400}).encode(), 413, "exceeds 4096 bytes"),
+    ],
+)
+def test_bad_requests_get_400_or_413_naming_the_instance_and_field_and_crash_nothing(server, body, status, match):
+    s, env = server
+    got, _, payload = s.post(env["AIP_PREDICT_ROUTE"], body)
+    assert got == status, payload
+    assert match in payload["error"], payload
+    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
+    assert ok == 200 and len(good["predictions"]) == 1
+    assert s.proc.poll() is None
+
+
+def test_metrics_count_requests_instances_and_name_the_model(server, trained):
+    s, env = server
+    model, _ = trained
+
+    def counters() -> dict[str, float]:
+        status, headers, text = s.get("/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        out = {}
+        for line in text.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    before = counters()
+    for n in (1, 3, 2):
+        assert s.post(env["AIP_PREDICT_ROUTE"], json.dumps({"instances": [{"a": "1"}] * n}).encode())[0] == 200
+    assert s.post(env["AIP_PREDICT_ROUTE"], b"nope")[0] == 400
+    after = counters()
+    ok = 'persia_serve_requests_total{route="predict",status="200"}'
+    bad = 'persia_serve_requests_total{route="predict",status="400"}'
+    assert after[ok] - before.get(ok, 0) == 3
+    assert after[bad] - before.get(bad, 0) == 1
+    assert after["persia_serve_instances_total"] - before.get("persia_serve_instances_total", 0) == 6
+    assert after["persia_serve_request_seconds_count"] - before.get("persia_serve_request_seconds_count", 0) == 3
+    assert after[f'persia_serve_model_info{{model_version="{model_version(model)}"}}'] == 1
+    assert 0 <= after["persia_serve_model_age_seconds"] < 600
+
+
+def test_sigterm_lets_a_request_in_flight_finish_then_exits(trained, tmp_path):
+    model, _ = trained
+    port = _free_port()
+    s = Server(["--model", model, "--port", str(port)], {}, port, "/health", str(tmp_path / "serve.log"))
+    n = 60_000
+    body = json.dumps({"instances": [{"x": i % 7, "a": str(i % 20), "b": str(i % 50)} for i in range(n)]}).encode()
+    result: dict = {}
+
+    def send() -> None:
+        result["reply"] = s.post("/predict", body)
+        result["done_at"] = time.time()
+
+    t = threading.Thread(target=send)
+    try:
+        t.start()
+        time.sleep(0.5)  # the request is being scored (it takes seconds)
+        s.proc.send_signal(signal.SIGTERM)
+        signalled_at = time.time()
+        t.join(60)
+        assert s.proc.wait(60) == 0, open(tmp_path / "serve.log").read()
+    finally:
+        s.stop()
+    status, _, payload = result["reply"]
+    assert status == 200 and len(payload["predictions"]) == n
+    assert result["done_at"] > signalled_at  # it was in flight when the signal came
+    with pytest.raises(OSError):
+        s.get("/health")  # no longer listening
+
+
+def test_a_model_that_does_not_fit_twice_in_memory_is_refused(trained):
+    model, _ = trained
+    with open(os.path.join(model, "manifest.json")) as f:
+        manifest = json.load(f)
+    files = [manifest["dense_file"], *manifest["shard_files"]]
+    need = sum(os.path.getsize(os.path.join(model, f)) for f in files)
+    assert model_bytes(model) == need > 0
+    assert check_memory(model, available=2 * need) == need
+    with pytest.raises(ModelTooLargeError, match=rf"needs {need} bytes .*\({2 * need} bytes\).*{2 * need - 1} bytes"):
+        check_memory(model, available=2 * need - 1)
+
+
+def test_feature_ids_of_a_served_row_are_the_preprocessed_ones(trained):
+    """A JSON number is the text the raw file would hold: 3 and "3" are the same feature ID, 3.0 is not."""
+    model_dir, _ = trained
+    model = LoadedModel(model_dir)
+    enc = InstanceEncoder(model.config, model.slots, 1)
+    b = enc.batch([{"a": 3}, {"a": "3"}, {"a": 3.0}])
+    values, offsets = b.ids.slot("a")
+    assert [int(v) for v in values] == [*feature_ids("a", ["3"]) * 2, *feature_ids("a", ["3.0"])]
+    assert list(offsets) == [0, 1, 2, 3]
