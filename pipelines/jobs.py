@@ -72,6 +72,12 @@ def submit(
     return job
 
 
+SERVING_COMMAND = ("python", "-m", "persia_core", "serve", "--host", "0.0.0.0")
+SERVING_PORT = 8080
+SERVING_PREDICT_ROUTE = "/predict"
+SERVING_HEALTH_ROUTE = "/health"
+
+
 def register_model(
     artifact_uri: str,
     display_name: str,
@@ -85,7 +91,12 @@ def register_model(
 ):
     """Upload the blessed Model folder to the Vertex AI Model Registry (a new version of ``parent_model`` when
     given); returns the ``aiplatform.Model``. The folder must be on Cloud Storage and hold ``manifest.json``, or
-    be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded."""
+    be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded.
+
+    The model's container spec is ``SERVING_COMMAND`` (``persia serve`` on 0.0.0.0) on port ``SERVING_PORT`` with
+    ``SERVING_PREDICT_ROUTE`` and ``SERVING_HEALTH_ROUTE``, so that it deploys to an endpoint as it is (Vertex AI
+    passes the port, routes and the model's copy as ``AIP_HTTP_PORT``, ``AIP_PREDICT_ROUTE``,
+    ``AIP_HEALTH_ROUTE`` and ``AIP_STORAGE_URI``, which ``persia serve`` reads)."""
     from google.cloud import aiplatform
 
     uri = io.to_uri(artifact_uri).rstrip("/")
@@ -105,6 +116,10 @@ def register_model(
         display_name=display_name,
         artifact_uri=uri,
         serving_container_image_uri=serving_image,
+        serving_container_command=list(SERVING_COMMAND),
+        serving_container_predict_route=SERVING_PREDICT_ROUTE,
+        serving_container_health_route=SERVING_HEALTH_ROUTE,
+        serving_container_ports=[SERVING_PORT],
         parent_model=parent_model or None,
         is_default_version=True,
         version_aliases=aliases or None,

@@ -350,6 +350,9 @@ def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(ga
     m = r.model
     assert m.display_name == "persia-ctr" and m.artifact_uri == "gs://persia-test/blessed/current"
     assert m.container_spec.image_uri == IMAGE
+    c = m.container_spec  # deployable as it is: persia serve on Vertex AI's port, routes and model copy
+    assert list(c.command) == ["python", "-m", "persia_core", "serve", "--host", "0.0.0.0"]
+    assert (c.predict_route, c.health_route, [p.container_port for p in c.ports]) == ("/predict", "/health", [8080])
     assert set(m.version_aliases) == {"default", "blessed"}
     assert dict(m.labels) == {"framework": "persia-kfp", "run": "nightly"}
     assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/models/7@3"
