@@ -13,6 +13,7 @@ DoFns emit it on their ``DEAD`` output. No Beam here: ``persia predict`` encodes
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,21 +42,37 @@ def source_key(source: str) -> int:
     return xxhash.xxh3_64_intdigest(source.encode("utf-8")) >> 1
 
 
-def encode_row(record: layouts.Record, specs: list[tuple[str, list[str], bool]], source: str, ts: int) -> tuple:
-    """A parsed record -> an encoded row tuple (see the module docstring).
-
-    Slot IDs: ``hashing.feature_ids(slot, values)`` of the source field, or of ``hashing.cross_values`` of the
-    crossed fields' values (one ID per combination; empty when any crossed field is empty).
-    """
-    fields = record["fields"]
-    slots = []
+def slot_ids(fields: Mapping[str, Sequence], specs: list[tuple[str, list[str], bool]], n: int, single: bool = False):
+    """The feature IDs of ``n`` examples' slots: ``fields[name][i]`` is example i's values of a layout field
+    (``[]`` = missing), or with ``single`` its one text (``""`` = missing: a delimited layout's columns). Per slot
+    of ``specs`` (``slot_specs``), ``(ids: list[int], lengths: list[int])``: the examples' IDs one after the
+    other, and how many each has: ``hashing.feature_ids(slot, values)`` of the source field, or of
+    ``hashing.cross_values`` of the crossed fields' values (one ID per combination; none when any crossed field is
+    empty). One hashing call per slot, whatever ``n`` (``encode_row`` is ``n = 1``)."""
+    out = []
     for name, names, is_cross in specs:
-        values = hashing.cross_values([fields[f] for f in names]) if is_cross else fields[names[0]]
-        slots.append(array("Q", hashing.feature_ids(name, values)).tobytes())
+        if single and not is_cross:
+            texts = fields[names[0]]
+            if all(texts):
+                out.append((hashing.feature_ids(name, texts), [1] * n))
+            else:
+                out.append((hashing.feature_ids(name, [t for t in texts if t]), [1 if t else 0 for t in texts]))
+            continue
+        cols = [fields[f] if not single else [[t] if t else [] for t in fields[f]] for f in names]
+        per_row = [hashing.cross_values([c[i] for c in cols]) for i in range(n)] if is_cross else cols[0]
+        flat = per_row[0] if n == 1 else [v for values in per_row for v in values]
+        out.append((hashing.feature_ids(name, flat), [len(values) for values in per_row]))
+    return out
+
+
+def encode_row(record: layouts.Record, specs: list[tuple[str, list[str], bool]], source: str, ts: int) -> tuple:
+    """A parsed record -> an encoded row tuple (see the module docstring); its slot IDs are ``slot_ids``'."""
+    fields = record["fields"]
+    ids = slot_ids({f: [v] for f, v in fields.items()}, specs, 1)
     return (
         float(record["label"]),
         array("f", record["dense"]).tobytes(),
-        tuple(slots),
+        tuple(array("Q", slot).tobytes() for slot, _ in ids),
         int(ts),
         source,
         source_key(source),
