@@ -83,4 +83,9 @@ def add_commands(add: AddCommand) -> None:
         default=30.0,
         help="on SIGTERM, how long requests in flight may take to finish (default 30)",
     )
-    sp.add_argument("--threads", type=int_at_least(0), default=0, help="torch threads for scoring (default: torch's)")
+    sp.add_argument(
+        "--threads",
+        type=int_at_least(0),
+        default=0,
+        help="requests scored at once, one torch thread each (default 0: the machine's cores, at most 4)",
+    )

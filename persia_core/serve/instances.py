@@ -5,8 +5,9 @@ Two forms, by the model's layout:
 - ``delimited`` (Criteo): an instance is a JSON object keyed by the run config's column names. A string is the
   field's text; a number is the text the raw file would hold (an integer without a decimal point); ``null`` or an
   absent key is a missing field (the label column and a timestamp column may be left out: they are not features).
-  The fields are parsed by ``layouts.delimited_record`` and hashed by ``rows.encode_row``: the functions the
-  preprocess step and ``persia predict`` use on a file's lines.
+  The fields are parsed by ``layouts.delimited_columns`` and hashed by ``rows.slot_ids``: the functions the
+  preprocess step and ``persia predict`` use on a file's lines (one line at a time, where the server takes a
+  request's instances at once).
 - ``movielens`` (which needs joins and the user's history): an instance is the preprocessed feature row, keyed as
   the Parquet columns of ``persia_core.data.schema``: ``slot_<name>`` a list of feature IDs (``uint64``) for every
   slot of the model, and ``dense`` a list of the model's dense features (standardized inside the model).
@@ -16,6 +17,8 @@ A bad instance raises ``InstanceError`` naming its index and field.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +26,7 @@ import numpy as np
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
 from persia_core.preprocess import layouts
-from persia_core.preprocess.rows import DENSE, SLOTS, encode_row, slot_specs
+from persia_core.preprocess.rows import slot_ids, slot_specs
 from persia_core.sparse import Batch, IdBatch
 
 U64_MAX = (1 << 64) - 1
@@ -68,6 +71,7 @@ class InstanceEncoder:
         if self.layout.kind == "delimited":
             self.columns = list(self.layout.columns)
             self.known = set(self.columns)
+            self.every_column = operator.itemgetter(*self.columns) if len(self.columns) > 1 else None
             self.optional = {self.layout.label_column, self.layout.timestamp_column} - {None, ""}
 
     def batch(self, instances: Any) -> Batch:
@@ -80,30 +84,42 @@ class InstanceEncoder:
         return self.features_batch(instances)
 
     def _delimited(self, instances: list) -> Batch:
-        rows = []
+        known = self.known
         for i, inst in enumerate(instances):
-            if not isinstance(inst, dict):
+            if type(inst) is not dict:
                 raise InstanceError(i, None, f"expected a JSON object keyed by column name, got {type(inst).__name__}")
-            unknown = [k for k in inst if k not in self.known]
-            if unknown:
-                raise InstanceError(i, unknown[0], f"not a column of the model's layout {self.columns}")
-            fields = {c: _field_text(inst.get(c), i, c) for c in self.columns}
-            for c in self.optional:
-                if not fields[c]:
-                    fields[c] = "0"  # the label and the timestamp are not features: absent is fine
-            try:
-                record = layouts.delimited_record(fields, self.layout)
-            except layouts.ParseError as e:
-                raise InstanceError(i, e.field, e.reason) from None
-            rows.append(encode_row(record, self.specs, f"instance:{i}", 0))
-        b = len(rows)
-        dense = np.frombuffer(b"".join(r[DENSE] for r in rows), np.float32).reshape(b, self.num_dense).copy()
-        lengths, values = [], []
-        for s in self.spec_of_slot:  # slot-major, as IdBatch holds them
-            blobs = [r[SLOTS][s] for r in rows]
-            lengths.append(np.fromiter((len(x) >> 3 for x in blobs), np.int64, b))
-            values.append(b"".join(blobs))
-        return self._assemble(dense, lengths, np.frombuffer(b"".join(values), np.uint64))
+            if not inst.keys() <= known:
+                unknown = next(k for k in inst if k not in known)
+                raise InstanceError(i, unknown, f"not a column of the model's layout {self.columns}")
+        table: list[Sequence[Any]]
+        try:  # every instance has every column (the usual case): one C call per instance, then transposed
+            if self.every_column is None:
+                raise KeyError
+            table = list(zip(*map(self.every_column, instances), strict=True))
+        except KeyError:
+            table = [[inst.get(c) for inst in instances] for c in self.columns]
+        columns: dict[str, list[str]] = {}
+        for c, raw in zip(self.columns, table, strict=True):  # column by column: a few calls per column
+            types = set(map(type, raw))
+            if types == {str}:
+                texts = list(raw)
+            elif types == {int}:  # JSON integers: the text a raw file holds
+                texts = list(map(str, raw))
+            else:
+                texts = [_field_text(v, i, c) for i, v in enumerate(raw)]
+            if c in self.optional and not all(texts):
+                texts = [t or "0" for t in texts]  # the label and the timestamp are not features: absent is fine
+            columns[c] = texts
+        try:
+            parsed = layouts.delimited_columns(columns, self.layout)
+        except layouts.ParseError as e:
+            raise InstanceError(e.row or 0, e.field, e.reason) from None
+        b = len(instances)
+        ids = slot_ids(parsed.fields, self.specs, b, single=True)
+        dense = parsed.dense.astype(np.float32)  # as preprocess stores them
+        lengths = [np.array(ids[s][1], dtype=np.int64) for s in self.spec_of_slot]
+        flat = np.array([v for s in self.spec_of_slot for v in ids[s][0]], dtype=np.uint64)
+        return self._assemble(dense, lengths, flat)
 
     def features_batch(self, instances: list) -> Batch:
         """Preprocessed feature rows (``slot_<name>`` feature IDs, ``dense`` values; the form of layouts that

@@ -3,17 +3,19 @@
 Routes (Vertex AI: https://cloud.google.com/vertex-ai/docs/predictions/custom-container-requirements):
 
 - ``POST <predict route>`` (``AIP_PREDICT_ROUTE``, default ``/predict``): ``{"instances": [...]}`` ->
-  ``{"predictions": [p, ...], "model_version": "..."}`` (click probabilities, float32 printed to 9 digits; the
+  ``{"predictions": [p, ...], "model_version": "..."}`` (click probabilities: float32 in the fewest digits that
+  read back as the same float32; the
   ``X-Model-Version`` header says the same). Instances: ``persia_core.serve.instances``. A malformed body or
   instance gets 400 naming the instance index and field; a body over ``max_request_bytes`` gets 413.
 - ``GET <health route>`` (``AIP_HEALTH_ROUTE``, default ``/health``): 200 ``{"status": "ok", "model_version"}``
   once the model is loaded.
-- ``GET /metrics``: Prometheus text format (``prometheus_client``): requests and instances by route and status,
-  request latency, the served model's version and load time.
+- ``GET /metrics``: Prometheus text format (``prometheus_client``): requests by route and status, instances,
+  requests in flight, request latency, the served model's version, load time and age.
 
-The server is aiohttp (``aiohttp.web``): one asyncio event loop, the scoring of a request in one worker thread
-(torch releases the GIL), so health checks and metrics answer while a large request is scored. SIGTERM and
-SIGINT stop accepting connections and let the requests in flight finish (up to ``drain_s``) before exiting.
+The server is aiohttp (``aiohttp.web``): one asyncio event loop; each request is scored in one of ``threads``
+worker threads (torch releases the GIL), so health checks and metrics answer while a large request is scored, and
+one request's dense step runs beside the next one's parsing. SIGTERM and SIGINT stop accepting connections and
+let the requests in flight finish (up to ``drain_s``) before exiting.
 Embedding lookups are read-only and in-process (``LoadedModel``); the model must fit twice in memory
 (``check_memory``) so that a new one can be loaded beside it.
 """
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from persia_core import io
 from persia_core.evaluate.run import LoadedModel
@@ -128,6 +132,9 @@ class Metrics:
             "persia_serve_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
         )
         self.instances = Counter("persia_serve_instances", "instances scored", registry=self.registry)
+        self.in_flight = Gauge(
+            "persia_serve_requests_in_flight", "prediction requests read and not yet answered", registry=self.registry
+        )
         self.latency = Histogram(
             "persia_serve_request_seconds",
             "prediction request latency, body read to response, in seconds",
@@ -168,19 +175,21 @@ def make_app(
     predict_route: str = DEFAULT_PREDICT_ROUTE,
     health_route: str = DEFAULT_HEALTH_ROUTE,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    threads: int = 2,
 ):
-    """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring)."""
+    """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring), scoring
+    up to ``threads`` requests at once."""
     from aiohttp import web
 
     metrics = Metrics()
     metrics.serving(served)
     state = {"served": served}
-    pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-score")
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="persia-serve-score")
 
-    def score(body: bytes) -> tuple[int, dict]:
+    def score(body: bytes) -> tuple[int, Any]:
         try:
-            request = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError as e:
             return 400, {"error": f"the body is not JSON: {e}"}
         if not isinstance(request, dict) or "instances" not in request:
             return 400, {"error": 'the body must be a JSON object with "instances": [...]'}
@@ -191,7 +200,9 @@ def make_app(
             return 400, {"error": str(e), "instance": e.index, "field": e.field}
         probs = current.model.predict(batch)
         metrics.instances.inc(len(probs))
-        return 200, {"predictions": [float(f"{p:.9g}") for p in probs.tolist()], "model_version": current.version}
+        # float32 printed in the fewest digits that read back as the same float32 (orjson's numpy support)
+        body = orjson.dumps({"predictions": probs, "model_version": current.version}, option=orjson.OPT_SERIALIZE_NUMPY)
+        return 200, (body, current.version)
 
     async def predict(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
@@ -200,11 +211,13 @@ def make_app(
         except web.HTTPRequestEntityTooLarge:
             metrics.requests.labels("predict", "413").inc()
             return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")
-        status, payload = await asyncio.get_running_loop().run_in_executor(pool, score, body)
+        with metrics.in_flight.track_inprogress():
+            status, payload = await asyncio.get_running_loop().run_in_executor(pool, score, body)
         metrics.requests.labels("predict", str(status)).inc()
         if status == 200:
             metrics.latency.observe(time.perf_counter() - t0)
-            return web.json_response(payload, headers={"X-Model-Version": payload["model_version"]})
+            text, version = payload
+            return web.Response(body=text, content_type="application/json", headers={"X-Model-Version": version})
         return web.json_response(payload, status=status)
 
     async def health(_request: web.Request) -> web.Response:
@@ -241,13 +254,14 @@ def serve(
     threads: int = 0,
 ) -> None:
     """Load ``model_dir`` and serve it on ``host:port`` until SIGTERM or SIGINT (then drain for up to
-    ``drain_s`` seconds). ``threads``: torch intra-op threads (0: torch's default). Raises
+    ``drain_s`` seconds). ``threads``: requests scored at once, each on one torch thread (0: the machine's
+    cores, at most 4). Raises
     ``ModelTooLargeError`` (``check_memory``), ``FileNotFoundError`` / ``ValueError`` for a missing or bad model."""
     import torch
     from aiohttp import web
 
-    if threads:
-        torch.set_num_threads(threads)
+    threads = threads or min(4, os.cpu_count() or 1)
+    torch.set_num_threads(1)  # parallel across requests: one torch thread each
     need = check_memory(model_dir)
     served = load_served(model_dir)
     log.info(
@@ -260,6 +274,6 @@ def serve(
         predict_route,
         health_route,
     )
-    app = make_app(served, predict_route, health_route, max_request_bytes)
+    app = make_app(served, predict_route, health_route, max_request_bytes, threads)
     web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
     log.info("stopped: requests in flight drained")

@@ -174,7 +174,8 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
         (b'{"instances": [{"x": "abc"}]}', 400, "instance 0, field 'x': unparsable number"),
         (b'{"instances": [{"x": 1, "a": true}]}', 400, "instance 0, field 'a': a boolean"),
         (b'{"instances": [{"a": {"nested": 1}}]}', 400, "instance 0, field 'a': expected a string"),
-        (b'{"instances": [{"x": 1e999}]}', 400, "instance 0, field 'x': not a finite number"),
+        (b'{"instances": [{"x": 1}, {"x": 2}, {"x": "1e999"}]}', 400, "instance 2, field 'x': unparsable number"),
+        (b'{"instances": [{"x": 1}, {"x": "7", "label": "2"}]}', 400, "instance 1, field 'label': label not 0/1"),
         (json.dumps({"instances": [{"a": "3"}] * 400}).encode(), 413, "exceeds 4096 bytes"),
     ],
 )
@@ -217,31 +218,33 @@ def test_metrics_count_requests_instances_and_name_the_model(server, trained):
     assert 0 <= after["persia_serve_model_age_seconds"] < 600
 
 
+def _metric(s: Server, name: str) -> float:
+    _, _, text = s.get("/metrics")
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines() if line.startswith(name + " "))
+
+
 def test_sigterm_lets_a_request_in_flight_finish_then_exits(trained, tmp_path):
+    """The request is in flight for sure: SIGTERM comes once /metrics counts it as read and not answered."""
     model, _ = trained
     port = _free_port()
     s = Server(["--model", model, "--port", str(port)], {}, port, "/health", str(tmp_path / "serve.log"))
-    n = 60_000
+    n = 100_000
     body = json.dumps({"instances": [{"x": i % 7, "a": str(i % 20), "b": str(i % 50)} for i in range(n)]}).encode()
     result: dict = {}
-
-    def send() -> None:
-        result["reply"] = s.post("/predict", body)
-        result["done_at"] = time.time()
-
-    t = threading.Thread(target=send)
+    t = threading.Thread(target=lambda: result.update(reply=s.post("/predict", body)))
     try:
         t.start()
-        time.sleep(0.5)  # the request is being scored (it takes seconds)
+        deadline = time.time() + 30
+        while _metric(s, "persia_serve_requests_in_flight") < 1:
+            assert time.time() < deadline and t.is_alive(), "the request was never in flight"
+            time.sleep(0.01)
         s.proc.send_signal(signal.SIGTERM)
-        signalled_at = time.time()
         t.join(60)
         assert s.proc.wait(60) == 0, open(tmp_path / "serve.log").read()
     finally:
         s.stop()
     status, _, payload = result["reply"]
     assert status == 200 and len(payload["predictions"]) == n
-    assert result["done_at"] > signalled_at  # it was in flight when the signal came
     with pytest.raises(OSError):
         s.get("/health")  # no longer listening
 
