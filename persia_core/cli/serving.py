@@ -17,7 +17,9 @@ def _route(value: str) -> str:
 def cmd_serve(args, _extra) -> int:
     from persia_core.serve.server import serve
 
-    model = args.model or os.environ.get("AIP_STORAGE_URI", "")
+    if args.model and args.follow:
+        raise ValueError("give --model or --follow, not both (--follow serves the latest model of its location)")
+    model = args.follow or args.model or os.environ.get("AIP_STORAGE_URI", "")
     if not model:
         raise ValueError("--model is needed (or AIP_STORAGE_URI, which Vertex AI sets to the deployed model's folder)")
     port = args.port
@@ -35,6 +37,8 @@ def cmd_serve(args, _extra) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_s=args.drain_seconds,
         threads=args.threads,
+        follow=bool(args.follow),
+        poll_s=args.poll_seconds,
     )
     return EXIT_OK
 
@@ -50,6 +54,19 @@ def add_commands(add: AddCommand) -> None:
         cmd_serve,
     )
     sp.add_argument("--model", default="", help="Model folder or blessed-model location (default: $AIP_STORAGE_URI)")
+    sp.add_argument(
+        "--follow",
+        default="",
+        metavar="BLESSED_DIR",
+        help="follow mode: serve the latest model of this blessed-model location and swap to each one blessed there "
+        "later, without failing a request (a model that cannot be loaded leaves the old one serving)",
+    )
+    sp.add_argument(
+        "--poll-seconds",
+        type=float_in(0.05),
+        default=5.0,
+        help="follow mode: how often the blessed marker is read (default 5)",
+    )
     sp.add_argument(
         "--host",
         default="127.0.0.1",

@@ -17,12 +17,14 @@ worker threads (torch releases the GIL), so health checks and metrics answer whi
 one request's dense step runs beside the next one's parsing. SIGTERM and SIGINT stop accepting connections and
 let the requests in flight finish (up to ``drain_s``) before exiting.
 Embedding lookups are read-only and in-process (``LoadedModel``); the model must fit twice in memory
-(``check_memory``) so that a new one can be loaded beside it.
+(``check_memory``) so that a new one can be loaded beside it. Follow mode (``Follower``) swaps to each model newly
+blessed at a blessed-model location.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import os
@@ -35,7 +37,7 @@ import orjson
 
 from persia_core import io
 from persia_core.evaluate.run import LoadedModel
-from persia_core.model_store import MANIFEST, read_manifest
+from persia_core.model_store import BLESSED_MARKER, MANIFEST, is_blessed_location, read_manifest, read_marker
 from persia_core.serve.instances import InstanceEncoder, InstanceError
 
 log = logging.getLogger("persia.serve")
@@ -147,6 +149,12 @@ class Metrics:
         self.loaded = Gauge(
             "persia_serve_model_loaded_timestamp_seconds", "when the served model was loaded", registry=self.registry
         )
+        self.swaps = Counter(
+            "persia_serve_model_swaps",
+            "follow mode: swaps to a newly blessed model",
+            ["result"],
+            registry=self.registry,
+        )
         self.freshness = Gauge(
             "persia_serve_model_age_seconds", "seconds since the served model was loaded", registry=self.registry
         )
@@ -164,6 +172,70 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class Follower:
+    """Follow mode: watches a blessed-model location and swaps the served model when its marker names a new one.
+
+    Every ``poll_s`` seconds the marker (``BLESSED.json``) is read; a model it names that is not the one served is
+    loaded in a thread of its own (refused when it does not fit in the memory left: ``ModelTooLargeError``),
+    then replaces the served one between two requests: a request keeps the model it started with, none fails.
+    A model that cannot be loaded leaves the old one serving; ``error`` (health, and a log line) says why, and it
+    is not tried again until the marker changes."""
+
+    def __init__(self, location: str, state: dict, metrics: Metrics, poll_s: float):
+        self.location, self.state, self.metrics, self.poll_s = location, state, metrics, poll_s
+        self.error: str | None = None
+        self.checked_at: float | None = None
+        self.failed: str | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-load")
+
+    def _load(self, folder: str) -> Served:
+        need, have = model_bytes(folder), available_memory_bytes()
+        if need > have:
+            raise ModelTooLargeError(f"{folder}: the model needs {need} bytes in memory, {have} bytes are available")
+        return load_served(folder)
+
+    async def check(self) -> bool:
+        """Read the marker once and swap to the model it names if that is new; returns whether it swapped."""
+        loop = asyncio.get_running_loop()
+        try:
+            marker = await loop.run_in_executor(self.pool, read_marker, self.location)
+        except (OSError, ValueError) as e:
+            self._failed(None, f"{io.join(self.location, BLESSED_MARKER)}: {e}")
+            return False
+        self.checked_at = time.time()
+        if marker is None:
+            return False
+        folder = io.join(self.location, marker["model"])
+        if folder == self.state["served"].folder or folder == self.failed:
+            return False
+        t0 = time.time()
+        try:
+            served = await loop.run_in_executor(self.pool, self._load, folder)
+        except Exception as e:  # any failure to load leaves the old model serving
+            self._failed(folder, f"{folder}: {type(e).__name__}: {e}")
+            return False
+        old = self.state["served"]
+        self.state["served"] = served
+        self.metrics.serving(served)
+        self.metrics.swaps.labels("ok").inc()
+        self.error = self.failed = None
+        log.info("now serving %s (was %s; loaded in %.1f s)", served.version, old.version, time.time() - t0)
+        return True
+
+    def _failed(self, folder: str | None, message: str) -> None:
+        self.failed, self.error = folder, message
+        self.metrics.swaps.labels("failed").inc()
+        log.error("follow: still serving %s: %s", self.state["served"].version, message)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.check()
+
+    def status(self) -> dict:
+        return {"location": self.location, "checked_at": self.checked_at, "error": self.error}
+
+
 def _error(status: int, message: str):
     from aiohttp import web
 
@@ -176,9 +248,12 @@ def make_app(
     health_route: str = DEFAULT_HEALTH_ROUTE,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     threads: int = 2,
+    follow: str = "",
+    poll_s: float = 5.0,
 ):
     """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring), scoring
-    up to ``threads`` requests at once."""
+    up to ``threads`` requests at once; with ``follow`` (a blessed-model location), swapping to each model newly
+    blessed there (``Follower``, every ``poll_s`` seconds)."""
     from aiohttp import web
 
     metrics = Metrics()
@@ -220,9 +295,14 @@ def make_app(
             return web.Response(body=text, content_type="application/json", headers={"X-Model-Version": version})
         return web.json_response(payload, status=status)
 
+    follower = Follower(follow, state, metrics, poll_s) if follow else None
+
     async def health(_request: web.Request) -> web.Response:
         metrics.requests.labels("health", "200").inc()
-        return web.json_response({"status": "ok", "model_version": state["served"].version})
+        body: dict[str, Any] = {"status": "ok", "model_version": state["served"].version}
+        if follower is not None:
+            body["follow"] = follower.status()
+        return web.json_response(body)
 
     async def metrics_route(_request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -231,15 +311,25 @@ def make_app(
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
 
-    async def on_cleanup(_app) -> None:
+    async def on_startup(app) -> None:
+        if follower is not None:
+            app["persia_follow_task"] = asyncio.get_running_loop().create_task(follower.run())
+
+    async def on_cleanup(app) -> None:
+        task = app.get("persia_follow_task")
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            follower.pool.shutdown(wait=True)  # type: ignore[union-attr]
         pool.shutdown(wait=True)
 
     app = web.Application(client_max_size=max_request_bytes)
     app.router.add_post(predict_route, predict)
     app.router.add_get(health_route, health)
     app.router.add_get("/metrics", metrics_route)
+    app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app["persia_state"], app["persia_metrics"] = state, metrics
+    app["persia_state"], app["persia_metrics"], app["persia_follower"] = state, metrics, follower
     return app
 
 
@@ -252,18 +342,25 @@ def serve(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     drain_s: float = 30.0,
     threads: int = 0,
+    follow: bool = False,
+    poll_s: float = 5.0,
 ) -> None:
     """Load ``model_dir`` and serve it on ``host:port`` until SIGTERM or SIGINT (then drain for up to
     ``drain_s`` seconds). ``threads``: requests scored at once, each on one torch thread (0: the machine's
-    cores, at most 4). Raises
+    cores, at most 4). ``follow``: ``model_dir`` is a blessed-model location whose newly blessed models are
+    swapped in (``Follower``). Raises
     ``ModelTooLargeError`` (``check_memory``), ``FileNotFoundError`` / ``ValueError`` for a missing or bad model."""
     import torch
     from aiohttp import web
 
     threads = threads or min(4, os.cpu_count() or 1)
     torch.set_num_threads(1)  # parallel across requests: one torch thread each
+    if follow and not is_blessed_location(model_dir):
+        raise ValueError(f"--follow {model_dir}: not a blessed-model location (no {BLESSED_MARKER})")
     need = check_memory(model_dir)
     served = load_served(model_dir)
+    gc.collect()
+    gc.freeze()  # what start-up made lives as long as the server: the collector need not scan it on every pass
     log.info(
         "serving %s (%s, %d bytes) on http://%s:%d: POST %s, GET %s, GET /metrics",
         served.folder,
@@ -274,6 +371,6 @@ def serve(
         predict_route,
         health_route,
     )
-    app = make_app(served, predict_route, health_route, max_request_bytes, threads)
+    app = make_app(served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s)
     web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
     log.info("stopped: requests in flight drained")

@@ -1,12 +1,14 @@
 """``persia serve``: a real server process on 127.0.0.1 and a real HTTP client (``urllib``). Its predictions equal
 ``persia predict`` on the same rows; Vertex AI's environment variables pick the port, routes and model; bad
 requests get 400/413 and crash nothing; ``/metrics`` counts what was served; SIGTERM drains a request in flight;
-a model that does not fit twice in memory is refused."""
+a model that does not fit twice in memory is refused; follow mode swaps to a newly blessed model without failing a
+request and keeps serving when a blessed model cannot be loaded."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,11 +20,14 @@ import urllib.request
 
 import numpy as np
 import pytest
+import torch
 
 from persia_core.data.reader import ParquetExamples
+from persia_core.evaluate.gate import bless
 from persia_core.evaluate.predict import predict
 from persia_core.evaluate.run import LoadedModel
 from persia_core.hashing import feature_ids
+from persia_core.model_store import latest_blessed_model
 from persia_core.serve.instances import InstanceEncoder
 from persia_core.serve.server import ModelTooLargeError, check_memory, model_bytes, model_version
 
@@ -270,3 +275,85 @@ def test_feature_ids_of_a_served_row_are_the_preprocessed_ones(trained):
     values, offsets = b.ids.slot("a")
     assert [int(v) for v in values] == [*feature_ids("a", ["3"]) * 2, *feature_ids("a", ["3.0"])]
     assert list(offsets) == [0, 1, 2, 3]
+
+
+def _variant(model: str, out: str, scale: float | None) -> str:
+    """A copy of the Model ``model`` in ``out`` whose dense weights are scaled by ``scale`` (other predictions),
+    or, for None, whose dense file is cut short (a model that cannot be loaded)."""
+    shutil.copytree(model, out)
+    path = os.path.join(out, "dense.pt")
+    if scale is None:
+        with open(path, "r+b") as f:
+            f.truncate(100)
+        return out
+    state = torch.load(path, weights_only=True)
+    torch.save({k: v * scale if v.is_floating_point() else v for k, v in state.items()}, path)
+    return out
+
+
+def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(trained, tmp_path):
+    model, _ = trained
+    blessed = str(tmp_path / "blessed")
+    bless(model, {"auc": 0.5}, blessed)
+    first = model_version(latest_blessed_model(blessed))
+    port = _free_port()
+    args = ["--follow", blessed, "--poll-seconds", "0.2", "--port", str(port)]
+    s = Server(args, {}, port, "/health", str(tmp_path / "serve.log"))
+    body = json.dumps({"instances": [{"x": 0.5, "a": "3", "b": "17"}]}).encode()
+    replies: list[tuple[int, str, float]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            status, _, payload = s.post("/predict", body)
+            replies.append((status, payload.get("model_version", ""), (payload.get("predictions") or [None])[0]))
+
+    t = threading.Thread(target=client)
+    try:
+        t.start()
+        while len(replies) < 20:
+            time.sleep(0.05)
+        other = _variant(model, str(tmp_path / "other"), 0.5)
+        bless(other, {"auc": 0.6}, blessed)
+        second = model_version(latest_blessed_model(blessed))
+        deadline = time.time() + 10
+        while not replies or replies[-1][1] != second:
+            assert time.time() < deadline, f"still serving {replies[-1][1]}: {open(tmp_path / 'serve.log').read()}"
+            time.sleep(0.05)
+        n = len(replies)
+        while len(replies) < n + 20:
+            time.sleep(0.05)
+
+        # a newly blessed model that cannot be loaded: the last good one keeps serving, health says why
+        broken = _variant(model, str(tmp_path / "broken"), None)
+        bless(broken, {"auc": 0.7}, blessed)
+        bad = latest_blessed_model(blessed)
+        deadline = time.time() + 10
+        while not (health := json.loads(s.get("/health")[2]))["follow"]["error"]:
+            assert time.time() < deadline, "the broken model was never tried"
+            time.sleep(0.05)
+        n = len(replies)
+        while len(replies) < n + 20:
+            time.sleep(0.05)
+        swaps = (
+            _metric(s, 'persia_serve_model_swaps_total{result="ok"}'),
+            _metric(s, 'persia_serve_model_swaps_total{result="failed"}'),
+        )
+    finally:
+        stop.set()
+        t.join(30)
+        s.stop()
+    assert all(r[0] == 200 for r in replies), [r for r in replies if r[0] != 200][:3]
+    versions = [r[1] for r in replies]
+    k = versions.index(second)
+    assert set(versions[:k]) == {first} and set(versions[k:]) == {second}  # one swap, never back
+    expected = {}
+    for version, folder in ((first, model), (second, other)):
+        m = LoadedModel(folder)
+        expected[version] = float(
+            m.predict(InstanceEncoder(m.config, m.slots, 1).batch(json.loads(body)["instances"]))[0]
+        )
+    assert expected[first] != expected[second]
+    assert all(abs(p - expected[v]) <= 1e-6 for _, v, p in replies)
+    assert health["model_version"] == second and bad in health["follow"]["error"]
+    assert swaps == (1, 1)
