@@ -31,7 +31,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 unexport PYTHONDONTWRITEBYTECODE
 
 .DEFAULT_GOAL := help
-.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc bench-quality bench-staleness soak device-check venv-torchrec bench
+.PHONY: help venv run compile test test-fast lint format typecheck clean clean-all image venv-tfrecord test-tfrecord tfrecord tfrecord-args bench-ps bench-ckpt bench-preprocess bench-feed bench-auc bench-quality bench-staleness bench-serve soak device-check venv-torchrec bench
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-14s %s\n", $$1, $$2}'
@@ -103,6 +103,9 @@ bench-auc: venv ## MovieLens eval AUC over BENCH_SEEDS seeds (default 3), shippe
 
 bench-quality: venv ## eval AUC/logloss of the shipped models vs the LR reference: MovieLens 10k/30k/all ratings, synthetic Criteo 10k/100k/1M rows, BENCH_SEEDS seeds (one JSON line each)
 	$(PY) -m persia_core.bench.quality
+
+bench-serve: venv ## persia serve under open-loop load on 127.0.0.1 (Criteo-shaped DLRM, 1M distinct rows): rows/s of 100-row requests, p50/p99 (last line: JSON)
+	$(PY) -m persia_core.bench.serve
 
 bench-staleness: venv ## eval AUC of DCNv2 and DeepFM through the hybrid engine at K=4 vs K=0 on make bench's Criteo-shaped set (BENCH_SAMPLES, BENCH_SEEDS; one JSON line per model)
 	$(PY) -m persia_core.bench.staleness_auc

@@ -1,0 +1,301 @@
+"""``make bench-serve``: ``persia serve`` under open-loop load on 127.0.0.1, with the benchmarks' Criteo-shaped DLRM.
+
+The model: the DLRM of ``make bench`` (``criteo_synth.criteo_config_dict``: 26 slots of one ID, dim 16, bottom
+13-512-256-64-16, top 512-256-1), trained one epoch on ``--train-rows`` rows of the synthetic Criteo-shaped set.
+The server runs in its own process (``python -m persia_core serve``) as a user starts it.
+
+Instances: ``--distinct-rows`` (at least 1M) rows drawn from the same planted distribution, as raw Criteo fields
+(``C1..C26`` 8-hex-digit strings, ``I1..I13`` integer counts), each sent once per pass over them in order, so no
+cache of predictions or rows can help. Bodies are built before each phase.
+
+Load: open loop (requests start on a fixed schedule whatever the server's replies, each over a pooled aiohttp
+connection; its latency counts from its scheduled start, so a server that falls behind is charged its queue,
+not hidden by it: no coordinated omission). The load generator is aiohttp's client (a locust or wrk-style
+closed loop of users would slow down with the server instead). Phases of ``--phase-seconds`` each:
+
+1. 100-row requests at rising rates (x1.25 from ``--start-rate`` requests/s) until one is not sustained (an
+   error, or a p99 latency above ``--max-p99-ms``, or requests still unanswered 5 s after the phase): the last
+   sustained rate is ``rows_per_s_100``, its p50 ``p50_ms_100``;
+2. 100-row requests at half that rate: ``p99_ms_100_half_load``;
+3. 1-row requests at 200/s: ``p99_ms_1``.
+
+The server follows a blessed-model location (``persia serve --follow``): a third of the way through phase 2 a new
+model (the same with its dense weights scaled by 0.9) is blessed there; ``swap_seconds`` is the time from its
+marker being written to the first reply from it, ``failed_during_swap`` the errors and unanswered requests of that
+phase, ``old_model_replies_after_swap`` the replies from the old model after the first from the new one (requests
+that started before the swap).
+
+Last line: one JSON object with those figures, ``errors`` (over every phase but the one that failed the search)
+and the phases' details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from persia_core.argchecks import float_in, int_at_least
+
+
+def log(msg: str) -> None:
+    print(f"[bench-serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def instance_fragments(n: int, seed: int = 1) -> list[bytes]:
+    """``n`` raw Criteo rows of the planted distribution as JSON object texts (no label)."""
+    from persia_core.bench.criteo_synth import DENSE, NUM_DENSE, SLOTS, PlantedModel
+
+    planted = PlantedModel(0)
+    rng = np.random.default_rng([seed, 7])
+    out: list[bytes] = []
+    for start in range(0, n, 100_000):
+        k = min(100_000, n - start)
+        ranks, _ = planted.sample_features(rng, k)
+        counts = np.floor(np.exp(rng.normal(planted.mu, 1.2, size=(k, NUM_DENSE)))).astype(np.int64)
+        for r in range(k):
+            inst: dict[str, int | str] = {d: int(c) for d, c in zip(DENSE, counts[r], strict=True)}
+            inst.update({s: f"{v:08x}" for s, v in zip(SLOTS, ranks[r], strict=True)})
+            out.append(json.dumps(inst, separators=(",", ":")).encode())
+    return out
+
+
+def train_model(work: str, train_rows: int) -> str:
+    from persia_core.bench.criteo_synth import write_criteo_synth
+    from persia_core.config import RunConfig
+    from persia_core.train.launcher import train
+
+    data, model = os.path.join(work, "data"), os.path.join(work, "model")
+    schema = write_criteo_synth(data, train_rows, eval_rows=1000)
+    train(RunConfig.from_dict(schema["config"]), data, model, work_dir=os.path.join(work, "train"))
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(blessed: str, work: str, threads: int) -> tuple[subprocess.Popen, int]:
+    """``persia serve --follow blessed`` on a free port, once its health route answers."""
+    port = _free_port()
+    logf = open(os.path.join(work, "serve.log"), "wb")
+    args = ["--follow", blessed, "--poll-seconds", "1", "--port", str(port), "--threads", str(threads)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "persia_core", "serve", *args],
+        stdout=logf,
+        stderr=logf,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"persia serve exited with {proc.returncode}; see {logf.name}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"persia serve did not answer its health route within 120 s; see {logf.name}")
+
+
+class Rows:
+    """Walks the distinct rows in order, wrapping around."""
+
+    def __init__(self, fragments: list[bytes]):
+        self.fragments, self.at = fragments, 0
+
+    def body(self, n: int) -> bytes:
+        f, k = self.fragments, len(self.fragments)
+        part = f[self.at : self.at + n] if self.at + n <= k else f[self.at :] + f[: self.at + n - k]
+        self.at = (self.at + n) % k
+        return b'{"instances":[' + b",".join(part) + b"]}"
+
+
+async def _phase(url: str, bodies: list[bytes], rate: float, rows: int) -> dict:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    answered: list[tuple[float, str]] = []  # (Unix time of the reply, the model version that answered)
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 0.05
+
+        async def one(i: int, body: bytes) -> None:
+            due = t0 + i / rate
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            try:
+                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    payload = await r.read()
+                    if r.status != 200:
+                        errors.append(f"HTTP {r.status}: {payload[:200]!r}")
+                        return
+                    reply = json.loads(payload)
+                    if len(reply["predictions"]) != rows:
+                        errors.append("wrong number of predictions")
+                        return
+                    answered.append((time.time(), reply["model_version"]))
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                errors.append(repr(e))
+                return
+            latencies.append(loop.time() - due)
+
+        tasks = [asyncio.ensure_future(one(i, b)) for i, b in enumerate(bodies)]
+        end = t0 + len(bodies) / rate + 5.0
+        done, pending = await asyncio.wait(tasks, timeout=max(0.0, end - loop.time()))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    lat = np.array(latencies) * 1e3 if latencies else np.array([np.inf])
+    return {
+        "rate": rate,
+        "rows_per_request": rows,
+        "requests": len(bodies),
+        "answered": len(latencies),
+        "errors": len(errors),
+        "unanswered": len(pending),
+        "first_error": errors[0] if errors else None,
+        "p50_ms": round(float(np.percentile(lat, 50)), 3),
+        "p99_ms": round(float(np.percentile(lat, 99)), 3),
+        "max_ms": round(float(lat.max()), 3),
+        "answered_by": answered,
+    }
+
+
+def phase(url: str, rows: Rows, rate: float, per_request: int, seconds: float, during=None) -> dict:
+    """One phase of ``seconds`` at ``rate`` requests/s of ``per_request`` rows; ``during()`` runs in a thread of its
+    own a third of the way through."""
+    n = max(1, int(round(rate * seconds)))
+    bodies = [rows.body(per_request) for _ in range(n)]
+    timer = threading.Timer(seconds / 3, during) if during is not None else None
+    if timer is not None:
+        timer.start()
+    r = asyncio.run(_phase(url, bodies, rate, per_request))
+    if timer is not None:
+        timer.join()
+    log(
+        f"{per_request}-row requests at {rate:.0f}/s for {seconds:.0f} s: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} "
+        f"ms, errors {r['errors']}, unanswered {r['unanswered']}"
+    )
+    return r
+
+
+def other_model(model: str, out: str) -> str:
+    """A copy of ``model`` whose dense weights are scaled by 0.9: another model, same tables, to bless mid-run."""
+    import torch
+
+    shutil.copytree(model, out)
+    path = os.path.join(out, "dense.pt")
+    state = torch.load(path, weights_only=True)
+    torch.save({k: v * 0.9 if v.is_floating_point() else v for k, v in state.items()}, path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--train-rows", type=int_at_least(1000), default=200_000, help="rows the model trains on")
+    p.add_argument("--distinct-rows", type=int_at_least(1), default=1_000_000, help="distinct instances sent")
+    p.add_argument("--phase-seconds", type=float_in(1.0), default=30.0, help="length of each load phase")
+    p.add_argument("--start-rate", type=float_in(1.0), default=80.0, help="first rate of 100-row requests per s")
+    p.add_argument("--max-p99-ms", type=float_in(1.0), default=100.0, help="a rate with a higher p99 is not sustained")
+    p.add_argument("--threads", type=int_at_least(0), default=0, help="persia serve --threads (default: its own)")
+    p.add_argument("--model", default="", help="serve this Model instead of training one")
+    p.add_argument("--work", default="", help="working folder (default: temporary, removed)")
+    args = p.parse_args(argv)
+    work = args.work or tempfile.mkdtemp(prefix="bench-serve-")
+    os.makedirs(work, exist_ok=True)
+    proc = None
+    try:
+        t0 = time.time()
+        model = args.model or train_model(work, args.train_rows)
+        log(f"model {model} ({time.time() - t0:.0f} s); building {args.distinct_rows} distinct instances")
+        rows = Rows(instance_fragments(args.distinct_rows))
+        from persia_core.evaluate.gate import bless
+        from persia_core.model_store import latest_blessed_model
+        from persia_core.serve.server import model_version
+
+        blessed = os.path.join(work, "blessed")
+        for old in (blessed, os.path.join(work, "model-2")):  # a reused --work
+            shutil.rmtree(old, ignore_errors=True)
+        bless(model, {}, blessed)
+        first = model_version(latest_blessed_model(blessed) or "")
+        second_model = other_model(model, os.path.join(work, "model-2"))
+        proc, port = start_server(blessed, work, args.threads)
+        url = f"http://127.0.0.1:{port}/predict"
+        gc.collect()
+        gc.freeze()  # the 1M instances and torch's objects live to the end: no collection need scan them again
+        phase(url, rows, 20.0, 100, min(5.0, args.phase_seconds))  # warm-up, not counted
+        phases, best, errors = [], None, 0
+        rate = args.start_rate
+        while True:
+            r = phase(url, rows, rate, 100, args.phase_seconds)
+            phases.append(r)
+            if r["errors"] or r["unanswered"] or r["p99_ms"] > args.max_p99_ms:
+                break
+            best = r
+            rate *= 1.25
+        errors += sum(x["errors"] for x in phases[:-1])
+        half = one = None
+        swap: dict = {}
+
+        def bless_second() -> None:
+            bless(second_model, {}, blessed)
+            swap["blessed_at"] = time.time()
+            swap["version"] = model_version(latest_blessed_model(blessed) or "")
+
+        if best is not None:  # at half load a new model is blessed a third of the way through (follow mode)
+            half = phase(url, rows, best["rate"] / 2, 100, args.phase_seconds, during=bless_second)
+            one = phase(url, rows, 200.0, 1, args.phase_seconds)
+            phases += [half, one]
+            errors += half["errors"] + one["errors"] + half["unanswered"] + one["unanswered"]
+            new = [t for t, v in half["answered_by"] if v == swap.get("version")]
+            if new:
+                swap["seconds"] = round(min(new) - swap["blessed_at"], 3)
+                swap["old"] = sum(1 for t, v in half["answered_by"] if v == first and t > min(new))
+            swap["failed"] = half["errors"] + half["unanswered"]
+            log(f"swap: blessed {swap.get('version')}, first reply from it {swap.get('seconds')} s later")
+        for ph in phases:
+            ph.pop("answered_by", None)
+        result = {
+            "rows_per_s_100": round(best["rate"] * 100) if best else 0,
+            "p50_ms_100": best["p50_ms"] if best else None,
+            "p99_ms_100_half_load": half["p99_ms"] if half else None,
+            "p99_ms_1": one["p99_ms"] if one else None,
+            "errors": errors,
+            "swap_seconds": swap.get("seconds"),
+            "failed_during_swap": swap.get("failed"),
+            "old_model_replies_after_swap": swap.get("old"),
+            "distinct_rows": args.distinct_rows,
+            "phase_seconds": args.phase_seconds,
+            "server_threads": args.threads,
+            "phases": phases,
+        }
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
