@@ -29,8 +29,6 @@ from persia_core.preprocess import layouts
 from persia_core.preprocess.rows import slot_ids, slot_specs
 from persia_core.sparse import Batch, IdBatch
 
-U64_MAX = (1 << 64) - 1
-
 
 class InstanceError(ValueError):
     """A request instance that cannot be scored; the message names the instance index and the field."""
@@ -127,25 +125,26 @@ class InstanceEncoder:
         b, f = len(instances), self.num_dense
         dense = np.zeros((b, f), np.float32)
         per_slot: list[list[np.ndarray]] = [[] for _ in self.model_slots]
+        columns = [S.slot_column(s) for s in self.model_slots]
+        want = {S.DENSE, *columns}
         for i, inst in enumerate(instances):
             if not isinstance(inst, dict):
                 raise InstanceError(i, None, f"expected a JSON object of the preprocessed columns, got {type(inst)}")
-            want = {S.DENSE, *(S.slot_column(s) for s in self.model_slots)}
-            unknown = [k for k in inst if k not in want]
-            if unknown:
-                raise InstanceError(i, unknown[0], f"not a column of the model's preprocessed rows {sorted(want)}")
-            d = inst.get(S.DENSE, [])
-            if not isinstance(d, list) or len(d) != f or not all(_is_number(x) for x in d):
+            if not inst.keys() <= want:
+                unknown = next(k for k in inst if k not in want)
+                raise InstanceError(i, unknown, f"not a column of the model's preprocessed rows {sorted(want)}")
+            d = np.asarray(inst.get(S.DENSE, []))
+            if d.shape != (f,) or (f and (d.dtype.kind not in "iuf" or not np.isfinite(d).all())):
                 raise InstanceError(i, S.DENSE, f"expected a list of {f} numbers")
             dense[i] = d
-            for j, s in enumerate(self.model_slots):
-                col = S.slot_column(s)
+            for j, col in enumerate(columns):
                 ids = inst.get(col, [])
-                if not isinstance(ids, list) or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= U64_MAX for x in ids
-                ):
-                    raise InstanceError(i, col, "expected a list of feature IDs (integers in [0, 2^64))")
-                per_slot[j].append(np.array(ids, dtype=np.uint64))
+                try:  # integers only (the type check is one C-level pass; numpy refuses < 0 and >= 2^64)
+                    if type(ids) is not list or not set(map(type, ids)) <= {int}:
+                        raise TypeError
+                    per_slot[j].append(np.array(ids, dtype=np.uint64))
+                except (TypeError, OverflowError):
+                    raise InstanceError(i, col, "expected a list of feature IDs (integers in [0, 2^64))") from None
         lengths = [np.fromiter((len(a) for a in bags), np.int64, b) for bags in per_slot]
         flat = [a for bags in per_slot for a in bags]
         values = np.concatenate(flat) if flat else np.zeros(0, np.uint64)
@@ -157,7 +156,3 @@ class InstanceEncoder:
         if lengths:
             np.cumsum(np.concatenate(lengths), out=offsets[1:])
         return Batch(IdBatch(self.model_slots, values, offsets, b), dense, np.zeros(b, np.float32))
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and bool(np.isfinite(x))

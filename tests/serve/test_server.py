@@ -162,8 +162,9 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
         instances.append(inst)
     enc = InstanceEncoder(model.config, model.slots, 1)
     assert np.array_equal(model.predict(enc.features_batch(instances)), expected)
-    with pytest.raises(ValueError, match=r"instance 1, field 'slot_a'.*feature IDs"):
-        enc.features_batch([instances[0], {**instances[1], "slot_a": [-1]}])
+    for bad in ([-1], [1.5], [True], [1 << 64], "7"):
+        with pytest.raises(ValueError, match=r"instance 1, field 'slot_a'.*feature IDs"):
+            enc.features_batch([instances[0], {**instances[1], "slot_a": bad}])
     with pytest.raises(ValueError, match=r"instance 0, field 'dense': expected a list of 1 numbers"):
         enc.features_batch([{"dense": [1.0, 2.0]}])
 
