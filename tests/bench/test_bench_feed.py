@@ -55,6 +55,7 @@ def test_the_sampler_counts_a_busy_child_and_not_an_idle_one():
     assert "time.sleep(1.5)" in got[procs[1].pid][0]
 
 
+@pytest.mark.processes
 def test_the_sampler_keeps_each_processs_peak_resident_memory():
     hold = "import time\nimport numpy as np\na = np.ones(300 << 20, np.uint8)\ntime.sleep(1.0)\n"
     with ProcessTreeSampler(interval_s=0.02) as sampler:
