@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import urllib.request
 import numpy as np
 
 from persia_core.argchecks import float_in, int_at_least
+from persia_core.train.processes import free_port
 
 
 def log(msg: str) -> None:
@@ -83,15 +83,9 @@ def train_model(work: str, train_rows: int) -> str:
     return model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(blessed: str, work: str, threads: int) -> tuple[subprocess.Popen, int]:
     """``persia serve --follow blessed`` on a free port, once its health route answers."""
-    port = _free_port()
+    port = free_port()
     logf = open(os.path.join(work, "serve.log"), "wb")
     args = ["--follow", blessed, "--poll-seconds", "1", "--port", str(port), "--threads", str(threads)]
     proc = subprocess.Popen(

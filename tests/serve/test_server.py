@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,15 +29,10 @@ from persia_core.hashing import feature_ids
 from persia_core.model_store import latest_blessed_model
 from persia_core.serve.instances import InstanceEncoder
 from persia_core.serve.server import ModelTooLargeError, check_memory, model_bytes, model_version
+from persia_core.train.processes import free_port
 
 pytestmark = pytest.mark.processes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -115,7 +109,7 @@ def _as_instances(rows: list[list[str]]) -> list[dict]:
 def server(trained, tmp_path_factory):
     """The trained model served as Vertex AI would start the image: everything from the AIP_* variables."""
     model, _ = trained
-    port = _free_port()
+    port = free_port()
     env = {
         "AIP_HTTP_PORT": str(port),
         "AIP_PREDICT_ROUTE": "/v1/endpoints/e1/deployedModels/m1:predict",
@@ -195,25 +189,31 @@ def test_bad_requests_get_400_or_413_naming_the_instance_and_field_and_crash_not
     assert s.proc.poll() is None
 
 
+def _metrics(s: Server) -> dict[str, float]:
+    """The server's /metrics as ``{sample name with labels: value}`` (Prometheus text format)."""
+    status, headers, text = s.get("/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    out = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _metric(s: Server, name: str) -> float:
+    return _metrics(s)[name]
+
+
 def test_metrics_count_requests_instances_and_name_the_model(server, trained):
     s, env = server
     model, _ = trained
 
-    def counters() -> dict[str, float]:
-        status, headers, text = s.get("/metrics")
-        assert status == 200 and headers["Content-Type"].startswith("text/plain")
-        out = {}
-        for line in text.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    before = counters()
+    before = _metrics(s)
     for n in (1, 3, 2):
         assert s.post(env["AIP_PREDICT_ROUTE"], json.dumps({"instances": [{"a": "1"}] * n}).encode())[0] == 200
     assert s.post(env["AIP_PREDICT_ROUTE"], b"nope")[0] == 400
-    after = counters()
+    after = _metrics(s)
     ok = 'persia_serve_requests_total{route="predict",status="200"}'
     bad = 'persia_serve_requests_total{route="predict",status="400"}'
     assert after[ok] - before.get(ok, 0) == 3
@@ -224,15 +224,10 @@ def test_metrics_count_requests_instances_and_name_the_model(server, trained):
     assert 0 <= after["persia_serve_model_age_seconds"] < 600
 
 
-def _metric(s: Server, name: str) -> float:
-    _, _, text = s.get("/metrics")
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines() if line.startswith(name + " "))
-
-
 def test_sigterm_lets_a_request_in_flight_finish_then_exits(trained, tmp_path):
     """The request is in flight for sure: SIGTERM comes once /metrics counts it as read and not answered."""
     model, _ = trained
-    port = _free_port()
+    port = free_port()
     s = Server(["--model", model, "--port", str(port)], {}, port, "/health", str(tmp_path / "serve.log"))
     n = 100_000
     body = json.dumps({"instances": [{"x": i % 7, "a": str(i % 20), "b": str(i % 50)} for i in range(n)]}).encode()
@@ -297,7 +292,7 @@ def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(tr
     blessed = str(tmp_path / "blessed")
     bless(model, {"auc": 0.5}, blessed)
     first = model_version(latest_blessed_model(blessed))
-    port = _free_port()
+    port = free_port()
     args = ["--follow", blessed, "--poll-seconds", "0.2", "--port", str(port)]
     s = Server(args, {}, port, "/health", str(tmp_path / "serve.log"))
     body = json.dumps({"instances": [{"x": 0.5, "a": "3", "b": "17"}]}).encode()
