@@ -3,6 +3,8 @@ of a job spends.
 
 ``ProcessTreeSampler`` reads, every ``interval_s``, the CPU time (user + system, all threads) and the resident set
 size (RSS, bytes) of every descendant of a process and the process itself, with each one's command line;
+the sampling thread's own CPU time is left out of the root's, when the root is this process (it is the
+instrument's cost, not the job's);
 ``cpu_between(t0, t1)`` then interpolates each process's CPU seconds at the window's two ends (Unix seconds). A
 process that started inside the window counts from zero; one that ended inside it counts up to its last sample (up
 to ``interval_s`` of its CPU is lost). Each process keeps its peak RSS over the samples (``peak_rss``).
@@ -74,6 +76,7 @@ class ProcessTreeSampler:
         self.processes: dict[int, ProcessSamples] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="proc-cpu-sampler", daemon=True)
+        self._own_cpu_s = 0.0  # CPU seconds of the sampling thread so far (left out of the root's samples)
 
     def __enter__(self) -> ProcessTreeSampler:
         self.sample()
@@ -88,6 +91,7 @@ class ProcessTreeSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
+            self._own_cpu_s = time.thread_time()  # this thread's CPU, all of it spent sampling
 
     def sample(self) -> None:
         """One pass over ``/proc``: every live descendant of ``root`` (and ``root``) gets a sample."""
@@ -114,7 +118,8 @@ class ProcessTreeSampler:
             # read again every time: between fork and exec a child still shows its parent's command line
             proc.cmdline = _cmdline(pid) or proc.cmdline
             proc.times.append(now)
-            proc.cpu.append(stats[pid][1])
+            own = self._own_cpu_s if pid == self.root == os.getpid() else 0.0
+            proc.cpu.append(max(stats[pid][1] - own, proc.cpu[-1] if proc.cpu else 0.0))
             proc.peak_rss = max(proc.peak_rss, stats[pid][2])
 
     def cpu_between(self, t0: float, t1: float) -> dict[int, tuple[str, float]]:

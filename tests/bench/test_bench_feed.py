@@ -55,6 +55,17 @@ def test_the_sampler_counts_a_busy_child_and_not_an_idle_one():
     assert "time.sleep(1.5)" in got[procs[1].pid][0]
 
 
+def test_the_samplers_own_cpu_is_not_counted_as_the_root_processs():
+    with ProcessTreeSampler(interval_s=0.001) as sampler:
+        t0 = time.time()
+        time.sleep(1.0)  # the root itself does nothing: only the sampling thread works
+        t1 = time.time()
+    own = sampler._own_cpu_s
+    counted = sampler.cpu_between(t0, t1)[os.getpid()][1]
+    assert own > 0.05  # sampling every millisecond costs the thread real CPU
+    assert counted < 0.3 * own  # which is left out of the process's CPU
+
+
 @pytest.mark.processes
 def test_the_sampler_keeps_each_processs_peak_resident_memory():
     hold = "import time\nimport numpy as np\na = np.ones(300 << 20, np.uint8)\ntime.sleep(1.0)\n"
