@@ -63,9 +63,10 @@ class TrainerConfig:
     network_bandwidth_bytes_per_s: float = 0.0
     """Injected bandwidth cap of parameter-server calls (bytes/s); 0 = off."""
     shared_memory: bool = True
-    """NN workers pass the arrays of their calls to parameter servers on the same host (loopback address)
-    through shared memory instead of gRPC messages (``persia_core.ps.shm``); off whenever a network cost is
-    injected. False: always in messages."""
+    """Embedding workers and NN workers pass the arrays of their calls to parameter servers on the same host
+    (loopback address) through shared memory instead of gRPC messages (``persia_core.ps.shm``), and make the
+    calls over the servers' local channel (``persia_core.ps.local_channel``) instead of gRPC; off whenever a
+    network cost is injected. False: always gRPC messages."""
     device: str = "auto"
     """Where the dense network runs: ``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
     checkpoint_every_steps: int = 0

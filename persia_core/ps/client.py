@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,8 +22,8 @@ import numpy as np
 from persia_core.config import EmbeddingConfig
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.routing import positions_by_shard
+from persia_core.ps import local_channel, wire
 from persia_core.ps import shm as shm_mod
-from persia_core.ps import wire
 from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
 
 log = logging.getLogger("persia.ps.client")
@@ -63,7 +64,10 @@ class EmbeddingClient:
         shared_memory: pass the arrays of Lookup/Push calls through shared memory (``persia_core.ps.shm``)
             instead of the message: ``None`` (auto) = for servers on a loopback address when ``/dev/shm`` is
             writable and no network cost is injected; a server that cannot map the segment makes the client fall
-            back to messages for that shard.
+            back to messages for that shard. Where it is on, calls to a server on a loopback address also go over
+            its local channel (``persia_core.ps.local_channel``) instead of gRPC, where the server offers one and
+            it can be reached (else gRPC).
+
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class EmbeddingClient:
         self.delay_s = delay_s
         self.bandwidth = bandwidth_bytes_per_s
         token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.token = token
         self.metadata = ((TOKEN_HEADER, token),) if token else ()
         self.client_id = client_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._seq = [itertools.count() for _ in self.addresses]  # per shard: each shard sees 0, 1, 2, ...
@@ -99,6 +104,10 @@ class EmbeddingClient:
             self.use_shm = [shared_memory and shm_mod.is_local(a) for a in self.addresses]
         else:
             self.use_shm = [bool(shared_memory) and shm_mod.available()] * self.num_shards
+        # per shard: its local channel once found (None: not yet, or gRPC); use_local False: gRPC for good
+        self.use_local = [bool(shared_memory) and local_channel.supported() and shm_mod.is_local(a) for a in addresses]
+        self.local: list[local_channel.LocalChannel | None] = [None] * self.num_shards
+        self._local_lock = threading.Lock()
         self.segments = [shm_mod.SegmentPool() for _ in self.addresses]
         self.pool = ThreadPoolExecutor(max_workers=max(4, 3 * self.num_shards), thread_name_prefix="ps-client")
         self.dispatcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ps-push")
@@ -160,9 +169,7 @@ class EmbeddingClient:
                     req = request()
                     clean = True
                 try:
-                    resp = self.calls[method][shard](
-                        req, timeout=max(min(per_attempt, deadline - time.monotonic()), 0.001), metadata=self.metadata
-                    )
+                    resp = self._send(method, shard, req, max(min(per_attempt, deadline - time.monotonic()), 0.001))
                     out_meta, out_arrays = wire.decode(resp)
                     if self.bandwidth:
                         time.sleep(len(resp) / self.bandwidth)
@@ -198,6 +205,47 @@ class EmbeddingClient:
         raise ParameterServerError(
             f"{method} to shard {shard} at {self.addresses[shard]} failed: {last.code().name}: {last.details()}"
         )
+
+    def _send(self, method: str, shard: int, request: bytes, timeout_s: float) -> bytes | bytearray:
+        """One attempt: the answer's bytes, over the shard's local channel where there is one, else gRPC. Raises
+        ``grpc.RpcError`` (``local_channel.LocalRpcError`` on the local channel)."""
+        ch = self._local_channel(shard)
+        if ch is None:
+            return self.calls[method][shard](request, timeout=timeout_s, metadata=self.metadata)
+        try:
+            return ch.call(method, request, timeout_s)
+        except local_channel.LocalRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:  # the server went away: find it again on the next attempt
+                with self._local_lock:
+                    if self.local[shard] is ch:
+                        self.local[shard] = None
+                ch.close()
+            raise
+
+    def _local_channel(self, shard: int) -> local_channel.LocalChannel | None:
+        """The shard's local channel, connected on first use: its name comes from the server's ``Health`` answer
+        (over gRPC, with the token). None where the shard is not on this host or offers none, and while its server
+        does not answer (that attempt goes over gRPC, which reports the error)."""
+        ch = self.local[shard]
+        if ch is not None or not self.use_local[shard]:
+            return ch
+        with self._local_lock:
+            if self.local[shard] is None and self.use_local[shard]:
+                try:
+                    answer = self.calls["Health"][shard](
+                        wire.encode(), timeout=min(self.timeout_s, 10.0), metadata=self.metadata
+                    )
+                except grpc.RpcError:
+                    return None
+                name = wire.decode(answer)[0].get("local")
+                try:
+                    if not isinstance(name, str) or not name:
+                        raise OSError("the server offers no local channel")
+                    self.local[shard] = local_channel.LocalChannel(name, self.token)
+                except (OSError, grpc.RpcError) as e:  # another network namespace, say: gRPC for good
+                    log.info("shard %d at %s: calls go over gRPC (%s)", shard, self.addresses[shard], e)
+                    self.use_local[shard] = False
+            return self.local[shard]
 
     # ---- routed batch calls ---------------------------------------------------------------------------
     def _route(self, ids: np.ndarray) -> list[np.ndarray]:
@@ -347,15 +395,25 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Nothing buffered: each push is sent when made (its future says when it is applied)."""
 
+    def _close_local(self) -> None:
+        with self._local_lock:
+            self.use_local = [False] * self.num_shards
+            channels, self.local = self.local, [None] * self.num_shards
+        for lc in channels:
+            if lc is not None:
+                lc.close()
+
     def close(self, cancel: bool = False) -> None:
         """Close the channels and threads. Pushes already made are sent and answered first, unless ``cancel``:
         then every call in flight is cancelled at once (it raises ``ParameterServerError``, CANCELLED), so that a
         job that is being stopped does not wait on a dump of many GB or a server that does not answer."""
         if cancel:
+            self._close_local()
             for ch in self.channels:
                 ch.close()  # ends every active call now
         self.dispatcher.shutdown(wait=True, cancel_futures=cancel)
         self.pool.shutdown(wait=True, cancel_futures=cancel)
+        self._close_local()
         for ch in self.channels:
             ch.close()
         for pool in self.segments:

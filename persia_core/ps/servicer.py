@@ -16,7 +16,9 @@ time DEADLINE_EXCEEDED, an unusable shared-memory segment FAILED_PRECONDITION, a
 answer, never a hang).
 
 Same-host transport: a client on this host may pass the arrays of a call in a shared-memory segment instead of
-the message (``persia_core.ps.shm``); the call, token check and answers are the same.
+the message (``persia_core.ps.shm``), and make the call over the server's local channel instead of gRPC
+(``persia_core.ps.local_channel``, named in ``Health``'s answer); the handlers, token check and answers are the
+same.
 
 Security: with a token, every call must carry it in the ``x-persia-token`` metadata, else it is refused with
 UNAUTHENTICATED. ``Dump`` and ``Load`` reach only paths under the storage roots (``check_storage_path``); with
@@ -37,6 +39,7 @@ import numpy as np
 
 from persia_core.ps import shm as shm_mod
 from persia_core.ps import wire
+from persia_core.ps.local_channel import LocalListener, supported
 from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_HEADER
 from persia_core.ps.shard import ParameterServerShard, check_ids
 from persia_core.ps.storage_roots import check_storage_path, resolve_storage_roots
@@ -50,6 +53,7 @@ class _Servicer:
         self.token = token
         self.storage_roots = resolve_storage_roots(storage_roots)
         self.segments = shm_mod.SegmentCache()
+        self.local: LocalListener | None = None
 
     def _check(self, context) -> None:
         if self.token is None:
@@ -60,37 +64,44 @@ class _Servicer:
 
     def _wrap(self, fn):
         def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
-            self._check(context)
-            try:
-                meta, arrays = wire.decode(request)
-                shm = meta.pop("shm", None)
-                buf = None
-                if shm is not None:  # the arrays are in the client's shared-memory segment (persia_core.ps.shm)
-                    buf = self.segments.get(shm.get("name"), shm.get("size", 0))
-                    arrays = shm_mod.views(buf, shm.get("arrays", []))
-                out_meta, out_arrays = fn(meta, arrays, context)
-                if buf is not None and out_arrays:
-                    entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
-                    if entries is not None:
-                        return wire.encode({**out_meta, "shm_out": entries})
-                return wire.encode(out_meta, out_arrays)
-            except shm_mod.ShmUnavailable as e:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
-            except PermissionError as e:
-                if e.errno is not None:  # the operating system refused (not the storage-root check): log it
-                    log.exception("request refused by the operating system")
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"shard {self.shard.shard}: {e}")
-            except (ValueError, KeyError, TypeError) as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
-            except TimeoutError as e:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
-            except Exception as e:  # an error answer, never a hang
-                log.exception("request failed")
-                context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.shard}: {type(e).__name__}: {e}")
+            return self._answer(fn, request, context)
 
         return grpc.unary_unary_rpc_method_handler(handler)
 
-    def handlers(self) -> grpc.GenericRpcHandler:
+    def _answer(self, fn, request, context) -> bytes:
+        """One call of handler ``fn`` on ``request`` (a message's bytes), over gRPC or the local channel (its
+        ``context`` answers ``abort`` and ``time_remaining`` alike)."""
+        self._check(context)
+        try:
+            meta, arrays = wire.decode(request)
+            shm = meta.pop("shm", None)
+            buf = None
+            if shm is not None:  # the arrays are in the client's shared-memory segment (persia_core.ps.shm)
+                buf = self.segments.get(shm.get("name"), shm.get("size", 0))
+                arrays = shm_mod.views(buf, shm.get("arrays", []))
+            out_meta, out_arrays = fn(meta, arrays, context)
+            if buf is not None and out_arrays:
+                entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
+                if entries is not None:
+                    return wire.encode({**out_meta, "shm_out": entries})
+            return wire.encode(out_meta, out_arrays)
+        except shm_mod.ShmUnavailable as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e}")
+        except PermissionError as e:
+            if e.errno is not None:  # the operating system refused (not the storage-root check): log it
+                log.exception("request refused by the operating system")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"shard {self.shard.shard}: {e}")
+        except (ValueError, KeyError, TypeError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self.shard.shard}: {e}")
+        except TimeoutError as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        except Exception as e:  # an error answer, never a hang
+            log.exception("request failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.shard}: {type(e).__name__}: {e}")
+        raise AssertionError("context.abort returned")  # it raises, on both transports
+
+    def methods(self) -> dict:
+        """Method name -> handler ``fn(meta, arrays, context) -> (meta, arrays)``."""
         s = self.shard
 
         def lookup(meta, arrays, ctx):
@@ -118,9 +129,10 @@ class _Servicer:
             return s.stats(), {}
 
         def health(meta, arrays, ctx):
-            return {"ok": True, "shard": s.shard, "pid": os.getpid()}, {}
+            local = {"local": self.local.name} if self.local is not None else {}
+            return {"ok": True, "shard": s.shard, "pid": os.getpid(), **local}, {}
 
-        methods = {
+        return {
             "Lookup": lookup,
             "LookupReadonly": lookup_readonly,
             "Push": push,
@@ -130,7 +142,16 @@ class _Servicer:
             "Stats": stats,
             "Health": health,
         }
-        return grpc.method_handlers_generic_handler(SERVICE, {k: self._wrap(v) for k, v in methods.items()})
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {k: self._wrap(v) for k, v in self.methods().items()})
+
+    def serve_local(self) -> LocalListener:
+        """Start answering the same calls on a local channel (``persia_core.ps.local_channel``) as well; ``Health``
+        then names its socket."""
+        methods = self.methods()
+        self.local = LocalListener(lambda name, request, ctx: self._answer(methods[name], request, ctx), self.token)
+        return self.local
 
 
 def serve(
@@ -140,9 +161,11 @@ def serve(
     token: str | None = None,
     max_workers: int = 32,
     storage_roots: list[str] | None = None,
-) -> tuple[grpc.Server, int]:
+    local: bool = True,
+) -> tuple[Server, int]:
     """Start a gRPC server for ``shard`` on ``host:port`` (0 = any free port). Returns (server, bound port).
     ``storage_roots``: where ``Dump`` and ``Load`` may write and read (``check_storage_path``; None: anywhere).
+    ``local``: also answer clients on this host over a local channel (``persia_core.ps.local_channel``; Linux).
 
     The port is bound exclusively (no ``SO_REUSEPORT``, which gRPC sets by default on Linux: a second server on
     the same port would also serve, and the kernel would split the connections between the two).
@@ -152,10 +175,24 @@ def serve(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers), options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
     )
-    server.add_generic_rpc_handlers((_Servicer(shard, token, storage_roots).handlers(),))
+    servicer = _Servicer(shard, token, storage_roots)
+    server.add_generic_rpc_handlers((servicer.handlers(),))
     bound = bind_port(server, host, port, "parameter server")
     server.start()
-    return server, bound
+    return Server(server, servicer.serve_local() if local and supported() else None), bound
+
+
+class Server:
+    """A running parameter server: its gRPC server and its local channel's listener (or None)."""
+
+    def __init__(self, grpc_server: grpc.Server, local: LocalListener | None):
+        self.grpc_server, self.local = grpc_server, local
+
+    def stop(self, grace: float | None):
+        """Stop both; returns gRPC's ``threading.Event``, set once its calls have ended (``grpc.Server.stop``)."""
+        if self.local is not None:
+            self.local.stop()
+        return self.grpc_server.stop(grace)
 
 
 class PortInUse(RuntimeError):

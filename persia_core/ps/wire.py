@@ -36,7 +36,7 @@ def encode(meta: dict | None = None, arrays: dict[str, np.ndarray] | None = None
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, *bufs])
 
 
-def decode(data: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+def decode(data: bytes | bytearray) -> tuple[dict, dict[str, np.ndarray]]:
     """Inverse of ``encode``. Raises ``ValueError`` on a malformed message (bad magic, dtype, bounds)."""
     if len(data) < 8 or data[:4] != MAGIC:
         raise ValueError("not a parameter-server message (bad magic)")

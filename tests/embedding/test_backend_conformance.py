@@ -50,8 +50,7 @@ class Backend:
         return self._lose() if self._lose is not None else contextlib.nullcontext({})
 
 
-@pytest.fixture(scope="module")
-def servers():
+def _serve_shards():
     """N shards of ``tiny_config()`` served on 127.0.0.1: their addresses."""
     shards = [ParameterServerShard(CFG, s, N) for s in range(N)]
     started = [serve(sh, "127.0.0.1", 0, token=TOKEN) for sh in shards]
@@ -60,33 +59,47 @@ def servers():
         srv.stop(0)
 
 
-@pytest.fixture(params=["local", "client"])
+@pytest.fixture(scope="module")
+def servers():
+    yield from _serve_shards()
+
+
+@pytest.fixture(scope="module")
+def servers_grpc():
+    """Servers of their own for the gRPC-only client (the tests' IDs are per test, not per backend)."""
+    yield from _serve_shards()
+
+
+@pytest.fixture(params=["local", "client", "client-grpc"])
 def backend(request):
+    """The in-process backend; the client of the servers over their local channel and shared memory (as on one
+    host); the client over gRPC messages only (as across hosts)."""
     if request.param == "local":
         yield Backend(LocalEmbedding(CFG.embedding, N, CFG.trainer.seed))
         return
-    client = EmbeddingClient(request.getfixturevalue("servers"), CFG.embedding, token=TOKEN)
+    servers = request.getfixturevalue("servers" if request.param == "client" else "servers_grpc")
+    client = EmbeddingClient(
+        servers, CFG.embedding, token=TOKEN, shared_memory=None if request.param == "client" else False
+    )
 
     @contextlib.contextmanager
     def lose_replies():
-        real = client.calls["Push"]
+        real = client._send  # one attempt of a call, on either transport
         calls = {}
 
-        def lossy(shard, stub):
-            def call(request, timeout=None, metadata=None):
-                answer = stub(request, timeout=timeout, metadata=metadata)
+        def lossy(method, shard, request, timeout_s):
+            answer = real(method, shard, request, timeout_s)
+            if method == "Push":
                 calls[shard] = calls.get(shard, 0) + 1
                 if calls[shard] == 1:
                     raise _LostReply()
-                return answer
+            return answer
 
-            return call
-
-        client.calls["Push"] = [lossy(s, stub) for s, stub in enumerate(real)]
+        client._send = lossy
         try:
             yield calls
         finally:
-            client.calls["Push"] = real
+            client._send = real
 
     yield Backend(client, lose_replies)
     client.close()
@@ -207,3 +220,12 @@ def test_stats_count_the_rows_of_every_shard(backend):
     ]
     assert added == [len(pos) for pos in positions_by_shard(ids, N)]
     assert b.num_shards == N
+
+
+def test_the_clients_calls_go_over_the_transport_their_fixture_names(backend, request):
+    b = backend.impl
+    ids = _ids(41)
+    b.lookup(TABLE.name, ids)
+    if isinstance(b, EmbeddingClient):
+        on_local = [ch is not None for ch in b.local]
+        assert on_local == [request.node.callspec.params["backend"] == "client"] * N
