@@ -30,10 +30,12 @@ class EmbeddingBackend(Protocol):
     dims: dict[str, int]
     """Embedding dim D of each table, by table name."""
 
-    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
+    def lookup(self, table: str, ids: np.ndarray, bounds: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``ids: uint64[U]`` of ``table`` as ``float32[U, D]``; an unseen ID gets a row (its
         deterministic initial value, or the zero row where the table's admission refuses it). Each call is one
-        lookup step of every shard it reaches (recency, expiry)."""
+        lookup step of every shard it reaches (recency, expiry). ``bounds: int64[N+1]``: ``ids`` are grouped by
+        shard (``routing.group_by_shard``: shard s's are ``ids[bounds[s]:bounds[s+1]]``), so they are not
+        routed again; ``ValueError`` when they do not fit."""
         ...
 
     def lookup_readonly(self, table: str, ids: np.ndarray) -> np.ndarray:
@@ -53,6 +55,7 @@ class EmbeddingBackend(Protocol):
         step: int = 0,
         sync_workers: int = 0,
         step_fraction: float = 1.0,
+        bounds: np.ndarray | None = None,
     ) -> Future[int]:
         """Apply the gradients ``grads: float32[U, D]`` of distinct ``ids: uint64[U]`` (one optimizer step per
         row, ``EmbeddingTable.apply_gradients``). Returns a future whose result is the number of gradients
@@ -63,7 +66,7 @@ class EmbeddingBackend(Protocol):
         ``step``: the training step the push belongs to. ``sync_workers``: M > 1 when each of M workers pushes
         its share of every step and the shards combine them into one update (``staleness`` 0; the in-process
         backend, having one caller, applies every push at once). ``step_fraction``: the share of a step this
-        push carries (``EmbeddingTable.apply_gradients``)."""
+        push carries (``EmbeddingTable.apply_gradients``). ``bounds``: as ``lookup``'s."""
         ...
 
     def flush(self) -> None:

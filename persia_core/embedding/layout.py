@@ -11,6 +11,7 @@ import numpy as np
 
 from persia_core.config import WIDE_TABLE, RunConfig
 from persia_core.embedding.kernels import dedup
+from persia_core.embedding.routing import group_by_shard
 from persia_core.sparse import IdBatch
 
 
@@ -40,14 +41,14 @@ def wide_layout(config: RunConfig) -> TableLayout | None:
     return TableLayout(WIDE_TABLE, 1, model_slot_order(config)) if config.model.wide else None
 
 
-def prepare_wide(ids: IdBatch, wide: TableLayout, prepared: dict[str, PreparedIds]) -> PreparedIds:
+def prepare_wide(ids: IdBatch, wide: TableLayout, prepared: dict[str, PreparedIds], num_shards: int = 0) -> PreparedIds:
     """The wide table's IDs of a batch: every slot's, deduplicated; those of the one deep table when it holds
-    every slot (no second dedup)."""
+    every slot (no second dedup). ``num_shards``: as ``prepare_ids``'s."""
     if len(prepared) == 1:
         only = next(iter(prepared.values()))
         if len(only.offsets) == len(wide.slots) * ids.batch_size + 1:
             return only
-    return prepare_ids(ids, [wide])[wide.name]
+    return prepare_ids(ids, [wide], num_shards)[wide.name]
 
 
 def model_slot_order(config: RunConfig) -> list[str]:
@@ -67,15 +68,23 @@ class PreparedIds:
     offsets: np.ndarray
     one_per_bag: bool = False
     """Every bag holds exactly one ID (Criteo's categorical slots): pooling is then a plain row gather."""
+    bounds: np.ndarray | None = None
+    """``int64[S+1]``: ``uniq`` is grouped by parameter-server shard, shard s's IDs at ``bounds[s]:bounds[s+1]``
+    (``routing.group_by_shard``), or None."""
 
 
-def prepare_ids(ids: IdBatch, layouts: list[TableLayout]) -> dict[str, PreparedIds]:
-    """Split a batch's IDs by table and deduplicate each (compiled O(N) hash dedup, releases the GIL)."""
+def prepare_ids(ids: IdBatch, layouts: list[TableLayout], num_shards: int = 0) -> dict[str, PreparedIds]:
+    """Split a batch's IDs by table and deduplicate each (compiled O(N) hash dedup, releases the GIL); with
+    ``num_shards`` >= 1, each table's distinct IDs grouped by the shard that owns them (``bounds``), so that its
+    lookup and push send slices (``routing.group_by_shard``)."""
     out = {}
     for t in layouts:
         sub = ids.select_slots(t.slots) if len(layouts) > 1 or ids.keys != t.slots else ids
         uniq, inverse = dedup(sub.values)
+        bounds = None
+        if num_shards >= 1:
+            uniq, inverse, bounds = group_by_shard(uniq, inverse, num_shards)
         bags = len(sub.offsets) - 1
         one = len(sub.values) == bags and bool((sub.offsets[1:] > sub.offsets[:-1]).all())
-        out[t.name] = PreparedIds(uniq, inverse, sub.offsets, one)
+        out[t.name] = PreparedIds(uniq, inverse, sub.offsets, one, bounds)
     return out

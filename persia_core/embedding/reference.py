@@ -15,7 +15,7 @@ import numpy as np
 
 from persia_core.config import EmbeddingConfig
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.routing import positions_by_shard
+from persia_core.embedding.routing import part_size, shard_parts
 from persia_core.embedding.shard_tables import load_shard_file, make_tables, write_shard_file
 
 
@@ -57,21 +57,21 @@ class LocalEmbedding:
             size, crc = expected[s] if expected is not None else (None, None)
             load_shard_file(p, tables, size, crc)
 
-    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        return positions_by_shard(ids, self.num_shards)
+    def _route(self, ids: np.ndarray, bounds: np.ndarray | None = None) -> list[np.ndarray | slice]:
+        return shard_parts(ids, self.num_shards, bounds)
 
-    def _gather(self, table: str, ids: np.ndarray, readonly: bool) -> np.ndarray:
+    def _gather(self, table: str, ids: np.ndarray, readonly: bool, bounds: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((len(ids), self.dims[table]), dtype=np.float32)
-        for s, pos in enumerate(self._route(ids)):
-            if len(pos):
+        for s, pos in enumerate(self._route(ids, bounds)):
+            if part_size(pos):
                 t = self.shards[s][table]
                 out[pos] = t.lookup_readonly(ids[pos]) if readonly else t.lookup(ids[pos])
         return out
 
-    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen."""
-        return self._gather(table, ids, readonly=False)
+    def lookup(self, table: str, ids: np.ndarray, bounds: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen (``bounds``: as the Protocol's)."""
+        return self._gather(table, ids, readonly=False, bounds=bounds)
 
     def lookup_readonly(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``; unseen -> zero row, nothing inserted."""
@@ -81,7 +81,7 @@ class LocalEmbedding:
         """``bool[U]``: whether each of ``ids: uint64[U]`` has a row."""
         out = np.zeros(len(ids), dtype=bool)
         for s, pos in enumerate(self._route(ids)):
-            if len(pos):
+            if part_size(pos):
                 out[pos] = self.shards[s][table].contains(ids[pos])
         return out
 
@@ -93,12 +93,13 @@ class LocalEmbedding:
         step: int = 0,
         sync_workers: int = 0,
         step_fraction: float = 1.0,
+        bounds: np.ndarray | None = None,
     ) -> Future[int]:
         """Apply ``grads: float32[U, D]`` to the rows of ``ids: uint64[U]`` now (``step`` and ``sync_workers``
         are not needed in one process). Returns a done future of the number of gradients dropped."""
         dropped = 0
-        for s, pos in enumerate(self._route(ids)):
-            if len(pos):
+        for s, pos in enumerate(self._route(ids, bounds)):
+            if part_size(pos):
                 dropped += self.shards[s][table].apply_gradients(ids[pos], grads[pos], step_fraction)
         return _done(dropped)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from persia_core.config import EmbeddingConfig
 from persia_core.embedding.backend import EmbeddingBackend
-from persia_core.embedding.routing import positions_by_shard
+from persia_core.embedding.routing import part_size, shard_parts, take_part
 from persia_core.ps import local_channel, wire
 from persia_core.ps import shm as shm_mod
 from persia_core.ps.protocol import GRPC_OPTIONS, SERVICE, TOKEN_ENV, TOKEN_HEADER
@@ -37,13 +37,18 @@ class ParameterServerError(RuntimeError):
     """A parameter-server call failed (after retries); the message names the shard and address."""
 
 
-def put_rows(out: np.ndarray, pos: np.ndarray, rows: np.ndarray) -> None:
-    """``out[pos] = rows`` for ``out: float32[N, D]`` (C-contiguous), ``pos: int64[U]``, ``rows: float32[U, D]``:
-    one ``np.put`` of whole rows (viewed as D x 4-byte items), several times faster than fancy assignment.
-    Raises ``ValueError`` when the shapes disagree, ``IndexError`` for a position out of range."""
+def put_rows(out: np.ndarray, pos: np.ndarray | slice, rows: np.ndarray) -> None:
+    """``out[pos] = rows`` for ``out: float32[N, D]`` (C-contiguous), ``pos: int64[U]`` or a slice of U rows,
+    ``rows: float32[U, D]``: one ``np.put`` of whole rows (viewed as D x 4-byte items), several times faster than
+    fancy assignment; a slice is one copy. Raises ``ValueError`` when the shapes disagree, ``IndexError`` for a
+    position out of range."""
     rows = np.ascontiguousarray(rows, dtype=out.dtype)
-    if rows.ndim != 2 or rows.shape != (len(pos), out.shape[1]) or not out.flags.c_contiguous:
-        raise ValueError(f"put_rows: {rows.shape} rows for {len(pos)} positions of a {out.shape} array")
+    n = part_size(pos)
+    if rows.ndim != 2 or rows.shape != (n, out.shape[1]) or not out.flags.c_contiguous:
+        raise ValueError(f"put_rows: {rows.shape} rows for {n} positions of a {out.shape} array")
+    if isinstance(pos, slice):
+        out[pos] = rows
+        return
     if len(pos) == 0 or out.shape[1] == 0:
         return
     row = np.dtype((np.void, out.shape[1] * out.itemsize))
@@ -67,7 +72,6 @@ class EmbeddingClient:
             back to messages for that shard. Where it is on, calls to a server on a loopback address also go over
             its local channel (``persia_core.ps.local_channel``) instead of gRPC, where the server offers one and
             it can be reached (else gRPC).
-
     """
 
     def __init__(
@@ -248,14 +252,14 @@ class EmbeddingClient:
             return self.local[shard]
 
     # ---- routed batch calls ---------------------------------------------------------------------------
-    def _route(self, ids: np.ndarray) -> list[np.ndarray]:
-        """Positions of ``ids`` owned by each shard (``routing.positions_by_shard``)."""
-        return positions_by_shard(ids, self.num_shards)
+    def _route(self, ids: np.ndarray, bounds: np.ndarray | None = None) -> list[np.ndarray | slice]:
+        """Where the IDs of each shard are in ``ids`` (``routing.shard_parts``)."""
+        return shard_parts(ids, self.num_shards, bounds)
 
-    def _gather(self, method: str, table: str, ids: np.ndarray) -> np.ndarray:
+    def _gather(self, method: str, table: str, ids: np.ndarray, bounds: np.ndarray | None = None) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.empty((len(ids), self.dims[table]), dtype=np.float32)
-        parts = self._route(ids)
+        parts = self._route(ids, bounds)
         row_bytes = self.dims[table] * 4
 
         def fill(pos):
@@ -270,21 +274,22 @@ class EmbeddingClient:
                 method,
                 s,
                 {"table": table},
-                {"ids": np.take(ids, pos)},
+                {"ids": take_part(ids, pos)},
                 None,
-                len(pos) * row_bytes,
+                part_size(pos) * row_bytes,
                 fill(pos),
             )
             for s, pos in enumerate(parts)
-            if len(pos)
+            if part_size(pos)
         ]
         for f in futs:
             f.result()
         return out
 
-    def lookup(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Rows of unique ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen."""
-        return self._gather("Lookup", table, ids)
+    def lookup(self, table: str, ids: np.ndarray, bounds: np.ndarray | None = None) -> np.ndarray:
+        """Rows of unique ``ids: uint64[U]`` -> ``float32[U, D]``, created where unseen. ``bounds``: ``ids`` are
+        grouped by shard (``routing.group_by_shard``)."""
+        return self._gather("Lookup", table, ids, bounds)
 
     def lookup_readonly(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids: uint64[U]`` -> ``float32[U, D]``; unseen -> zero row, nothing inserted."""
@@ -298,26 +303,36 @@ class EmbeddingClient:
         step: int = 0,
         sync_workers: int = 0,
         step_fraction: float = 1.0,
+        bounds: np.ndarray | None = None,
     ) -> Future[int]:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
-        when the step's pushes of all M workers were combined and applied). Its result is the dropped count."""
+        when the step's pushes of all M workers were combined and applied). Its result is the dropped count.
+        ``bounds``: ``ids`` are grouped by shard (``routing.group_by_shard``)."""
         out: Future[int] = Future()
         # routing and sending happen off the caller's thread, on one dispatcher thread, in call order
-        self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction)
+        self.dispatcher.submit(self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction, bounds)
         return out
 
     def _dispatch_push(
-        self, out: Future, table: str, ids, grads, step: int, sync_workers: int, step_fraction: float = 1.0
+        self,
+        out: Future,
+        table: str,
+        ids,
+        grads,
+        step: int,
+        sync_workers: int,
+        step_fraction: float = 1.0,
+        bounds: np.ndarray | None = None,
     ) -> None:
         try:
             ids = np.ascontiguousarray(ids, dtype=np.uint64)
             grads = np.ascontiguousarray(grads, dtype=np.float32)
-            parts = self._route(ids)
+            parts = self._route(ids, bounds)
             sync = sync_workers > 1
             futs = []
             for s, pos in enumerate(parts):
-                if len(pos) or sync:  # in sync mode every shard hears from every worker every step
+                if part_size(pos) or sync:  # in sync mode every shard hears from every worker every step
                     meta = {
                         "table": table,
                         "client": self.client_id,
@@ -326,7 +341,7 @@ class EmbeddingClient:
                         "sync_workers": sync_workers,
                         "step_fraction": step_fraction,
                     }
-                    arrays = {"ids": np.take(ids, pos), "grads": np.take(grads, pos, axis=0)}
+                    arrays = {"ids": take_part(ids, pos), "grads": take_part(grads, pos)}
                     futs.append(self.pool.submit(self.call, "Push", s, meta, arrays))
         except BaseException as e:
             out.set_exception(e)
@@ -357,7 +372,7 @@ class EmbeddingClient:
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = np.zeros(len(ids), dtype=bool)
         for s, pos in enumerate(self._route(ids)):
-            if len(pos):
+            if part_size(pos):
                 out[pos] = self.call("Contains", s, {"table": table}, {"ids": ids[pos]})[1]["found"].astype(bool)
         return out
 

@@ -216,9 +216,9 @@ class EmbeddingWorker:
             ids = batch.ids
             if self.dropout:
                 ids = drop_ids(ids, self.dropout, np.random.default_rng([self.seed, self.rank, step]))
-            prepared = prepare_ids(ids, self.layouts)
+            prepared = prepare_ids(ids, self.layouts, self.backend.num_shards)
             if self.wide is not None:
-                prepared[WIDE_TABLE] = prepare_wide(ids, self.wide, prepared)
+                prepared[WIDE_TABLE] = prepare_wide(ids, self.wide, prepared, self.backend.num_shards)
             t2, pushed = time.perf_counter(), self.push_s
             while not self.free:
                 self._serve(None)
@@ -234,13 +234,13 @@ class EmbeddingWorker:
             pooled = emb if self.scratch is None else self.scratch
             for t, slot0 in zip(self.layouts, self.slot0, strict=True):
                 p = prepared[t.name]
-                pool_into(self.backend.lookup(t.name, p.uniq), p.inverse, p.offsets, len(t.slots), b, pooled, slot0)
+                rows = self.backend.lookup(t.name, p.uniq, p.bounds)
+                pool_into(rows, p.inverse, p.offsets, len(t.slots), b, pooled, slot0)
             if self.wide is not None:
                 p = prepared[WIDE_TABLE]
                 wide = self.layout.wide_view(self.buf, self.index, slot)
-                pool_into(
-                    self.backend.lookup(WIDE_TABLE, p.uniq), p.inverse, p.offsets, len(self.wide.slots), b, wide, 0
-                )
+                rows = self.backend.lookup(WIDE_TABLE, p.uniq, p.bounds)
+                pool_into(rows, p.inverse, p.offsets, len(self.wide.slots), b, wide, 0)
             if self.scratch is not None:
                 np.copyto(self.layout.slot_half(self.buf, self.index, slot)[:b], pooled[:b], casting="same_kind")
             dense[:b] = batch.dense
@@ -296,26 +296,27 @@ class EmbeddingWorker:
             g, finite = bag_grads(grad, p.inverse, p.offsets, len(t.slots), b, slot0, len(p.uniq), 1.0 / self.M)
             if not finite:
                 raise FloatingPointError("an embedding gradient is inf or NaN (diverged training); nothing was pushed")
-            per_table.append((t.name, p.uniq, g))
+            per_table.append((t.name, p, g))
         if self.wide is not None:
             p = prepared[WIDE_TABLE]
             wide = self.layout.wide_view(self.buf, self.index, slot)
             g, finite = bag_grads(wide, p.inverse, p.offsets, len(self.wide.slots), b, 0, len(p.uniq), 1.0 / self.M)
             if not finite:
                 raise FloatingPointError("a wide-table gradient is inf or NaN (diverged training); nothing was pushed")
-            per_table.append((WIDE_TABLE, p.uniq, g))
+            per_table.append((WIDE_TABLE, p, g))
         self.free.append(slot)  # its gradient is read out
         t1 = time.perf_counter()
         futs = [
             self.backend.push(
                 name,
-                uniq,
+                p.uniq,
                 g,
                 step=step,
                 sync_workers=self.M if self.K == 0 else 0,
                 step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
+                bounds=p.bounds,
             )
-            for name, uniq, g in per_table
+            for name, p, g in per_table
         ]
         t2 = time.perf_counter()
         self.phase[rr.PHASES.index("grads")] += t1 - t0

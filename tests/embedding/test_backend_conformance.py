@@ -16,7 +16,7 @@ from support import tiny_config
 
 from persia_core.embedding.checksums import file_crc32c
 from persia_core.embedding.reference import LocalEmbedding
-from persia_core.embedding.routing import positions_by_shard
+from persia_core.embedding.routing import group_by_shard, positions_by_shard
 from persia_core.embedding.shard_file import ShardFileError
 from persia_core.embedding.table import EmbeddingTable
 from persia_core.ps.client import EmbeddingClient, ParameterServerError
@@ -229,3 +229,21 @@ def test_the_clients_calls_go_over_the_transport_their_fixture_names(backend, re
     if isinstance(b, EmbeddingClient):
         on_local = [ch is not None for ch in b.local]
         assert on_local == [request.node.callspec.params["backend"] == "client"] * N
+
+
+def test_ids_grouped_by_shard_with_their_bounds_give_the_rows_and_updates_of_routed_ids(backend):
+    b = backend.impl
+    ids = _ids(43, 300)
+    batch = np.concatenate([ids, ids[::3]])  # a batch's IDs, some repeated
+    uniq, inverse = np.unique(batch, return_inverse=True)
+    grouped, inv, bounds = group_by_shard(uniq, inverse.astype(np.int64), N)
+    np.testing.assert_array_equal(grouped[inv], batch)  # the same IDs, regrouped
+    for s, pos in enumerate(positions_by_shard(uniq, N)):  # each shard's IDs, in their order
+        np.testing.assert_array_equal(grouped[bounds[s] : bounds[s + 1]], uniq[pos])
+    rows = b.lookup(TABLE.name, grouped, bounds)
+    np.testing.assert_array_equal(rows, _reference_rows(grouped))
+    g = np.random.default_rng(5).normal(size=(len(grouped), TABLE.dim)).astype(np.float32)
+    b.push(TABLE.name, grouped, g, bounds=bounds).result(timeout=30)
+    np.testing.assert_allclose(b.lookup_readonly(TABLE.name, grouped), _rowwise_adagrad(rows, [g]), atol=1e-6)
+    with pytest.raises(ValueError, match="shard bounds"):
+        b.lookup(TABLE.name, grouped, bounds[:-1])

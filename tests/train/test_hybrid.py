@@ -14,6 +14,7 @@ from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.layout import model_slot_order, prepare_ids, table_layouts
 from persia_core.embedding.pooling import pool
 from persia_core.embedding.reference import LocalEmbedding
+from persia_core.embedding.routing import positions_by_shard
 from persia_core.embedding.shard_tables import load_shard_file, make_tables
 from persia_core.sparse import IdBatch
 from persia_core.train.embedding_worker import BatchSource, StepRules
@@ -41,6 +42,20 @@ def test_empty_multi_hot_bag_pools_to_exact_zeros_with_zero_gradient():
     out.sum().backward()
     # ID 1 appears twice: its gradient is summed into one row
     assert rows.grad[0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_ids_prepared_for_shards_are_grouped_by_the_shard_that_owns_them():
+    rng = np.random.default_rng(2)
+    values = rng.integers(1, 2**63, 500).astype(np.uint64)
+    ids = IdBatch(["s0", "s1"], np.concatenate([values, values[:300]]), np.arange(801), 400)
+    layout = [type("L", (), {"name": "t", "dim": 3, "slots": ["s0", "s1"]})()]
+    plain, grouped = prepare_ids(ids, layout)["t"], prepare_ids(ids, layout, num_shards=3)["t"]
+    assert plain.bounds is None and grouped.bounds[0] == 0 and grouped.bounds[-1] == len(grouped.uniq)
+    np.testing.assert_array_equal(grouped.uniq[grouped.inverse], ids.values)  # the same IDs per bag
+    np.testing.assert_array_equal(np.sort(grouped.uniq), np.sort(plain.uniq))
+    for s in range(3):  # each shard's IDs contiguous, as routing places them
+        part = grouped.uniq[grouped.bounds[s] : grouped.bounds[s + 1]]
+        np.testing.assert_array_equal(part, plain.uniq[positions_by_shard(plain.uniq, 3)[s]])
 
 
 def test_one_id_per_bag_pools_by_gather_equal_to_embedding_bag():
@@ -423,16 +438,16 @@ def test_staleness_bound_holds_under_a_slow_server(tmp_path, embedding_workers):
             super().__init__(*a, **k)
             self.lookups, self.applied = [], []
 
-        def lookup(self, table, ids):
+        def lookup(self, table, ids, bounds=None):
             self.lookups.append(time.monotonic())
-            return super().lookup(table, ids)
+            return super().lookup(table, ids, bounds)
 
-        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0):
+        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
             fut: Future = Future()
 
             def later():
                 time.sleep(0.5)  # longer than the start-up work after the pipeline starts (gc.collect)
-                super(SlowPushes, self).push(table, ids, grads)
+                super(SlowPushes, self).push(table, ids, grads, bounds=bounds)
                 self.applied.append(step)
                 fut.set_result(0)
 
