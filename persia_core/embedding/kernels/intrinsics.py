@@ -26,6 +26,8 @@ PF = 128  # prefetch distance of hash probes, items
 PR = 32  # prefetch distance of row accesses (optimizer steps, recency-queue compaction), items
 PD = 16  # prefetch distance of dedup's scratch-table probes, items (the best tried)
 PL = 128  # prefetch distance of a lookup's recency-and-copy pass and of row gathers, items (the best tried)
+PB = 8  # prefetch distance of pooling, examples ahead (the first row of a bag; the best tried: 1-16)
+PG = 16  # prefetch distance of bag_grads' per-ID gradient rows, IDs ahead
 
 
 def kernel_intrinsic(typing_fn: Callable[..., Any]) -> Callable[..., None]:
