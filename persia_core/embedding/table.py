@@ -131,13 +131,15 @@ class EmbeddingTable:
         """Rows held now."""
         return int(self.counters[0])
 
-    def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``, creating unseen IDs (deterministic init).
+    def lookup(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``, creating unseen IDs (deterministic init); written into
+        ``out`` (C-contiguous ``float32[N, D]``: a server's shared-memory reply, say) when given, and returned.
 
-        Duplicates are fine (each gets the row). At capacity, least recently used rows are evicted.
+        Duplicates are fine (each gets the row). At capacity, least recently used rows are evicted. Raises
+        ``ValueError`` when ``out`` does not fit.
         """
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
-        out = self._outputs.take((len(ids), self.dim), np.float32)
+        out = self._output(len(ids), out)
         with self.lock:
             self.step += 1
             if self.expire_after_steps:
@@ -198,14 +200,24 @@ class EmbeddingTable:
         with self.lock:
             return self._expire(self.step - older_than_steps)
 
-    def lookup_readonly(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``; an unseen ID gets the zero row and is not inserted.
+    def _output(self, n: int, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return self._outputs.take((n, self.dim), np.float32)
+        if out.shape != (n, self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(
+                f"lookup output is {out.dtype}{list(out.shape)}, expected C-contiguous float32[{n}, {self.dim}]"
+            )
+        return out
+
+    def lookup_readonly(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids: uint64[N]`` as ``float32[N, D]``; an unseen ID gets the zero row and is not inserted;
+        ``out`` as ``lookup``'s.
 
         Does not change recency either (evaluation must not perturb the table)."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
+        out = self._output(len(ids), out)
         with self.lock:
             rows = K.find_rows(ids, self.index, self.keys)
-            out = self._outputs.take((len(ids), self.dim), np.float32)
             self._gather(rows, out)
         return out
 

@@ -79,7 +79,12 @@ class _Servicer:
             if shm is not None:  # the arrays are in the client's shared-memory segment (persia_core.ps.shm)
                 buf = self.segments.get(shm.get("name"), shm.get("size", 0))
                 arrays = shm_mod.views(buf, shm.get("arrays", []))
-            out_meta, out_arrays = fn(meta, arrays, context)
+            out_area = shm.get("out", [0, 0]) if shm is not None else [0, 0]
+
+            def reply_to(shape, dtype):  # where a reply array may be written in place (shared memory only)
+                return None if buf is None else shm_mod.reply_array(buf, out_area, shape, dtype)
+
+            out_meta, out_arrays = fn(meta, arrays, context, reply_to)
             if buf is not None and out_arrays:
                 entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
                 if entries is not None:
@@ -101,34 +106,40 @@ class _Servicer:
         raise AssertionError("context.abort returned")  # it raises, on both transports
 
     def methods(self) -> dict:
-        """Method name -> handler ``fn(meta, arrays, context) -> (meta, arrays)``."""
+        """Method name -> handler ``fn(meta, arrays, context, reply_to) -> (meta, arrays)``; ``reply_to(shape,
+        dtype)`` gives an array where the first reply array can be written in place (``shm.reply_array``), or
+        None."""
         s = self.shard
 
-        def lookup(meta, arrays, ctx):
-            return {}, {"rows": s.lookup(meta["table"], check_ids(arrays["ids"]))}
+        def lookup(meta, arrays, ctx, reply_to):
+            ids = check_ids(arrays["ids"])
+            out = reply_to((len(ids), s.table(meta["table"]).dim), np.float32)
+            return {}, {"rows": s.lookup(meta["table"], ids, out)}
 
-        def lookup_readonly(meta, arrays, ctx):
-            return {}, {"rows": s.table(meta["table"]).lookup_readonly(check_ids(arrays["ids"]))}
+        def lookup_readonly(meta, arrays, ctx, reply_to):
+            ids = check_ids(arrays["ids"])
+            table = s.table(meta["table"])
+            return {}, {"rows": table.lookup_readonly(ids, reply_to((len(ids), table.dim), np.float32))}
 
-        def push(meta, arrays, ctx):
+        def push(meta, arrays, ctx, reply_to):
             remaining = ctx.time_remaining()
             return s.push(meta, arrays["ids"], arrays["grads"], remaining), {}
 
-        def contains(meta, arrays, ctx):
+        def contains(meta, arrays, ctx, reply_to):
             return {}, {"found": s.table(meta["table"]).contains(check_ids(arrays["ids"])).astype(np.uint8)}
 
-        def dump(meta, arrays, ctx):
+        def dump(meta, arrays, ctx, reply_to):
             nbytes, crc = s.dump(check_storage_path(meta.get("path"), self.storage_roots))
             return {"bytes": nbytes, "crc32c": crc}, {}
 
-        def load(meta, arrays, ctx):
+        def load(meta, arrays, ctx, reply_to):
             s.load(check_storage_path(meta.get("path"), self.storage_roots), meta.get("size"), meta.get("crc32c"))
             return {"ok": True}, {}
 
-        def stats(meta, arrays, ctx):
+        def stats(meta, arrays, ctx, reply_to):
             return s.stats(), {}
 
-        def health(meta, arrays, ctx):
+        def health(meta, arrays, ctx, reply_to):
             local = {"local": self.local.name} if self.local is not None else {}
             return {"ok": True, "shard": s.shard, "pid": os.getpid(), **local}, {}
 

@@ -122,10 +122,11 @@ class ParameterServerShard:
         except KeyError:
             raise ValueError(f"shard {self.shard}: no table {name!r} (have {sorted(self.tables)})") from None
 
-    def lookup(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids`` in table ``name``, created where unseen (recorded for the incremental export)."""
+    def lookup(self, name: str, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``ids`` in table ``name``, created where unseen (recorded for the incremental export); written
+        into ``out`` when given (``EmbeddingTable.lookup``)."""
         t0 = time.thread_time()
-        rows = self.table(name).lookup(ids)
+        rows = self.table(name).lookup(ids, out)
         self.table_cpu_s += time.thread_time() - t0
         if self.tracker is not None:
             self.tracker.record(name, ids)

@@ -204,10 +204,24 @@ def write_reply(buf: np.ndarray, out: list, arrays: dict[str, np.ndarray]) -> li
         a = np.ascontiguousarray(arr)
         if a.dtype.name not in ALLOWED:
             raise ValueError(f"array {name!r} has dtype {a.dtype}, not one of {sorted(ALLOWED)}")
-        buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        if a.nbytes and a.ctypes.data != buf.ctypes.data + off:  # not already written in place (reply_array)
+            buf[off : off + a.nbytes] = a.reshape(-1).view(np.uint8)
         entries.append([name, a.dtype.name, list(a.shape), off, a.nbytes])
         off = _align(off + a.nbytes)
     return entries
+
+
+def reply_array(buf: np.ndarray, out: list, shape: tuple[int, ...], dtype) -> np.ndarray | None:
+    """An array of ``shape`` and ``dtype`` at the start of the reply area ``out = [offset, capacity]`` of ``buf``,
+    for a handler to write its first reply array in place (``write_reply`` then copies nothing). None when it does
+    not fit, or the area is out of the segment's bounds (the handler then allocates, and ``write_reply`` refuses
+    the area as before)."""
+    base, cap = int(out[0]), int(out[1])
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if base < 0 or base % ALIGN or cap < 0 or base + cap > len(buf) or nbytes > cap:
+        return None
+    return buf[base : base + nbytes].view(dt).reshape(shape)
 
 
 class SegmentPool:

@@ -517,3 +517,21 @@ def test_lookup_rows_equal_a_readonly_lookup_through_eviction_admission_and_repe
         assert (t.last_used[K.find_rows(ids[held], t.index, t.keys)] == t.step).all()
     st = t.stats()
     assert st["evictions"] > 0 and st["not_admitted"] > 0
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+def test_lookup_into_a_given_output_writes_there_the_rows_it_would_return(storage):
+    opt = OptimizerConfig(name="rowwise_adagrad")
+    a = EmbeddingTable(16, opt, 1000, storage=storage)
+    b = EmbeddingTable(16, opt, 1000, storage=storage)
+    ids = np.arange(1, 301, dtype=np.uint64)
+    out = np.full((300, 16), np.nan, np.float32)
+    assert b.lookup(ids, out) is out
+    np.testing.assert_array_equal(out, a.lookup(ids))
+    again = np.full((300, 16), np.nan, np.float32)
+    assert b.lookup_readonly(ids, again) is again
+    np.testing.assert_array_equal(again, out)
+    with pytest.raises(ValueError, match="expected C-contiguous float32"):
+        b.lookup(ids, np.empty((300, 8), np.float32))
+    with pytest.raises(ValueError, match="expected C-contiguous float32"):
+        b.lookup_readonly(ids, np.empty((16, 300), np.float32).T)

@@ -129,11 +129,11 @@ def test_a_timed_out_call_never_reuses_its_segment(cluster, monkeypatch):
     real = ParameterServerShard.lookup
     calls = []
 
-    def slow_first(self, name, ids):
+    def slow_first(self, name, ids, out=None):
         calls.append(1)
         if len(calls) == 1:
             _time.sleep(0.6)
-        return real(self, name, ids)
+        return real(self, name, ids, out)
 
     monkeypatch.setattr(ParameterServerShard, "lookup", slow_first)
     client = EmbeddingClient(addrs[:1], cfg.embedding, token="s3cret", shared_memory=True, timeout_s=0.3, retries=2)
@@ -169,3 +169,16 @@ def test_a_full_dev_shm_makes_the_client_send_messages_instead(cluster, monkeypa
     assert set(os.listdir(shm_mod.SHM_DIR)) <= before  # the half-made segments were removed
     client.close()
     ref.close()
+
+
+def test_a_reply_written_in_place_is_not_copied_and_reads_back_whole():
+    buf = np.zeros(1 << 16, np.uint8)
+    area = [4096, 8192]
+    rows = shm_mod.reply_array(buf, area, (100, 16), np.float32)
+    assert rows is not None and rows.ctypes.data == buf.ctypes.data + 4096
+    rows[:] = np.arange(1600, dtype=np.float32).reshape(100, 16)
+    entries = shm_mod.write_reply(buf, area, {"rows": rows})
+    np.testing.assert_array_equal(shm_mod.views(buf, entries)["rows"], rows)
+    assert shm_mod.reply_array(buf, area, (1000, 16), np.float32) is None  # larger than the area
+    assert shm_mod.reply_array(buf, [60000, 8192], (10, 16), np.float32) is None  # out of the segment
+    assert shm_mod.reply_array(buf, [100, 8192], (10, 16), np.float32) is None  # not aligned
