@@ -124,9 +124,9 @@ class PlanInputs:
     """Parameters of the dense network (all-reduced every step)."""
     nic_gbps: float = 100.0
     """Network bandwidth of one parameter-server VM, Gbit/s."""
-    ew_cpu_us_per_sample: float = 6.7
+    ew_cpu_us_per_sample: float = 3.4
     """Embedding-worker CPU microseconds per sample at 26 IDs per sample (``make bench-feed``'s
-    ``embedding_worker_cpu_us_per_sample``; 6.7 on a 2-core cloud VM)."""
+    ``embedding_worker_cpu_us_per_sample``; 3.4, the median of three runs on a 2-core cloud VM)."""
     ew_cores_per_vm: int = 32
     ew_machine_type: str = "n2-highcpu-32"
     ps_machine_type: str = "m2-ultramem-416"
