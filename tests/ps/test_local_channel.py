@@ -108,26 +108,26 @@ def test_a_stopped_server_fails_the_call_within_its_deadline_naming_the_shard():
     client.close()
 
 
-def test_a_sync_push_that_waits_past_its_deadline_fails_with_deadline_exceeded(cluster):
+def _lonely_sync_push(cluster, timeout_s: float):
+    """A client (no retries) and its push of a sync step of 2 workers whose other worker never pushes."""
     cfg, _, addrs = cluster
-    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", timeout_s=0.5, retries=0)
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", timeout_s=timeout_s, retries=0)
     ids = _ids(3000)
     client.lookup("default", ids)
-    g = np.zeros((len(ids), 4), np.float32)
+    return client, client.push("default", ids, np.zeros((len(ids), 4), np.float32), step=0, sync_workers=2)
+
+
+def test_a_sync_push_that_waits_past_its_deadline_fails_with_deadline_exceeded(cluster):
     t0 = time.monotonic()
-    with pytest.raises(ParameterServerError, match="DEADLINE_EXCEEDED"):  # the other worker never pushes
-        client.push("default", ids, g, step=0, sync_workers=2).result(timeout=10)
+    client, fut = _lonely_sync_push(cluster, 0.5)
+    with pytest.raises(ParameterServerError, match="DEADLINE_EXCEEDED"):
+        fut.result(timeout=10)
     assert time.monotonic() - t0 < 3.0 and client.local[0] is not None
     client.close()
 
 
 def test_close_with_cancel_ends_a_call_in_flight_on_the_local_channel(cluster):
-    cfg, _, addrs = cluster
-    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret", timeout_s=30.0, retries=0)
-    ids = _ids(3000)
-    client.lookup("default", ids)
-    g = np.zeros((len(ids), 4), np.float32)
-    fut = client.push("default", ids, g, step=0, sync_workers=2)  # waits for a second worker that never comes
+    client, fut = _lonely_sync_push(cluster, 30.0)
     time.sleep(0.5)
     closer = threading.Thread(target=client.close, kwargs={"cancel": True})
     t0 = time.monotonic()
