@@ -45,6 +45,12 @@ METHODS = ("Hello", "Lookup", "LookupReadonly", "Push", "Contains", "Dump", "Loa
 _REQ = struct.Struct("<QHd")
 _REP = struct.Struct("<QB")
 _CODES = list(grpc.StatusCode)
+HELLO_TIMEOUT_S = 10.0
+"""Seconds a new connection has to send its hello."""
+
+
+def _code(status: int) -> grpc.StatusCode:
+    return _CODES[status] if 0 < status < len(_CODES) else grpc.StatusCode.UNKNOWN
 
 
 def supported() -> bool:
@@ -164,10 +170,12 @@ class LocalListener:
             conn.close()
 
     def _hello(self, conn: socket.socket) -> str | None:
+        conn.settimeout(HELLO_TIMEOUT_S)  # a connection that says nothing does not hold its thread
         n, method, _ = _REQ.unpack(_recv_exact(conn, _REQ.size))
         if method != 0 or n > 4096:
             return None
         got = bytes(_recv_exact(conn, n)).decode("utf-8", "replace")
+        conn.settimeout(None)
         if self.token is not None and not hmac.compare_digest(got.encode(), self.token.encode()):
             msg = b"missing or wrong parameter-server token"
             conn.sendall(_REP.pack(len(msg), _CODES.index(grpc.StatusCode.UNAUTHENTICATED)) + msg)
@@ -217,7 +225,7 @@ class LocalChannel:
             s.sendall(_REQ.pack(len(token), 0, 0.0) + token)
             n, status = _REP.unpack(_recv_exact(s, _REP.size))
             if status:
-                raise LocalRpcError(_CODES[status], bytes(_recv_exact(s, n)).decode("utf-8", "replace"))
+                raise LocalRpcError(_code(status), bytes(_recv_exact(s, n)).decode("utf-8", "replace"))
             return s
         except BaseException:
             s.close()
@@ -259,7 +267,7 @@ class LocalChannel:
                 else:
                     s.close()
         if status:
-            raise LocalRpcError(_CODES[status], bytes(payload).decode("utf-8", "replace"))
+            raise LocalRpcError(_code(status), bytes(payload).decode("utf-8", "replace"))
         return payload
 
     def close(self) -> None:

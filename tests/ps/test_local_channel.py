@@ -136,3 +136,14 @@ def test_close_with_cancel_ends_a_call_in_flight_on_the_local_channel(cluster):
         fut.result(timeout=10)
     closer.join(timeout=10)
     assert not closer.is_alive() and time.monotonic() - t0 < 5.0
+
+
+def test_a_connection_that_sends_no_hello_is_dropped(cluster, monkeypatch):
+    monkeypatch.setattr(local_channel, "HELLO_TIMEOUT_S", 0.5)
+    cfg, _, addrs = cluster
+    client = EmbeddingClient(addrs, cfg.embedding, token="s3cret")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect("\0" + client.health()[0]["local"])
+        t0 = time.monotonic()
+        assert _dropped(s) and time.monotonic() - t0 < 4.0
+    client.close()
