@@ -21,6 +21,8 @@ def group_by_shard(uniq: np.ndarray, inverse: np.ndarray, num_shards: int) -> tu
     ``(uint64[U] grouped IDs, int64[N] positions in them, int64[S+1] bounds)``: shard ``s`` owns
     ``grouped[bounds[s]:bounds[s+1]]``. A backend given the bounds (``shard_parts``) sends slices instead of
     routing the IDs again at every lookup and push of the batch; each shard gets the same IDs in the same order."""
+    if num_shards == 1:  # one shard owns them all: nothing to reorder
+        return uniq, inverse, np.array([0, len(uniq)], dtype=np.int64)
     order, bounds = K.route(np.ascontiguousarray(uniq, dtype=np.uint64), num_shards)
     rank = np.empty(len(order), dtype=np.int64)
     np.put(rank, order, np.arange(len(order), dtype=np.int64))

@@ -235,7 +235,7 @@ class EmbeddingClient:
             return ch
         with self._local_lock:
             if self.local[shard] is None and self.use_local[shard]:
-                try:
+                try:  # straight over gRPC: ``call`` would come back here through ``_send``
                     answer = self.calls["Health"][shard](
                         wire.encode(), timeout=min(self.timeout_s, 10.0), metadata=self.metadata
                     )

@@ -86,7 +86,7 @@ class _Servicer:
 
             out_meta, out_arrays = fn(meta, arrays, context, reply_to)
             if buf is not None and out_arrays:
-                entries = shm_mod.write_reply(buf, shm.get("out", [0, 0]), out_arrays)
+                entries = shm_mod.write_reply(buf, out_area, out_arrays)
                 if entries is not None:
                     return wire.encode({**out_meta, "shm_out": entries})
             return wire.encode(out_meta, out_arrays)

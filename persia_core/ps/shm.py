@@ -193,9 +193,7 @@ def views(buf: np.ndarray, entries: list) -> dict[str, np.ndarray]:
 def write_reply(buf: np.ndarray, out: list, arrays: dict[str, np.ndarray]) -> list | None:
     """Copy reply ``arrays`` into the reply area ``out = [offset, capacity]`` of ``buf``. Returns the header
     entries, or None when they do not fit (the caller then sends them in the message)."""
-    base, cap = int(out[0]), int(out[1])
-    if base < 0 or base % ALIGN or cap < 0 or base + cap > len(buf):
-        raise ValueError("reply area out of the shared-memory segment's bounds")
+    base, cap = _reply_area(buf, out)
     need = sum(_align(np.asarray(a).nbytes) for a in arrays.values())
     if need > cap:
         return None
@@ -216,12 +214,21 @@ def reply_array(buf: np.ndarray, out: list, shape: tuple[int, ...], dtype) -> np
     for a handler to write its first reply array in place (``write_reply`` then copies nothing). None when it does
     not fit, or the area is out of the segment's bounds (the handler then allocates, and ``write_reply`` refuses
     the area as before)."""
-    base, cap = int(out[0]), int(out[1])
+    try:
+        base, cap = _reply_area(buf, out)
+    except ValueError:
+        return None
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if base < 0 or base % ALIGN or cap < 0 or base + cap > len(buf) or nbytes > cap:
-        return None
-    return buf[base : base + nbytes].view(dt).reshape(shape)
+    return buf[base : base + nbytes].view(dt).reshape(shape) if nbytes <= cap else None
+
+
+def _reply_area(buf: np.ndarray, out: list) -> tuple[int, int]:
+    """``(offset, capacity)`` of the reply area ``out`` of ``buf``; ``ValueError`` when it is out of bounds."""
+    base, cap = int(out[0]), int(out[1])
+    if base < 0 or base % ALIGN or cap < 0 or base + cap > len(buf):
+        raise ValueError("reply area out of the shared-memory segment's bounds")
+    return base, cap
 
 
 class SegmentPool:
