@@ -84,6 +84,7 @@ def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 10
     import torch.nn.functional as F
 
     from persia_core.data.reader import read_schema
+    from persia_core.models.dense import grad_into
     from persia_core.train.worker import build_dense
 
     threads = torch.get_num_threads()
@@ -95,11 +96,14 @@ def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 10
         s = len(cfg.slots)
         dim = cfg.embedding.tables[0].dim
         embs = [torch.from_numpy(rng.normal(0, 0.01, (batch, s, dim)).astype(np.float32)) for _ in range(4)]
+        grads = [torch.empty_like(e) for e in embs]
         dense = torch.from_numpy(rng.random((batch, len(read_schema(data_dir)["dense"]))).astype(np.float32))
         labels = torch.from_numpy((rng.random(batch) < 0.25).astype(np.float32))
 
         def step(i: int) -> None:
-            emb = embs[i % 4].requires_grad_(True)
+            # as the NN worker, the gradient written straight into memory of its own (there: the ring's slot; here
+            # apart, so that the next steps' embeddings stay what they are)
+            emb = grad_into(embs[i % 4].requires_grad_(True), grads[i % 4])
             loss = F.binary_cross_entropy_with_logits(model(emb, dense), labels, reduction="sum") / batch
             opt.zero_grad(set_to_none=True)
             loss.backward()

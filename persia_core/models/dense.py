@@ -75,6 +75,47 @@ def init_output_bias(model: ModelBase, base_rate: float) -> None:
             model.output_bias().fill_(math.log(base_rate / (1.0 - base_rate)))
 
 
+GRAD_INTO = "persia_grad_into"
+"""The attribute of an ``emb`` input naming where the model may write d loss / d emb (``grad_into``)."""
+
+
+def grad_into(emb: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Offer ``dst`` (``float32[B, S, D]``, contiguous, the memory of ``emb`` or other memory) as the place for the
+    gradient with respect to ``emb`` (a leaf that requires grad): a model whose only use of ``emb`` is one linear
+    layer (``DNN``) computes that gradient straight into ``dst``, and ``emb.grad`` is then ``dst`` itself (autograd
+    takes a leaf's only gradient as it is), so that the NN worker's hand-over of the gradient costs no copy. A
+    model that does not take the offer leaves ``emb.grad`` in memory of its own. Returns ``emb``."""
+    setattr(emb, GRAD_INTO, dst)
+    return emb
+
+
+class _FirstLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose backward writes the input's gradient into ``dst`` where one is given.
+    The weight's gradient is computed first: ``dst`` may be the memory of ``x`` itself."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dst):
+        ctx.save_for_backward(x, weight)
+        ctx.dst = dst
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        gw = gy.t().mm(x) if ctx.needs_input_grad[1] else None
+        gb = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.dst is None:
+                gx = gy.mm(weight)
+            else:  # a fresh tensor on dst's memory, referenced only by what is returned: autograd keeps it as grad
+                gx = torch.mm(gy, weight, out=ctx.dst.detach().view(x.shape))
+            ctx.dst = None
+        return gx, gw, gb, None
+
+
 def wide_logit(wide: torch.Tensor) -> torch.Tensor:
     """The wide (first-order) term of the logit, added to the dense model's: ``wide: float32[B, S, 1]`` (a sample's
     wide-table weights pooled per slot) -> ``float32[B]``, their sum."""
@@ -139,7 +180,12 @@ class DNN(ModelBase):
         first = self.top[0]
         assert isinstance(first, nn.Linear)
         n = emb.shape[1] * emb.shape[2]
-        y = F.linear(emb.flatten(1), first.weight[:, :n], first.bias)
+        # this layer is the only use of emb: its gradient may go where the caller offered (grad_into)
+        dst = getattr(emb, GRAD_INTO, None)
+        if dst is None or not emb.requires_grad:
+            y = F.linear(emb.flatten(1), first.weight[:, :n], first.bias)
+        else:
+            y = _FirstLinear.apply(emb.flatten(1), first.weight[:, :n], first.bias, dst)
         if dense.shape[1]:
             y = y + F.linear(self.bottom(self.normalize(dense)), first.weight[:, n:])
         for layer in list(self.top)[1:]:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from persia_core.models.dense import wide_logit
+from persia_core.models.dense import grad_into, wide_logit
 from persia_core.train.feeders import Feeders
 
 log = logging.getLogger("persia.hybrid")
@@ -151,6 +151,8 @@ class HybridTrainPipeline:
         else:
             emb = emb_host.float() if self.half else emb_host
         emb.requires_grad_(True)
+        if emb.data_ptr() == emb_buf.ctypes.data:  # the ring's slot itself: the gradient may go straight there
+            grad_into(emb, torch.from_numpy(emb_buf[:b]))  # (a tensor of its own: emb referring to itself is a cycle)
         logits = self.model(emb, dense)
         wide_buf = self.feeders.wide_view(e, slot)
         wide = None
@@ -174,9 +176,10 @@ class HybridTrainPipeline:
                 h = g.half()
                 half = bool(torch.isfinite(h).all())  # else fp32: an overflow, or inf/NaN the embedding worker refuses
                 self.fp16_fallbacks += not half
-            # straight into the ring (from the GPU: DMA where it is pinned); inf/NaN are refused by the embedding
-            # worker as it sums the gradient per ID
-            torch.from_numpy(self.feeders.views_half(e, slot)[:b] if half else out).copy_(h if half else g)
+            # straight into the ring (from the GPU: DMA where it is pinned), unless the model wrote it there already
+            # (grad_into); inf/NaN are refused by the embedding worker as it sums the gradient per ID
+            if half or g.data_ptr() != out.ctypes.data:
+                torch.from_numpy(self.feeders.views_half(e, slot)[:b] if half else out).copy_(h if half else g)
         emb.grad = None
         if wide is not None:
             assert wide_buf is not None

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from persia_core.models.dense import DLRM, DNN
+from persia_core.models.dense import DLRM, DNN, grad_into
 
 
 def test_dlrm_interaction_is_the_upper_triangle_of_pairwise_dots_and_its_gradient_matches():
@@ -57,3 +57,28 @@ def test_dnn_equals_its_top_mlp_on_the_concat_of_embeddings_and_bottom_output_wi
         want = [emb2.grad] + [p.grad for p in model.parameters()]
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_dnn_writes_the_embedding_gradient_into_the_offered_memory_even_the_input_own():
+    # grad_into(emb, emb): the NN worker's ring slot holds emb and takes d loss / d emb back. The weight gradient
+    # must be read from emb before the input gradient overwrites it; every gradient equals plain autograd's (float64)
+    # and emb.grad is the offered memory itself (no copy left to the NN worker)
+    torch.manual_seed(1)
+    B, S, D, F = 7, 3, 4, 2
+    for hidden, bottom in (([], []), ([5], [3])):
+        model = DNN(S, D, F, hidden=hidden, bottom=bottom).double()
+        values = torch.randn(B, S, D, dtype=torch.float64)
+        dense = torch.randn(B, F, dtype=torch.float64)
+        w = torch.randn(B, dtype=torch.float64)
+        ref_emb = values.clone().requires_grad_(True)
+        (model(ref_emb, dense) * w).sum().backward()
+        want = [ref_emb.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        slot = values.clone()
+        emb = grad_into(slot.requires_grad_(True), slot)
+        np.testing.assert_allclose(model(emb, dense).detach().numpy(), model(values, dense).detach().numpy())
+        (model(emb, dense) * w).sum().backward()
+        assert emb.grad.data_ptr() == slot.data_ptr()
+        got = [emb.grad] + [p.grad for p in model.parameters()]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-12)
