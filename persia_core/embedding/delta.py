@@ -6,14 +6,19 @@ numbered per shard::
 
     <delta_dir>/shard-SSSSS/delta-NNNNNNNN.npz     a shard file (``persia_core.embedding.shard_file``) whose tables
                                                    have layout "delta": keys, weights, optimizer state, last_used
-                                                   of every row changed since delta N-1, plus ``live_keys`` (every
-                                                   key the table holds) when rows were evicted since delta N-1
+                                                   of every row changed since delta N-1, plus ``evicted_keys``
+                                                   (tombstones: the keys of the rows evicted or expired since delta
+                                                   N-1, a key recreated since among them)
 
-Rows in a delta are absolute values, not increments, so applying a delta twice, or one whose changes a full dump
-already holds, is harmless. A full dump (checkpoint or Model shard file) records in its server bookkeeping the
-number of the last delta exported before it (``delta_seq``); the current table is that dump with every later
-delta applied in order (``apply_deltas``, ``deltas_after``). A shard restarted from a checkpoint continues the
-numbering from the checkpoint's ``delta_seq`` and removes the deltas of the lost run after it.
+Applying a delta removes its ``evicted_keys``, then puts its rows in (a key evicted and recreated within one
+interval ends with its new row and optimizer state), so a delta's size follows the change, not the table. Deltas
+written before tombstones carry ``live_keys`` instead (every key the table held) and still apply: rows not among
+them are removed; the rollback delta below carries them too. Rows in a delta are absolute values, not increments, so
+applying a delta twice, or one whose changes a full dump already holds, is harmless. A full dump (checkpoint or
+Model shard file) records in its server bookkeeping the number of the last delta exported before it (``delta_seq``);
+the current table is that dump with every later delta applied in order (``apply_deltas``, ``deltas_after``). A shard
+restarted from a checkpoint continues the numbering from the checkpoint's ``delta_seq`` and removes the deltas of
+the lost run after it.
 
 A shard that loads an earlier dump while exporting (``epochs: auto`` putting the best epoch's model back) marks the
 deltas numbered after the dump's ``delta_seq`` *superseded* in ``<delta_dir>/shard-SSSSS/superseded.json``
@@ -22,7 +27,8 @@ deltas numbered after the dump's ``delta_seq`` *superseded* in ``<delta_dir>/sha
 deltas or the unexported changes touched, with ``live_keys``, so a consumer that had already applied the
 superseded deltas (online serving, as they came) is back at the loaded state after applying it.
 
-The table itself is not changed: the IDs are recorded in the server's lookup and push paths.
+The IDs changed are recorded in the server's lookup and push paths, the keys removed by the tables' eviction
+logs (``EmbeddingTable.log_evictions``).
 """
 
 from __future__ import annotations
@@ -110,18 +116,17 @@ def deltas_after(delta_dir: str, shard: int, delta_seq: int) -> list[str]:
 
 
 class DeltaTracker:
-    """IDs created or updated per table since the last export (thread-safe; a few array appends per call)."""
+    """IDs created or updated per table since the last export (thread-safe; a few array appends per call), and
+    the keys the tables removed (their eviction logs, turned on here)."""
 
     def __init__(self, tables: dict[str, EmbeddingTable]):
         self.tables = tables
         self.lock = threading.Lock()
         self.pending: dict[str, list[np.ndarray]] = {name: [] for name in tables}
         self.counts = {name: 0 for name in tables}
-        self.evictions = {name: self._evictions(name) for name in tables}
-        self.force_live_keys = False  # the next take reports every table as evicted (its delta lists live keys)
-
-    def _evictions(self, name: str) -> int:
-        return int(self.tables[name].counters[1])
+        for t in tables.values():
+            t.log_evictions()
+        self.force_live_keys = False  # the next take asks every table's live keys (the rollback delta)
 
     def record(self, table: str, ids: np.ndarray) -> None:
         """Note that the rows of ``ids: uint64[N]`` of ``table`` changed (or were created)."""
@@ -135,30 +140,29 @@ class DeltaTracker:
                 self.pending[table] = [merged]
                 self.counts[table] = len(merged)
 
-    def take(self) -> tuple[dict[str, np.ndarray], dict[str, bool]]:
-        """The changed IDs per table (sorted, distinct) and whether rows were evicted, since the last ``take``."""
+    def take(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool]:
+        """Since the last ``take``, per table: the changed IDs and the keys removed (each sorted, distinct), and
+        whether the deltas must list the live keys (``force_live_keys``)."""
         with self.lock:
             pending, self.pending = self.pending, {name: [] for name in self.tables}
             self.counts = {name: 0 for name in self.tables}
-            evicted = {}
-            for name in self.tables:
-                now = self._evictions(name)
-                evicted[name] = now != self.evictions[name] or self.force_live_keys
-                self.evictions[name] = now
-            self.force_live_keys = False
+            evicted = {name: sorted_unique(t.take_evicted()) for name, t in self.tables.items()}
+            live, self.force_live_keys = self.force_live_keys, False
         ids = {n: sorted_unique(np.concatenate(p)) if p else np.zeros(0, np.uint64) for n, p in pending.items()}
-        return ids, evicted
+        return ids, evicted, live
 
 
-def rows_of(t: EmbeddingTable, ids: np.ndarray, live_keys: bool) -> TableArrays:
-    """The current rows of ``ids`` in table ``t`` (IDs without a row are left out), as a "delta" table; with
-    ``live_keys``, also every key the table holds."""
+def rows_of(t: EmbeddingTable, ids: np.ndarray, evicted: np.ndarray, live_keys: bool = False) -> TableArrays:
+    """The current rows of ``ids: uint64[N]`` in table ``t`` (IDs without a row are left out), as a "delta" table
+    with the tombstones ``evicted: uint64[E]`` (``evicted_keys``); with ``live_keys``, also every key the table
+    holds."""
     meta = {"dim": t.dim, "optimizer": t.optimizer.name, "layout": "delta"}
     with t.lock:
         rows = K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), t.index, t.keys)
         rows = rows[rows >= 0]
         arrays = {"keys": t.keys[rows], "weights": t.weights[rows], "last_used": t.last_used[rows]}
         arrays.update({k: v[rows] for k, v in t.state.items()})
+        arrays["evicted_keys"] = np.ascontiguousarray(evicted, dtype=np.uint64)
         if live_keys:
             arrays["live_keys"] = t.keys[: int(t.counters[0])].copy()
         meta["step"] = int(t.step)
@@ -236,8 +240,12 @@ class DeltaExporter:
 
     def _export(self) -> str | None:
         def collect() -> dict[str, TableArrays]:
-            ids, evicted = self.tracker.take()
-            return {n: rows_of(self.tables[n], ids[n], evicted[n]) for n in self.tables if len(ids[n]) or evicted[n]}
+            ids, evicted, live = self.tracker.take()
+            return {
+                n: rows_of(self.tables[n], ids[n], evicted[n], live)
+                for n in self.tables
+                if len(ids[n]) or len(evicted[n]) or live
+            }
 
         if self.lock is not None:
             with self.lock:
@@ -281,20 +289,23 @@ def apply_deltas(base: dict[str, dict[str, np.ndarray]], paths: list[str]) -> di
 
     ``base``: per table a state in ``EmbeddingTable.state_dict()`` form (rows most recent first; e.g.
     ``lru_state_dict`` of a shard file's tables). Each delta replaces or adds its rows (placed most recent first,
-    by their ``last_used``) and, when it carries ``live_keys``, drops the rows not among them. Returns the new
-    state per table. Raises ``ShardFileError`` for a corrupt delta file."""
+    by their ``last_used``) after dropping its ``evicted_keys`` and, when it carries ``live_keys``, the rows not
+    among them. Returns the new state per table. Raises ``ShardFileError`` for a corrupt delta file."""
     out = {n: dict(sd) for n, sd in base.items()}
     for path in paths:
         contents = read_shard_file(path, build_index=False)
         for name, ta in contents.tables.items():
             d = dict(ta.arrays)
             live = d.pop("live_keys", None)
+            evicted = d.pop("evicted_keys", None)
             cur = out.get(name)
             if cur is None:
                 cur = {k: v[:0] for k, v in d.items()}
             if set(cur) != set(d):
                 raise ValueError(f"{path}: table {name!r} arrays {sorted(d)} do not match the base {sorted(cur)}")
             keep = ~np.isin(cur["keys"], d["keys"])
+            if evicted is not None and len(evicted):
+                keep &= ~np.isin(cur["keys"], evicted)
             if live is not None:
                 keep &= np.isin(cur["keys"], live)
             order = np.argsort(-d["last_used"].astype(np.int64), kind="stable")

@@ -102,6 +102,9 @@ class EmbeddingTable:
         self._outputs = OutputPool()
         self._alloc(self.capacity)
         self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
+        # keys of the rows evicted or expired since the last take_evicted (log_evictions turns it on; empty: off)
+        self._evicted = np.zeros(0, dtype=np.uint64)
+        self._n_evicted = np.zeros(1, dtype=np.int64)
 
     # ---- storage -------------------------------------------------------------------------------------
     def _alloc(self, rows: int) -> None:
@@ -144,6 +147,8 @@ class EmbeddingTable:
             self.step += 1
             if self.expire_after_steps:
                 self._expire(self.step - self.expire_after_steps)
+            if len(self._evicted) and int(self._n_evicted[0]) + len(ids) > len(self._evicted):
+                self._grow_eviction_log(len(ids))  # room for every ID of the batch to evict a row
             fill = self.storage == "fp32"
             rows = np.empty(len(ids), dtype=np.int32)
             created = K.lookup(
@@ -169,6 +174,8 @@ class EmbeddingTable:
                 fill,
                 rows,
                 _streamable(out, self.weights),
+                self._evicted,
+                self._n_evicted,
             )
             self._reset_state(created)
             if not fill:
@@ -185,15 +192,44 @@ class EmbeddingTable:
         lru = K.first_live(self.qrow, self.qstep, self.qht, self.last_used)
         if lru < 0 or self.last_used[lru] >= older_than:
             return 0
-        removed, moves = K.expire(
+        removed, moves, keys = K.expire(
             older_than, self.index, self.keys, self.qrow, self.qstep, self.qht, self.counters, self.last_used
         )
+        if len(self._evicted) and len(keys):
+            self._grow_eviction_log(len(keys))
+            n = int(self._n_evicted[0])
+            self._evicted[n : n + len(keys)] = keys
+            self._n_evicted[0] = n + len(keys)
         if len(moves):
             K.apply_moves(moves, self.weights)
             for arr in self.state.values():
                 K.apply_moves(moves, arr)
         self.expired += int(removed)
         return int(removed)
+
+    def log_evictions(self) -> None:
+        """Start logging the keys of the rows evicted (at capacity) or expired, for ``take_evicted``: a delta's
+        tombstones (``embedding.delta``). Costs 8 bytes per row removed between two takes."""
+        with self.lock:
+            if not len(self._evicted):
+                self._evicted = np.zeros(4096, dtype=np.uint64)
+
+    def take_evicted(self) -> np.ndarray:
+        """``uint64[E]``: the keys of the rows evicted or expired since the last call (in order, a key again if
+        it was removed again after being recreated); empty unless ``log_evictions`` was called."""
+        with self.lock:
+            n = int(self._n_evicted[0])
+            keys = self._evicted[:n].copy()
+            self._n_evicted[0] = 0
+        return keys
+
+    def _grow_eviction_log(self, more: int) -> None:
+        """Room in the eviction log for ``more`` keys beyond those held (caller holds the lock)."""
+        n = int(self._n_evicted[0])
+        if n + more > len(self._evicted):
+            log = np.zeros(max(2 * len(self._evicted), n + more), dtype=np.uint64)
+            log[:n] = self._evicted[:n]
+            self._evicted = log
 
     def expire(self, older_than_steps: int) -> int:
         """Remove rows not looked up in the last ``older_than_steps`` lookup batches. Returns how many."""
@@ -373,5 +409,6 @@ class EmbeddingTable:
             )
             self.counters[:] = 0
             self.counters[0] = n
+            self._n_evicted[0] = 0  # rows removed before do not concern the loaded table (its deltas list live keys)
             self.step = int(self.last_used[:n].max()) if n else 0
             K.rebuild_index(self.index, self.keys, K.shift_of(self.index), n)

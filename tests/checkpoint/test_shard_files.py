@@ -188,7 +188,7 @@ def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path)
     assert shard.export_delta().endswith("delta-00000001.npz")
     later = str(tmp_path / "later.npz")
     shard.dump(later)  # records delta_seq 1
-    for _ in range(4):  # past capacity: rows are evicted, so the delta also carries the live keys
+    for _ in range(4):  # past capacity: rows are evicted, so the delta also carries their keys (tombstones)
         train_a_bit(500, 4000)
     assert shard.tables["default"].stats()["evictions"] > 0
     assert shard.export_delta().endswith("delta-00000002.npz")
@@ -197,6 +197,46 @@ def test_delta_exports_applied_to_the_full_dump_give_the_current_table(tmp_path)
         got = by_key(load_with_deltas(base, deltas, 0)["default"])
         for k in current:
             np.testing.assert_array_equal(got[k], current[k], err_msg=f"{base} {k}")
+
+
+def test_a_delta_after_evictions_holds_the_changed_rows_and_the_evicted_keys_and_reproduces_the_table(tmp_path):
+    # issue "Online serving": a delta records the rows changed and the keys evicted since the previous one, not
+    # every live key, so its size follows the change; dump + deltas give the table exactly, a key evicted and
+    # recreated within the interval included (its new row and reset optimizer state)
+    shard, deltas, train_a_bit = _exporting_shard(tmp_path, 2)
+    table = shard.tables["default"]
+    for _ in range(3):
+        train_a_bit(600, 1500)
+    shard.lookup("default", np.arange(1500, dtype=np.uint64))
+    assert table.size == 1500  # full: every new ID now evicts a row
+    shard.export_delta()  # everything so far
+    full = str(tmp_path / "full.npz")
+    shard.dump(full)  # delta_seq 1
+    before = set(table.state_dict()["keys"].tolist())
+    new_ids = np.arange(10_000, 10_040, dtype=np.uint64)
+    shard.lookup("default", new_ids)  # 40 rows evicted, the least recently used
+    gone = sorted(before - set(table.state_dict()["keys"].tolist()))
+    assert len(gone) == 40
+    again = np.array(gone[:3], dtype=np.uint64)  # evicted, then recreated (evicting 3 more) and trained
+    shard.lookup("default", again)
+    meta = {"table": "default", "client": "c", "seq": 99, "step": 0, "sync_workers": 0}
+    shard.push(meta, again, np.full((3, 4), 0.5, np.float32), None)
+    path = shard.export_delta()
+    delta = F.read_shard_file(path, build_index=False).tables["default"].arrays
+    after = set(table.state_dict()["keys"].tolist())
+    assert "live_keys" not in delta
+    assert sorted(delta["keys"].tolist()) == sorted(new_ids.tolist() + again.tolist())  # the changed rows only
+    assert delta["evicted_keys"].tolist() == sorted(before - after | set(again.tolist()))  # 43 tombstones
+    assert len(delta["keys"]) + len(delta["evicted_keys"]) < 0.1 * table.size
+    current = _by_key(table.state_dict())
+    got = _by_key(load_with_deltas(full, deltas, 0)["default"])
+    for k in current:
+        np.testing.assert_array_equal(got[k], current[k], err_msg=k)
+    # the recreated keys start over: their accumulators hold one push, not their history before eviction
+    acc = dict(zip(current["keys"].tolist(), current["acc"].tolist(), strict=True))
+    full_acc = _by_key(T.lru_state_dict(F.read_shard_file(full, build_index=False).tables["default"]))
+    old_acc = dict(zip(full_acc["keys"].tolist(), full_acc["acc"].tolist(), strict=True))
+    assert all(acc[int(k)] < old_acc[int(k)] for k in again)
 
 
 def test_loading_an_earlier_dump_marks_the_later_deltas_superseded_and_exports_a_rollback(tmp_path):

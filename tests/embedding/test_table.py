@@ -282,12 +282,15 @@ def test_a_partial_async_push_scales_the_step_of_scale_invariant_optimizers_but_
 def test_eviction_and_expiry_follow_a_reference_lru_over_many_batches():
     """Random batches against an ordered-dict LRU model (recency at batch granularity, ties in first-touch order):
     the same rows live after every batch, the same evicted, weights and optimizer state follow their IDs through
-    expiry's row moves, and the recency queue compacts many times over."""
+    expiry's row moves, and the recency queue compacts many times over. The eviction log (a delta's tombstones)
+    holds the keys removed, expired and evicted, in order, across takes far apart (it grows past its first size)."""
     from collections import OrderedDict
 
     cap, expire_after = 300, 6
     t = EmbeddingTable(2, OptimizerConfig(name="adagrad", lr=0.1), cap, 0.1, 0, expire_after_steps=expire_after)
+    t.log_evictions()
     model: OrderedDict[int, int] = OrderedDict()  # id -> last step, least recent first
+    removed: list[int] = []  # keys the model removed since the last take
     rng = np.random.default_rng(3)
     for step in range(1, 400):
         hot = rng.integers(0, 40, 30)
@@ -296,6 +299,7 @@ def test_eviction_and_expiry_follow_a_reference_lru_over_many_batches():
         # the model: expire, then touch found IDs (first-touch order), then create unseen ones, evicting the LRU
         for k in [k for k, s in model.items() if s < step - expire_after]:
             del model[k]
+            removed.append(k)
         seen = set()
         for k in (int(v) for v in ids):
             if k in model and k not in seen:
@@ -305,9 +309,12 @@ def test_eviction_and_expiry_follow_a_reference_lru_over_many_batches():
         for k in dict.fromkeys(int(v) for v in ids):
             if k not in model:
                 if len(model) >= cap:
-                    model.popitem(last=False)
+                    removed.append(model.popitem(last=False)[0])
                 model[k] = step
         rows = t.lookup(ids)
+        if step % 100 == 0 or step == 399:
+            assert t.take_evicted().tolist() == removed
+            removed = []
         t.apply_gradients(np.unique(ids), np.ones((len(np.unique(ids)), 2), np.float32))
         assert t.size == len(model)
         sd = t.state_dict()  # most recent first: the model's order reversed, exactly

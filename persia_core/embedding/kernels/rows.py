@@ -127,6 +127,8 @@ def lookup(
     fill,
     rows,
     stream,
+    evicted,
+    n_evicted,
 ):
     """Batched lookup(-or-create) of ``ids: uint64[N]`` into ``out: float32[N, D]``.
 
@@ -138,6 +140,9 @@ def lookup(
     whose optimizer state the caller resets; ``rows: int32[N]`` receives each ID's row (-1: none).
     ``fill=False`` (16-bit storage): neither initialize created rows nor copy rows into ``out``; the caller
     does both from ``rows`` (``weights`` is then unused). ``stream``: as in ``gather_rows``.
+    ``evicted: uint64[C]``, ``n_evicted: int64[1]``: the key of each evicted row is written at
+    ``evicted[n_evicted[0]]`` and the count advanced (a log of evictions for incremental export); the caller leaves
+    room for N more, or passes ``C = 0`` for no log.
 
     Feature admission (PERSIA's ``admit_probability``; sightings as in count-based admission): an unseen ID
     gets a row only if ``admit_after == 0`` or it has now been seen ``admit_after`` times (counted in ``sketch``,
@@ -173,7 +178,9 @@ def lookup(
             elif admit_prob < 1.0 and not _admitted_by_chance(key, step, admit_prob):
                 refused[0] += 1
             else:
-                r = _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key)
+                r = _create(
+                    index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key, evicted, n_evicted
+                )
                 if fill:
                     init_row(key, seed, scale, weights[r])
                 created[nc] = r
@@ -211,11 +218,12 @@ def _admitted_by_chance(key, step, admit_prob):
 
 
 @njit(nogil=True, cache=True)
-def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key):
-    """A row for the unseen ``key``: the next free row, or at capacity the least recently used row, evicted
-    (its key removed from the index). The row gets ``key``, an index entry and ``last_used = step``; the caller
-    initializes it and queues it. Raises ``ValueError`` when no row can be taken: the least recent row was itself
-    used in this step, or the recency queue holds no live row (a batch of more distinct IDs than the capacity)."""
+def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last_used, key, evicted, n_evicted):
+    """A row for the unseen ``key``: the next free row, or at capacity the least recently used row, evicted (its key
+    removed from the index and, where ``evicted`` has room, logged in it: see ``lookup``). The row gets ``key``, an
+    index entry and ``last_used = step``; the caller initializes it and queues it. Raises ``ValueError`` when no row
+    can be taken: the least recent row was itself used in this step, or the recency queue holds no live row (a batch
+    of more distinct IDs than the capacity)."""
     size = counters[0]
     if size < capacity:
         r = np.int32(size)
@@ -227,6 +235,9 @@ def _create(index, keys, shift, qrow, qstep, qht, counters, capacity, step, last
         qht[0] += 1
         delete(index, keys, shift, keys[r])
         counters[1] += 1
+        if n_evicted[0] < evicted.shape[0]:
+            evicted[n_evicted[0]] = keys[r]
+            n_evicted[0] += 1
     keys[r] = key
     insert(index, keys, shift, key, r)
     counters[2] += 1
@@ -276,7 +287,8 @@ def _log2(n):
 
 @njit(nogil=True, cache=True)
 def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
-    """Remove every row whose ``last_used`` step is below ``older_than``; returns (how many, moves).
+    """Remove every row whose ``last_used`` step is below ``older_than``; returns (how many, moves, their keys
+    ``uint64[how many]``).
 
     They are the live entries at the head of the recency queue. Rows stay contiguous: each freed row below the
     new size takes a surviving row from above it. Callers must move the per-row weights and optimizer state the
@@ -284,6 +296,7 @@ def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
     shift = shift_of(index)
     size = counters[0]
     gone = np.empty(size, dtype=np.int32)
+    gone_keys = np.empty(size, dtype=np.uint64)
     ne = 0
     q = qrow.shape[0]
     while True:
@@ -291,6 +304,7 @@ def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
         if r < 0 or last_used[r] >= older_than:
             break
         qht[0] += 1
+        gone_keys[ne] = keys[r]
         delete(index, keys, shift, keys[r])
         last_used[r] = DEAD
         gone[ne] = r
@@ -329,7 +343,7 @@ def expire(older_than, index, keys, qrow, qstep, qht, counters, last_used):
                 qstep[o] = qstep[p]
                 w += 1
         qht[1] = w
-    return ne, moves[:nm]
+    return ne, moves[:nm], gone_keys[:ne]
 
 
 @njit(nogil=True, cache=True)
