@@ -87,6 +87,8 @@ def custom_job_request(
     ps_token_secret: str = "",
     checkpoint_every_s: float = 0.0,
     checkpoint_every_steps: int = 0,
+    delta_dir: str = "",
+    delta_every_s: float = 0.0,
 ) -> tuple[list[dict], str]:
     """Worker-pool specs for this run and the job's base output folder (``<model>_job``, gs:// form).
 
@@ -96,8 +98,9 @@ def custom_job_request(
     fresh random one in the containers' environment unless ``ps_token_secret`` names a Secret Manager version. With
     ``checkpoint_every_s`` or ``checkpoint_every_steps`` > 0 every replica gets the checkpoint flags, the folder
     being ``<model>/checkpoints`` on Cloud Storage: the workers write checkpoints there, and the replicas of a
-    restarted or retried job resume from the newest complete one. Raises ``ValueError`` when the counts do not
-    divide."""
+    restarted or retried job resume from the newest complete one. With ``delta_every_s`` > 0 the parameter servers
+    write incremental exports every ``delta_every_s`` seconds to ``delta_dir`` (a Cloud Storage folder; empty:
+    ``<model>/deltas``). Raises ``ValueError`` when the counts do not divide."""
     template = json.loads(template_json)
     args = template[0]["containerSpec"]["args"]
     k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
@@ -119,6 +122,11 @@ def custom_job_request(
     }
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
     specs = fill_worker_pool_specs(template, paths, m // g, n // k, env, m * ew // per)
+    if delta_every_s > 0:  # flags of the replicas' entry point (persia_core.cluster): before any "--"
+        deltas = ["--delta-dir", io.to_fuse(delta_dir or io.join(model_uri, "deltas")), "--delta-every-s"]
+        for spec in specs:
+            if spec:
+                spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + [*deltas, str(delta_every_s)]
     if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
         flags = [
             "--",
@@ -150,6 +158,8 @@ def run_custom_job(
     display_name: str = "",
     checkpoint_every_s: float = 0.0,
     checkpoint_every_steps: int = 0,
+    delta_dir: str = "",
+    delta_every_s: float = 0.0,
 ) -> dict:
     """Submit the training CustomJob, wait for it, and return the Model's manifest (written by the primary).
 
@@ -158,7 +168,15 @@ def run_custom_job(
     from google.cloud.aiplatform.compat.types import custom_job as custom_job_types  # type: ignore[attr-defined]
 
     specs, base = custom_job_request(
-        template_json, dataset_uri, shards_uri, model_uri, ps_token_secret, checkpoint_every_s, checkpoint_every_steps
+        template_json,
+        dataset_uri,
+        shards_uri,
+        model_uri,
+        ps_token_secret,
+        checkpoint_every_s,
+        checkpoint_every_steps,
+        delta_dir,
+        delta_every_s,
     )
     job = aiplatform.CustomJob(
         display_name=display_name or f"persia-train-{secrets.token_hex(4)}",

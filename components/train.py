@@ -16,14 +16,15 @@ def train(
     checkpoint_every_s: float = 600.0,
     checkpoint_dir: str = "",
     delta_every_s: float = 0.0,
+    delta_dir: str = "",
 ):
     """Start the parameter servers and NN workers of the run config, train, and write the Model artifact
     (dense weights, embedding shard dumps, manifest, training metrics) into ``model``.
 
-    Checkpoints go to ``checkpoint_dir`` (empty: ``<model>/checkpoints``, which a retry of this task finds again)
-    every ``checkpoint_every_steps`` steps and/or ``checkpoint_every_s`` seconds (0 = off) and at the end; a
-    retried task resumes from the newest complete one. ``delta_every_s > 0`` also writes incremental exports
-    under ``<model>/deltas``. Bad input (a config that does not fit the data or the shards) exits 2 and is
+    Checkpoints go to ``checkpoint_dir`` (empty: ``<model>/checkpoints``, which a retry of this task finds again) every
+    ``checkpoint_every_steps`` steps and/or ``checkpoint_every_s`` seconds (0 = off) and at the end; a retried task
+    resumes from the newest complete one. ``delta_every_s > 0`` also writes incremental exports to ``delta_dir``
+    (empty: ``<model>/deltas``). Bad input (a config that does not fit the data or the shards) exits 2 and is
     recorded in ``<model>/bad_input.json``, so that a retry fails at once (``persia_core.bad_input``)."""
     from persia_core.train.processes import die_with_local_runner
 
@@ -51,6 +52,7 @@ def train(
             checkpoint=settings,
             resume_from="auto",
             delta_every_s=delta_every_s,
+            delta_dir=delta_dir,
         )
     summary = manifest["summary"]
     metrics.log_metric("samples_per_s", summary["samples_per_s"])

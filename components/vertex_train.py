@@ -22,11 +22,14 @@ def train(
     timeout_s: int = 0,
     checkpoint_every_s: float = 600.0,
     checkpoint_every_steps: int = 0,
+    delta_dir: str = "",
+    delta_every_s: float = 0.0,
 ):
     """Hybrid training as a Vertex AI CustomJob (pools: primary, NN workers, parameter servers; see
     ``components.custom_job``); writes the same Model artifact as the local train step. Checkpoints go to
-    ``<model>/checkpoints`` every ``checkpoint_every_s`` seconds / ``checkpoint_every_steps`` steps (0: off),
-    and a restarted or retried job resumes from the newest complete one. Bad input found before the job starts
+    ``<model>/checkpoints`` every ``checkpoint_every_s`` seconds / ``checkpoint_every_steps`` steps (0: off), and a
+    restarted or retried job resumes from the newest complete one. ``delta_every_s > 0``: the parameter servers also
+    write incremental exports to ``delta_dir`` (empty: ``<model>/deltas``). Bad input found before the job starts
     exits 2 and is recorded in the model folder, so that a retry fails at once (``persia_core.bad_input``)."""
     from components.custom_job import run_custom_job
     from persia_core.bad_input import refusing_bad_input
@@ -45,6 +48,8 @@ def train(
             timeout_s,
             checkpoint_every_s=checkpoint_every_s,
             checkpoint_every_steps=checkpoint_every_steps,
+            delta_dir=delta_dir,
+            delta_every_s=delta_every_s,
         )
     summary = manifest["summary"]
     for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):

@@ -304,6 +304,8 @@ def _run_parameter_server(args, place: Placement, config, token: str) -> int:
             ]
         elif init and io.exists(init):
             cmd += ["--init", init]
+        if args.delta_dir and args.delta_every_s > 0:
+            cmd += ["--delta-dir", args.delta_dir, "--delta-every-s", str(args.delta_every_s)]
         log.info("parameter server: shard %d/%d on %s:%d", shard, n, args.host, port)
         procs.append(spawn(cmd, env))
     done = io.join(args.control, DONE_MARKER) if args.control else ""
@@ -430,6 +432,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="embedding-worker processes per pool-3 replica (ports p .. p+n-1)",
+    )
+    p.add_argument(
+        "--delta-dir",
+        default="",
+        help="parameter servers: folder of the incremental exports (deltas), stable across runs for online serving",
+    )
+    p.add_argument(
+        "--delta-every-s", type=float, default=0.0, help="parameter servers: seconds between deltas (0: none)"
     )
     p.add_argument("--host", default="0.0.0.0", help="address parameter servers and embedding workers bind")
     p.add_argument("--ps-wait-s", type=float, default=900.0, help="how long NN workers wait for the servers")

@@ -131,16 +131,22 @@ def check_parameters(values: dict[str, Any], specs: dict[str, dict], from_text: 
 def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     """Checks of parameter values that only fail at run time on Vertex AI, made before anything is sent.
 
-    ``blessed_dir`` (given or the template's default) and a non-empty ``warm_start_from`` must be Cloud
-    Storage folders (a path inside a run's container is gone when the run ends, so nothing would ever be
-    warm-started); ``{...}`` tokens of ``data`` must be date tokens (``components.data_path.resolve_data_path``).
-    Raises ``ValueError`` naming the parameter."""
+    ``blessed_dir`` (given or the template's default) and a non-empty ``warm_start_from`` must be Cloud Storage folders
+    (a path inside a run's container is gone when the run ends, so nothing would ever be warm-started), and so must
+    a non-empty ``delta_dir``; ``{...}`` tokens of ``data`` must be date tokens
+    (``components.data_path.resolve_data_path``). Raises ``ValueError`` naming the parameter."""
 
     def value(name: str) -> str:
         return str(values.get(name, specs.get(name, {}).get("defaultValue", "")))
 
     if "blessed_dir" in specs:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
+    delta_dir = value("delta_dir") if "delta_dir" in specs else ""
+    if delta_dir and not delta_dir.startswith(("gs://", "/gcs/")):
+        raise ValueError(
+            f"delta_dir {delta_dir!r} is a folder inside the run's container, gone when it ends: set it to a "
+            "gs:// (or /gcs/) folder, or leave it empty for <model>/deltas"
+        )
     data = value("data") if "data" in specs else ""
     for name in ("num_parameter_servers", "num_nn_workers", "epochs", "max_rows"):
         least = AUTO_EPOCHS if name == "epochs" else 0

@@ -71,6 +71,8 @@ def persia_pipeline(
     lr_margin: float = DEFAULT_LR_MARGIN,
     checkpoint_every_s: float = 600.0,
     checkpoint_every_steps: int = 0,
+    delta_every_s: float = 0.0,
+    delta_dir: str = "",
 ) -> str:
     """Args:
     data: raw data (folder, file or glob; local, gs:// or /gcs/). Vertex target: ``{date}``, ``{date-1d}``,
@@ -94,6 +96,10 @@ def persia_pipeline(
         same slots and train split, fitted by the evaluate step; 0: not below it; 1: reported, not enforced).
     checkpoint_every_s, checkpoint_every_steps: periodic checkpoints of training (0 = off); the train task is
         retried on failure and resumes from the newest complete checkpoint.
+    delta_every_s: the parameter servers' incremental exports (deltas: rows changed and keys evicted), every this
+        many seconds of training (0 = none): PERSIA's incremental update for online serving.
+    delta_dir: where deltas go, a location that stays the same from run to run (Vertex AI: gs:// or /gcs/);
+        empty = ``<model>/deltas`` inside each run's Model artifact.
     Returns the evaluation metrics as a JSON string.
     """
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
@@ -124,6 +130,8 @@ def persia_pipeline(
             shards=plan.outputs["shards"],
             checkpoint_every_steps=checkpoint_every_steps,
             checkpoint_every_s=checkpoint_every_s,
+            delta_every_s=delta_every_s,
+            delta_dir=delta_dir,
         )
     else:
         trained = vertex_train(
@@ -137,6 +145,8 @@ def persia_pipeline(
             timeout_s=target.timeout_s,
             checkpoint_every_s=checkpoint_every_s,
             checkpoint_every_steps=checkpoint_every_steps,
+            delta_every_s=delta_every_s,
+            delta_dir=delta_dir,
         )
     trained.set_display_name("train (hybrid)").set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
     ev = evaluate(

@@ -236,8 +236,21 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_LR_MARGIN,
         help="... nor one whose AUC is more than this below the LR reference's (0: not below; 1: not enforced)",
     )
+    p.add_argument(
+        "--delta-every-s",
+        type=float,
+        default=0.0,
+        help="seconds between the parameter servers' incremental exports (deltas) during training (0 = none)",
+    )
+    p.add_argument(
+        "--delta-dir",
+        default="",
+        help="where deltas go, the same folder from run to run (default: <model>/deltas of each run's Model)",
+    )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
+    if args.delta_every_s < 0:
+        p.error("--delta-every-s must be >= 0 (0 = no deltas)")
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < (AUTO_EPOCHS if name == "epochs" else 0):
             zero = "all" if name == "max_rows" else "the config's value" + (", or auto" if name == "epochs" else "")
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 min_auc=args.min_auc,
                 max_ne=args.max_ne,
                 lr_margin=args.lr_margin,
+                delta_every_s=args.delta_every_s,
+                delta_dir=absolute(args.delta_dir),
             )
         except RuntimeError as e:
             failure = (e, last_lines(80))

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from kfp import components
 
+from persia_core.embedding.delta import list_deltas
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.run_local import main as run_local
 from pipelines.run_local import run_dirs, this_run
@@ -57,11 +58,17 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, mon
             "2",
             "--nn-workers",
             "2",
+            "--delta-every-s",
+            "0.5",
+            "--delta-dir",
+            str(tmp_path / "deltas"),
         ]
     )
     assert rc == 0
     lines = capfd.readouterr().out.strip().splitlines()
     assert lines[-1].startswith("eval: AUC=")
+    # deltas in the stable folder named by the pipeline parameter, not inside the run's Model artifact
+    assert all(list_deltas(str(tmp_path / "deltas"), s) for s in (0, 1))
     # the train task's progress reaches the terminal (before: "train: running", then silence until the end)
     assert any(
         re.fullmatch(r"\d\d:\d\d:\d\d train: step (\d+)/\1 loss \S+ samples/s \S+ staleness \d+", ln) for ln in lines

@@ -243,6 +243,7 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     from support import tiny_config
 
     from persia_core.checkpoints import config_sha256
+    from persia_core.embedding.delta import list_deltas
     from persia_core.embedding.plan import init_shards
     from persia_core.embedding.reference import LocalEmbedding
     from persia_core.embedding.shard_file import ShardFileError
@@ -291,6 +292,9 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     ]
     if ew_replicas:
         cmd += ["--embedding-workers", "2", "--embedding-workers-per-replica", "2"]
+    deltas = str(tmp_path / "deltas")
+    if ps_replicas == 2:  # the servers' incremental exports, into the folder the job was given
+        cmd += ["--delta-dir", deltas, "--delta-every-s", "0.2"]
     replicas = (
         [("workerpool3", i) for i in range(ew_replicas)]
         + [("workerpool2", i) for i in range(ps_replicas)]
@@ -303,6 +307,7 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
         assert json.load(open(os.path.join(out, "train_metrics.json")))["embedding_workers"] == 2
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
+    assert all(list_deltas(deltas, s) for s in (0, 1)) == (ps_replicas == 2)
     assert all(r > 0 for r in manifest["summary"]["rows"])
     assert os.path.exists(os.path.join(control, cluster.DONE_MARKER))
     result = evaluate(out, tiny_data)

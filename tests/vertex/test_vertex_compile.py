@@ -188,6 +188,23 @@ def test_vertex_custom_job_counts_follow_the_run_config_and_paths_use_the_gcs_mo
         assert tail[:3] == ["--", "--checkpoint-dir", "/gcs/b/root/train/model/checkpoints"]
         assert tail[tail.index("--checkpoint-every-s") + 1] == "600.0"
     assert "--" not in specs[0]["containerSpec"]["args"]  # checkpoints off: no flags
+    assert "--delta-dir" not in specs[2]["containerSpec"]["args"]  # deltas off: no flags
+    # deltas: the replicas' entry point gets the folder (default <model>/deltas, or the pipeline's delta_dir),
+    # before the "--" that starts the NN workers' own flags
+    for delta_dir, want in (("", "/gcs/b/root/train/model/deltas"), ("gs://b/deltas/criteo", "/gcs/b/deltas/criteo")):
+        both, _ = custom_job.custom_job_request(
+            template,
+            "gs://b/root/pre/dataset",
+            str(shards),
+            "gs://b/root/train/model",
+            checkpoint_every_s=600.0,
+            delta_dir=delta_dir,
+            delta_every_s=30.0,
+        )
+        for spec in (s for s in both if s):
+            args = spec["containerSpec"]["args"]
+            i = args.index("--delta-dir")
+            assert args[i : i + 4] == ["--delta-dir", want, "--delta-every-s", "30.0"] and i < args.index("--")
     # an embedding-worker pool: 3 NN workers x E = 4 over 6 processes per replica = 2 replicas of pool 3
     (shards / "run_config.yaml").write_text(cfg.to_yaml())
     four = json.dumps(_settings(embedding_workers=4, embedding_workers_per_replica=6).worker_pool_specs())

@@ -200,6 +200,7 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
         ([*BLESSED, "--param", "max_ne=0"], "max_ne must be > 0"),
         ([*BLESSED, "--param", "lr_margin=-1"], "lr_margin must be >= 0"),
         ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
+        ([*BLESSED, "--param", "delta_dir=/tmp/deltas"], "delta_dir '/tmp/deltas' is a folder inside the run's"),
         (
             [*BLESSED, "--param", "config=critea"],
             "config 'critea' is not a shipped run config ['criteo', 'dcnv2', 'dcnv2_mlperf', 'movielens']",
