@@ -1,5 +1,6 @@
 """The Vertex AI requests: a pipeline run (``PipelineJob``, built from a checked template and parameters, then
-submitted), a Model Registry upload of the blessed model, and a template upload to a KFP registry."""
+submitted), a Model Registry upload of the blessed model, its deployment to an endpoint, and a template upload to
+a KFP registry."""
 
 from __future__ import annotations
 
@@ -131,6 +132,49 @@ def register_model(
         credentials=credentials,
         sync=True,
     )
+
+
+def deploy_model(
+    model: str,
+    target: Target,
+    endpoint: str = "",
+    endpoint_display_name: str = "",
+    machine_type: str = "n2-standard-4",
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    service_account: str = "",
+    credentials=None,
+):
+    """Deploy the registered ``model`` (``projects/P/locations/R/models/ID[@VERSION]``, as ``register-model``
+    prints it) to ``endpoint`` (its resource name or ID; empty: a new endpoint named ``endpoint_display_name``, else
+    the model's display name) on ``machine_type`` with ``min_replicas`` .. ``max_replicas`` replicas, and move all
+    of the endpoint's traffic to it (models deployed there before keep running, at 0% of the traffic, until
+    undeployed). Returns the ``aiplatform.Endpoint``. Raises ``ValueError`` for a bad model name or replica
+    counts."""
+    from google.cloud import aiplatform
+
+    if not model.startswith("projects/") or "/models/" not in model:
+        raise ValueError(f"--model {model!r}: expected projects/P/locations/R/models/ID[@VERSION]")
+    if min_replicas < 1 or max_replicas < min_replicas:
+        raise ValueError(f"replicas: need 1 <= --min-replicas <= --max-replicas, got {min_replicas}, {max_replicas}")
+    where = {"project": target.project, "location": target.region, "credentials": credentials}
+    m = aiplatform.Model(model_name=model, **where)
+    ep = (
+        aiplatform.Endpoint(endpoint, **where)
+        if endpoint
+        else aiplatform.Endpoint.create(display_name=endpoint_display_name or m.display_name, sync=True, **where)
+    )
+    m.deploy(
+        endpoint=ep,
+        deployed_model_display_name=m.display_name,
+        traffic_percentage=100,
+        machine_type=machine_type,
+        min_replica_count=min_replicas,
+        max_replica_count=max_replicas,
+        service_account=service_account or None,
+        sync=True,
+    )
+    return ep
 
 
 def upload_template(

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from pipelines.jobs import register_model, submit, upload_template
+from pipelines.jobs import deploy_model, register_model, submit, upload_template
 from pipelines.parameters import Target, dataflow_beam_args, parse_key_values
 from pipelines.schedules import create_schedule, delete_schedule, list_schedules, pause_schedule, resume_schedule
 
@@ -107,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alias", action="append", help="version alias, e.g. blessed (repeat)")
     r.add_argument("--label", action="append", metavar="KEY=VALUE")
     r.add_argument("--description", default="")
+    d = sub.add_parser("deploy", help="deploy a registered model to an endpoint, all traffic moved to it")
+    _add_target(d)
+    d.add_argument("--model", required=True, help="projects/P/locations/R/models/ID[@VERSION] (register-model's)")
+    d.add_argument("--endpoint", default="", help="endpoint resource name or ID (default: create one)")
+    d.add_argument("--endpoint-display-name", default="", help="name of the endpoint created (default: the model's)")
+    d.add_argument("--machine-type", default="n2-standard-4", help="serving machine type")
+    d.add_argument("--min-replicas", type=int, default=1)
+    d.add_argument("--max-replicas", type=int, default=1)
+    d.add_argument("--service-account", default="", help="service account the serving container runs as")
     u = sub.add_parser("upload-template", help="upload the compiled YAML to a KFP / Artifact Registry host")
     u.add_argument("--host", required=True, help="https://REGION-kfp.pkg.dev/PROJECT/REPOSITORY")
     u.add_argument("--template", default=DEFAULT_TEMPLATE)
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("run", "schedule"):
             target = Target(args.project, args.region, getattr(args, "pipeline_root", ""))
-        elif args.command in ("register-model", "dataflow-args"):
+        elif args.command in ("register-model", "deploy", "dataflow-args"):
             target = Target(args.project, args.region)
         if args.command == "run":
             job = submit(
@@ -182,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
                 args.description,
             )
             print(m.versioned_resource_name)
+        elif args.command == "deploy":
+            ep = deploy_model(
+                args.model,
+                target,
+                args.endpoint,
+                args.endpoint_display_name,
+                args.machine_type,
+                args.min_replicas,
+                args.max_replicas,
+                args.service_account,
+            )
+            print(ep.resource_name)
         elif args.command == "upload-template":
             name, version = upload_template(args.host, args.template, args.tag, args.description)
             print(f"{args.host.rstrip('/')}/{name}/{version}")

@@ -93,7 +93,12 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
         return _Done(model_service.UploadModelResponse(model=f"{parent}/models/7", model_version_id="3"))
 
     def get_model(self, request=None, *, name=None, **kw):
-        return model_types.Model(name=f"{parent}/models/7", version_id="3", display_name="persia-ctr")
+        return model_types.Model(  # as the API answers for a model uploaded with a serving container
+            name=f"{parent}/models/7",
+            version_id="3",
+            display_name="persia-ctr",
+            supported_deployment_resources_types=[model_types.Model.DeploymentResourcesType.DEDICATED_RESOURCES],
+        )
 
     for cls, methods in (
         (pipeline_client.PipelineServiceClient, [create_pipeline_job]),
@@ -457,3 +462,83 @@ def test_submit_without_credentials_says_so_in_one_line(template, monkeypatch, c
     err = capsys.readouterr().err
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "DefaultCredentialsError: Your default credentials were not found." in err and "Traceback" not in err
+
+
+@pytest.fixture
+def endpoints(gapic, monkeypatch):
+    """The Endpoint service records create/deploy requests instead of sending them (into ``gapic``'s list)."""
+    from google.cloud.aiplatform_v1.services.endpoint_service import client as endpoint_client
+    from google.cloud.aiplatform_v1.types import endpoint as endpoint_types
+    from google.cloud.aiplatform_v1.types import endpoint_service
+
+    parent = f"projects/{PROJECT}/locations/{REGION}"
+
+    class _Done:
+        def __init__(self, result):
+            self._result = result
+            self.operation = type("Op", (), {"name": f"{parent}/operations/2"})()
+
+        def result(self, timeout=None):
+            return self._result
+
+    def create_endpoint(self, request=None, *, parent=None, endpoint=None, **kw):
+        gapic.append(("create_endpoint", {"parent": parent, "endpoint": endpoint}))
+        return _Done(endpoint_types.Endpoint(name=f"{parent}/endpoints/55", display_name=endpoint.display_name))
+
+    def get_endpoint(self, request=None, *, name=None, **kw):
+        return endpoint_types.Endpoint(name=name or request.name, display_name="persia-ctr")
+
+    def deploy_model(self, request=None, *, endpoint=None, deployed_model=None, traffic_split=None, **kw):
+        gapic.append(
+            ("deploy_model", {"endpoint": endpoint, "deployed_model": deployed_model, "traffic": traffic_split})
+        )
+        return _Done(endpoint_service.DeployModelResponse(deployed_model={"id": "9"}))
+
+    for m in (create_endpoint, get_endpoint, deploy_model):
+        monkeypatch.setattr(endpoint_client.EndpointServiceClient, m.__name__, m)
+    return gapic
+
+
+def test_deploy_creates_an_endpoint_and_moves_all_traffic_to_the_model_version(endpoints, capsys):
+    parent = f"projects/{PROJECT}/locations/{REGION}"
+    rc = submit.main(
+        [
+            "deploy",
+            *TARGET,
+            "--model",
+            f"{parent}/models/7@3",
+            "--machine-type",
+            "n2-highmem-8",
+            "--min-replicas",
+            "2",
+            "--max-replicas",
+            "4",
+            "--service-account",
+            SA,
+        ]
+    )
+    assert rc == 0
+    sent = [(m, kw) for m, kw in endpoints if m in ("create_endpoint", "deploy_model")]
+    assert [m for m, _ in sent] == ["create_endpoint", "deploy_model"]
+    created = sent[0][1]
+    assert created["parent"] == parent and created["endpoint"].display_name == "persia-ctr"
+    deployed = sent[1][1]
+    assert deployed["endpoint"] == f"{parent}/endpoints/55"
+    d = deployed["deployed_model"]
+    assert d.model == f"{parent}/models/7@3" and d.service_account == SA
+    r = d.dedicated_resources
+    assert (r.machine_spec.machine_type, r.min_replica_count, r.max_replica_count) == ("n2-highmem-8", 2, 4)
+    assert dict(deployed["traffic"]) == {"0": 100}  # all traffic to the model being deployed
+    assert capsys.readouterr().out.strip() == f"{parent}/endpoints/55"
+    # an existing endpoint: no new one; a bad model name or replica counts are refused before anything is sent
+    endpoints.clear()
+    assert submit.main(["deploy", *TARGET, "--model", f"{parent}/models/7", "--endpoint", "55"]) == 0
+    assert [m for m, _ in endpoints if m in ("create_endpoint", "deploy_model")] == ["deploy_model"]
+    for bad, says in (
+        (["--model", "models/7"], "expected projects/"),
+        (["--model", f"{parent}/models/7", "--min-replicas", "0"], "replicas"),
+    ):
+        endpoints.clear()
+        with pytest.raises(SystemExit):
+            submit.main(["deploy", *TARGET, *bad])
+        assert endpoints == [] and says in capsys.readouterr().err
