@@ -1,9 +1,10 @@
 """KFP v2 lightweight components: thin adapters from artifacts and parameters to one ``persia_core`` call each.
 
 One file per component: ``preprocess``, ``init_shards``, ``train`` (local target) or ``vertex_train`` (Vertex AI:
-a CustomJob), ``evaluate``, ``gate`` (with ``bless_model``), and ``resolve_data`` (Vertex AI's step 0). The
-Vertex AI steps call the two components-local modules ``custom_job`` (the CustomJob request) and ``data_path``
-(the scheduled run's data path); nothing here imports ``pipelines``, which passes in the compile-time settings.
+a CustomJob), ``evaluate``, ``gate`` (with ``bless_model``), ``resolve_data`` (Vertex AI's step 0) and ``deploy``
+(Vertex AI, optional). The Vertex AI steps call the components-local modules ``custom_job`` (the CustomJob
+request), ``data_path`` (the scheduled run's data path) and ``endpoint`` (Model Registry and endpoint requests);
+nothing here imports ``pipelines``, which passes in the compile-time settings.
 
 The image that runs them holds the project (``persia_core`` and its requirements; see ``Dockerfile``); it is a
 compile-time setting, ``$PERSIA_BASE_IMAGE``, read when this package is imported and again by

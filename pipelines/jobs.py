@@ -7,8 +7,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from persia_core import io
-from persia_core.model_store import latest_blessed_model
+from components.endpoint import deploy_to_endpoint, upload_model
 from pipelines.parameters import (
     Target,
     check_cloud_values,
@@ -73,12 +72,6 @@ def submit(
     return job
 
 
-SERVING_COMMAND = ("python", "-m", "persia_core", "serve", "--host", "0.0.0.0")
-SERVING_PORT = 8080
-SERVING_PREDICT_ROUTE = "/predict"
-SERVING_HEALTH_ROUTE = "/health"
-
-
 def register_model(
     artifact_uri: str,
     display_name: str,
@@ -90,47 +83,19 @@ def register_model(
     description: str = "",
     credentials=None,
 ):
-    """Upload the blessed Model folder to the Vertex AI Model Registry (a new version of ``parent_model`` when
-    given); returns the ``aiplatform.Model``. The folder must be on Cloud Storage and hold ``manifest.json``, or
-    be a blessed-model location (``blessed_dir``), whose latest blessed model is then uploaded.
-
-    The model's container spec is ``SERVING_COMMAND`` (``persia serve`` on 0.0.0.0) on port ``SERVING_PORT`` with
-    ``SERVING_PREDICT_ROUTE`` and ``SERVING_HEALTH_ROUTE``, so that it deploys to an endpoint as it is (Vertex AI
-    passes the port, routes and the model's copy as ``AIP_HTTP_PORT``, ``AIP_PREDICT_ROUTE``,
-    ``AIP_HEALTH_ROUTE`` and ``AIP_STORAGE_URI``, which ``persia serve`` reads)."""
-    from google.cloud import aiplatform
-
-    uri = io.to_uri(artifact_uri).rstrip("/")
-    if not uri.startswith("gs://"):
-        raise ValueError(f"--artifact-uri {artifact_uri!r} must be a gs:// (or /gcs/) folder")
-    if not io.exists(io.join(uri, "manifest.json")):
-        latest = latest_blessed_model(uri)  # a blessed-model location (its marker names its latest model)?
-        if latest is not None:
-            uri = io.to_uri(latest).rstrip("/")
-    if not display_name:
-        raise ValueError("--display-name is required")
-    if not serving_image:
-        raise ValueError(
-            "--serving-image is required (the Model Registry needs a container; the project image is the usual choice)"
-        )
-    return aiplatform.Model.upload(
-        display_name=display_name,
-        artifact_uri=uri,
-        serving_container_image_uri=serving_image,
-        serving_container_command=list(SERVING_COMMAND),
-        serving_container_predict_route=SERVING_PREDICT_ROUTE,
-        serving_container_health_route=SERVING_HEALTH_ROUTE,
-        serving_container_ports=[SERVING_PORT],
-        parent_model=parent_model or None,
-        is_default_version=True,
-        version_aliases=aliases or None,
-        version_description=description or None,
-        description=description or None,
-        labels={"framework": "persia-kfp", **(labels or {})},
-        project=target.project,
-        location=target.region,
-        credentials=credentials,
-        sync=True,
+    """Upload the blessed Model folder to the Vertex AI Model Registry of ``target`` with the serving container's
+    spec (``components.endpoint.upload_model``); returns the ``aiplatform.Model``."""
+    return upload_model(
+        artifact_uri,
+        display_name,
+        target.project,
+        target.region,
+        serving_image,
+        parent_model,
+        aliases,
+        labels,
+        description,
+        credentials,
     )
 
 
@@ -145,36 +110,20 @@ def deploy_model(
     service_account: str = "",
     credentials=None,
 ):
-    """Deploy the registered ``model`` (``projects/P/locations/R/models/ID[@VERSION]``, as ``register-model``
-    prints it) to ``endpoint`` (its resource name or ID; empty: a new endpoint named ``endpoint_display_name``, else
-    the model's display name) on ``machine_type`` with ``min_replicas`` .. ``max_replicas`` replicas, and move all
-    of the endpoint's traffic to it (models deployed there before keep running, at 0% of the traffic, until
-    undeployed). Returns the ``aiplatform.Endpoint``. Raises ``ValueError`` for a bad model name or replica
-    counts."""
-    from google.cloud import aiplatform
-
-    if not model.startswith("projects/") or "/models/" not in model:
-        raise ValueError(f"--model {model!r}: expected projects/P/locations/R/models/ID[@VERSION]")
-    if min_replicas < 1 or max_replicas < min_replicas:
-        raise ValueError(f"replicas: need 1 <= --min-replicas <= --max-replicas, got {min_replicas}, {max_replicas}")
-    where = {"project": target.project, "location": target.region, "credentials": credentials}
-    m = aiplatform.Model(model_name=model, **where)
-    ep = (
-        aiplatform.Endpoint(endpoint, **where)
-        if endpoint
-        else aiplatform.Endpoint.create(display_name=endpoint_display_name or m.display_name, sync=True, **where)
+    """Deploy a registered model version to an endpoint of ``target`` with all traffic moved to it
+    (``components.endpoint.deploy_to_endpoint``); returns the ``aiplatform.Endpoint``."""
+    return deploy_to_endpoint(
+        model,
+        target.project,
+        target.region,
+        endpoint,
+        endpoint_display_name,
+        machine_type,
+        min_replicas,
+        max_replicas,
+        service_account,
+        credentials,
     )
-    m.deploy(
-        endpoint=ep,
-        deployed_model_display_name=m.display_name,
-        traffic_percentage=100,
-        machine_type=machine_type,
-        min_replica_count=min_replicas,
-        max_replica_count=max_replicas,
-        service_account=service_account or None,
-        sync=True,
-    )
-    return ep
 
 
 def upload_template(

@@ -29,6 +29,7 @@ import sys
 from kfp import compiler, dsl
 
 from components import base_image
+from components.deploy import deploy
 from components.evaluate import evaluate
 from components.gate import bless_model, gate
 from components.init_shards import init_shards
@@ -73,6 +74,9 @@ def persia_pipeline(
     checkpoint_every_steps: int = 0,
     delta_every_s: float = 0.0,
     delta_dir: str = "",
+    deploy_endpoint: str = "",
+    registry_model: str = "",
+    serving_machine_type: str = "n2-standard-4",
 ) -> str:
     """Args:
     data: raw data (folder, file or glob; local, gs:// or /gcs/). Vertex target: ``{date}``, ``{date-1d}``,
@@ -100,6 +104,10 @@ def persia_pipeline(
         many seconds of training (0 = none): PERSIA's incremental update for online serving.
     delta_dir: where deltas go, a location that stays the same from run to run (Vertex AI: gs:// or /gcs/);
         empty = ``<model>/deltas`` inside each run's Model artifact.
+    deploy_endpoint: Vertex AI target only (ignored by local runs): an endpoint (resource name or ID) that a newly
+        blessed model is deployed to, registered first as a new version of ``registry_model`` (empty: a new
+        Registry model ``persia-<config>``), on ``serving_machine_type``, with all traffic moved to it; empty = no
+        deploy step.
     Returns the evaluation metrics as a JSON string.
     """
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
@@ -174,6 +182,18 @@ def persia_pipeline(
             model=trained.outputs["model"], metrics_json=ev.outputs["Output"], blessed_dir=blessed_dir
         ).set_display_name("bless model")
         tasks.append(blessed)
+        if target is not None:
+            with dsl.If(deploy_endpoint != "", name="deploy-requested"):
+                deployed = deploy(
+                    blessed_model=blessed.output,
+                    config=config,
+                    endpoint=deploy_endpoint,
+                    location=target.region,
+                    serving_image=target.image,
+                    registry_model=registry_model,
+                    machine_type=serving_machine_type,
+                ).set_display_name("deploy to endpoint")
+                tasks.append(deployed)
     image = target.image if target is not None else base_image("local")
     for task in tasks:
         task.set_caching_options(False)

@@ -105,6 +105,27 @@ def test_vertex_and_local_targets_share_the_pipeline_parameters_and_the_local_on
     assert local["pipelineInfo"]["name"] == vertex_yaml["pipelineInfo"]["name"] == "persia-hybrid-training"
 
 
+def test_vertex_yaml_deploys_a_newly_blessed_model_only_when_an_endpoint_is_given(vertex_yaml, tmp_path):
+    comps = vertex_yaml["components"]
+    bless_dag = comps[vertex_yaml["root"]["dag"]["tasks"]["condition-1"]["componentRef"]["name"]]["dag"]
+    cond = bless_dag["tasks"]["condition-2"]
+    assert cond["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--deploy_endpoint'] != ''"
+    task = comps[cond["componentRef"]["name"]]["dag"]["tasks"]["deploy"]
+    params = task["inputs"]["parameters"]
+    assert params["blessed_model"]["componentInputParameter"] == "pipelinechannel--bless-model-Output"
+    assert cond["inputs"]["parameters"]["pipelinechannel--bless-model-Output"]["taskOutputParameter"] == {
+        "outputParameterKey": "Output",
+        "producerTask": "bless-model",
+    }
+    assert params["endpoint"]["componentInputParameter"] == "pipelinechannel--deploy_endpoint"
+    assert params["registry_model"]["componentInputParameter"] == "pipelinechannel--registry_model"
+    assert params["machine_type"]["componentInputParameter"] == "pipelinechannel--serving_machine_type"
+    assert params["location"]["runtimeValue"]["constant"] == "europe-west4"
+    assert params["serving_image"]["runtimeValue"]["constant"] == IMAGE
+    local = yaml.safe_load(open(compile_pipeline(str(tmp_path / "local.yaml"))))
+    assert "comp-deploy" not in local["components"]  # local runs cannot reach Vertex AI: the parameter is ignored
+
+
 def test_vertex_compile_without_an_image_fails_naming_persia_base_image(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("PERSIA_BASE_IMAGE", raising=False)
     with pytest.raises(ValueError, match="PERSIA_BASE_IMAGE"):

@@ -542,3 +542,33 @@ def test_deploy_creates_an_endpoint_and_moves_all_traffic_to_the_model_version(e
         with pytest.raises(SystemExit):
             submit.main(["deploy", *TARGET, *bad])
         assert endpoints == [] and says in capsys.readouterr().err
+
+
+def test_pipeline_deploy_step_registers_the_blessed_model_and_moves_the_endpoint_traffic(endpoints):
+    # the optional step of the Vertex AI pipeline (deploy_endpoint set): the run's project, the blessed copy
+    # uploaded as a new version of the Registry model, then deployed with all of the endpoint's traffic
+    from components.deploy import deploy
+
+    parent = f"projects/{PROJECT}/locations/{REGION}"
+    out = deploy.python_func(
+        blessed_model="/gcs/persia-test/blessed/criteo/model-1",
+        config="criteo",
+        endpoint="55",
+        location=REGION,
+        serving_image=IMAGE,
+        registry_model=f"{parent}/models/7",
+        machine_type="n2-highmem-8",
+    )
+    sent = [(m, kw) for m, kw in endpoints if m in ("upload_model", "create_endpoint", "deploy_model")]
+    assert [m for m, _ in sent] == ["upload_model", "deploy_model"]
+    up = sent[0][1]["request"]
+    assert up.parent == parent and up.parent_model == f"{parent}/models/7"
+    assert (
+        up.model.display_name == "persia-criteo" and up.model.artifact_uri == "gs://persia-test/blessed/criteo/model-1"
+    )
+    assert up.model.container_spec.image_uri == IMAGE and "blessed" in up.model.version_aliases
+    dep = sent[1][1]
+    assert dep["endpoint"] == f"{parent}/endpoints/55" and dep["deployed_model"].model == f"{parent}/models/7@3"
+    assert dep["deployed_model"].dedicated_resources.machine_spec.machine_type == "n2-highmem-8"
+    assert dict(dep["traffic"]) == {"0": 100}
+    assert out == f"{parent}/models/7@3 -> {parent}/endpoints/55"
