@@ -6,6 +6,7 @@ the Dataflow options of the preprocess step (the ``beam_args`` parameter)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,10 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
 
     if "blessed_dir" in specs:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
+    if "delta_every_s" in specs:
+        every = float(value("delta_every_s") or 0)
+        if not math.isfinite(every) or every < 0:
+            raise ValueError(f"delta_every_s must be a number of seconds >= 0 (0 = no deltas), got {every}")
     delta_dir = value("delta_dir") if "delta_dir" in specs else ""
     if delta_dir and not delta_dir.startswith(("gs://", "/gcs/")):
         raise ValueError(

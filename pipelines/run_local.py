@@ -15,6 +15,7 @@ import contextlib
 import glob
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -249,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
-    if args.delta_every_s < 0:
-        p.error("--delta-every-s must be >= 0 (0 = no deltas)")
+    if not math.isfinite(args.delta_every_s) or args.delta_every_s < 0:
+        p.error(f"--delta-every-s must be a number of seconds >= 0 (0 = no deltas), got {args.delta_every_s}")
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < (AUTO_EPOCHS if name == "epochs" else 0):
             zero = "all" if name == "max_rows" else "the config's value" + (", or auto" if name == "epochs" else "")

@@ -127,6 +127,7 @@ class DeltaTracker:
         for t in tables.values():
             t.log_evictions()
         self.force_live_keys = False  # the next take asks every table's live keys (the rollback delta)
+        self.evicted_back: dict[str, list[np.ndarray]] = {name: [] for name in tables}  # from a failed export
 
     def record(self, table: str, ids: np.ndarray) -> None:
         """Note that the rows of ``ids: uint64[N]`` of ``table`` changed (or were created)."""
@@ -146,10 +147,26 @@ class DeltaTracker:
         with self.lock:
             pending, self.pending = self.pending, {name: [] for name in self.tables}
             self.counts = {name: 0 for name in self.tables}
-            evicted = {name: sorted_unique(t.take_evicted()) for name, t in self.tables.items()}
+            evicted = {
+                name: sorted_unique(np.concatenate([*self.evicted_back[name], t.take_evicted()]))
+                for name, t in self.tables.items()
+            }
+            self.evicted_back = {name: [] for name in self.tables}
             live, self.force_live_keys = self.force_live_keys, False
         ids = {n: sorted_unique(np.concatenate(p)) if p else np.zeros(0, np.uint64) for n, p in pending.items()}
         return ids, evicted, live
+
+    def give_back(self, ids: dict[str, np.ndarray], evicted: dict[str, np.ndarray], live: bool) -> None:
+        """Put back what ``take`` returned (an export that failed), so that the next ``take`` returns it again."""
+        with self.lock:
+            for name, a in ids.items():
+                if len(a):
+                    self.pending[name].append(a)
+                    self.counts[name] += len(a)
+            for name, a in evicted.items():
+                if len(a):
+                    self.evicted_back[name].append(a)
+            self.force_live_keys |= live
 
 
 def rows_of(t: EmbeddingTable, ids: np.ndarray, evicted: np.ndarray, live_keys: bool = False) -> TableArrays:
@@ -202,6 +219,12 @@ class DeltaExporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.export_lock = threading.Lock()
+        if not io.is_gcs(delta_dir):  # a folder that cannot be made fails the server's start, not its first export
+            folder = os.path.dirname(delta_path(delta_dir, shard, 1))
+            try:
+                os.makedirs(folder, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"delta_dir {delta_dir!r}: cannot make the folder {folder}: {e}") from e
         for seq, path in list_deltas(delta_dir, shard):
             if seq > self.seq:
                 log.info("removing %s: after this shard's starting state (delta %d)", path, self.seq)
@@ -239,27 +262,33 @@ class DeltaExporter:
             return self._export()
 
     def _export(self) -> str | None:
-        def collect() -> dict[str, TableArrays]:
-            ids, evicted, live = self.tracker.take()
-            return {
+        def collect():
+            taken = self.tracker.take()
+            ids, evicted, live = taken
+            tables = {
                 n: rows_of(self.tables[n], ids[n], evicted[n], live)
                 for n in self.tables
                 if len(ids[n]) or len(evicted[n]) or live
             }
+            return tables, taken
 
         if self.lock is not None:
             with self.lock:
-                tables = collect()
+                tables, taken = collect()
         else:
-            tables = collect()
+            tables, taken = collect()
         now = time.time()
         if not tables:
             self.since = now
             return None
+        path = delta_path(self.delta_dir, self.shard, self.seq + 1)
+        server = {"delta": {"seq": self.seq + 1, "since": self.since, "at": now, "shard": self.shard}}
+        try:
+            write_shard_arrays(path, tables, server, fsync=False)
+        except Exception:  # nothing is lost: the next export writes these rows (their values then) under this number
+            self.tracker.give_back(*taken)
+            raise
         self.seq += 1
-        path = delta_path(self.delta_dir, self.shard, self.seq)
-        server = {"delta": {"seq": self.seq, "since": self.since, "at": now, "shard": self.shard}}
-        write_shard_arrays(path, tables, server, fsync=False)
         self.since = now
         return path
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -96,6 +97,19 @@ def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> N
                     f"{where}: table {t.name!r} was planned with {field} {p[field]!r}, but the config "
                     f"has {have!r}; run init-shards again with this config"
                 )
+
+
+def check_delta_settings(delta_dir: str, delta_every_s: float) -> None:
+    """Refuse incremental-export settings that would only fail once the servers run: ``delta_every_s`` not a
+    finite number >= 0, or a local ``delta_dir`` that cannot be made a folder (a file there, no permission).
+    Raises ``ValueError`` naming the setting."""
+    if not math.isfinite(delta_every_s) or delta_every_s < 0:
+        raise ValueError(f"delta_every_s must be a number of seconds >= 0 (0: no deltas), got {delta_every_s}")
+    if delta_every_s > 0 and delta_dir and not io.is_gcs(delta_dir):
+        try:
+            os.makedirs(delta_dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"delta_dir {delta_dir!r} cannot be made a folder: {e}") from e
 
 
 def train(
@@ -263,6 +277,7 @@ def _run(
         json.dump(info, f)
     delta_every_s = delta_every_s or config.trainer.delta_every_s
     delta_dir = delta_dir or (io.join(model_dir, "deltas") if delta_every_s > 0 else "")
+    check_delta_settings(delta_dir, delta_every_s)
     t0 = time.time()
     refused: set[str] = set()
     reasons: list[str] = []

@@ -389,3 +389,48 @@ def test_table_arrays_start_on_a_cache_line_when_made_grown_and_loaded(tmp_path)
         assert u.size == min(capacity, 20_000) and _misaligned(u) == []
         ids = np.arange(19_990, 20_000, dtype=np.uint64)
         np.testing.assert_array_equal(u.lookup_readonly(ids), t.lookup_readonly(ids))
+
+
+def test_a_failed_delta_export_loses_nothing_the_next_one_writes_it_under_the_same_number(tmp_path, monkeypatch):
+    import persia_core.embedding.delta as D
+
+    shard, deltas, train_a_bit = _exporting_shard(tmp_path, 3)
+    train_a_bit(400, 1000)
+    shard.export_delta()
+    full = str(tmp_path / "full.npz")
+    shard.dump(full)  # delta_seq 1
+    for _ in range(3):  # changed rows and, past capacity, evicted ones: both must survive the failed write
+        train_a_bit(700, 5000)
+    assert shard.tables["default"].stats()["evictions"] > 0
+    real = D.write_shard_arrays
+
+    def full_disk(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(D, "write_shard_arrays", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        shard.export_delta()
+    monkeypatch.setattr(D, "write_shard_arrays", real)
+    train_a_bit(300, 5000)
+    assert shard.export_delta().endswith("delta-00000002.npz")  # the number the failed one would have had
+    current = _by_key(shard.tables["default"].state_dict())
+    got = _by_key(load_with_deltas(full, deltas, 0)["default"])
+    for k in current:
+        np.testing.assert_array_equal(got[k], current[k], err_msg=k)
+
+
+def test_a_delta_folder_that_cannot_be_made_fails_the_server_at_start_naming_it(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    shard = ParameterServerShard(tiny_config(), 0, 1, capacities={"default": 100})
+    with pytest.raises(ValueError, match="afile"):
+        shard.start_deltas(str(afile), every_s=1.0)
+    # and the local launcher refuses it (and a period that is not a number of seconds) before starting anything
+    from persia_core.train.launcher import check_delta_settings
+
+    with pytest.raises(ValueError, match="delta_dir .*afile"):
+        check_delta_settings(str(afile / "deltas"), 1.0)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="delta_every_s"):
+            check_delta_settings(str(tmp_path / "d"), bad)
+    check_delta_settings(str(afile), 0.0)  # no deltas: the folder is not used
