@@ -6,6 +6,8 @@ run belongs to)."""
 
 from __future__ import annotations
 
+import re
+
 from persia_core import io
 from persia_core.model_store import latest_blessed_model
 
@@ -13,6 +15,8 @@ SERVING_COMMAND = ("python", "-m", "persia_core", "serve", "--host", "0.0.0.0")
 SERVING_PORT = 8080
 SERVING_PREDICT_ROUTE = "/predict"
 SERVING_HEALTH_ROUTE = "/health"
+MODEL_NAME = re.compile(r"^projects/[^/]+/locations/([^/]+)/models/[^/@]+(?:@[^/@]+)?$")
+"""A registered model version's resource name; group 1 is its region."""
 
 
 def upload_model(
@@ -92,20 +96,27 @@ def deploy_to_endpoint(
     counts."""
     from google.cloud import aiplatform
 
-    if not model.startswith("projects/") or "/models/" not in model:
+    m = MODEL_NAME.match(model)
+    if m is None:
         raise ValueError(f"--model {model!r}: expected projects/P/locations/R/models/ID[@VERSION]")
+    if m.group(1) != location:
+        raise ValueError(
+            f"--model {model!r} is in {m.group(1)}, not in the region {location!r}: give --region {m.group(1)}"
+        )
     if min_replicas < 1 or max_replicas < min_replicas:
         raise ValueError(f"replicas: need 1 <= --min-replicas <= --max-replicas, got {min_replicas}, {max_replicas}")
     where = {"project": project or None, "location": location, "credentials": credentials}
-    m = aiplatform.Model(model_name=model, **where)
+    registered = aiplatform.Model(model_name=model, **where)
     ep = (
         aiplatform.Endpoint(endpoint, **where)
         if endpoint
-        else aiplatform.Endpoint.create(display_name=endpoint_display_name or m.display_name, sync=True, **where)
+        else aiplatform.Endpoint.create(
+            display_name=endpoint_display_name or registered.display_name, sync=True, **where
+        )
     )
-    m.deploy(
+    registered.deploy(
         endpoint=ep,
-        deployed_model_display_name=m.display_name,
+        deployed_model_display_name=registered.display_name,
         traffic_percentage=100,
         machine_type=machine_type,
         min_replica_count=min_replicas,

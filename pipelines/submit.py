@@ -100,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("schedule", help="schedule ID or projects/P/locations/R/schedules/ID")
     r = sub.add_parser("register-model", help="upload the blessed model to the Vertex AI Model Registry")
     _add_target(r)
-    r.add_argument("--artifact-uri", required=True, help="gs:// Model folder (the blessed copy)")
+    r.add_argument(
+        "--artifact-uri",
+        required=True,
+        help="gs:// (or /gcs/) Model folder, or a blessed-model location (blessed_dir: its latest blessed model)",
+    )
     r.add_argument("--display-name", required=True)
     r.add_argument("--serving-image", required=True, help="container image recorded with the model")
     r.add_argument("--parent-model", default="", help="register as a new version of this model")
@@ -112,9 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", required=True, help="projects/P/locations/R/models/ID[@VERSION] (register-model's)")
     d.add_argument("--endpoint", default="", help="endpoint resource name or ID (default: create one)")
     d.add_argument("--endpoint-display-name", default="", help="name of the endpoint created (default: the model's)")
-    d.add_argument("--machine-type", default="n2-standard-4", help="serving machine type")
-    d.add_argument("--min-replicas", type=int, default=1)
-    d.add_argument("--max-replicas", type=int, default=1)
+    d.add_argument(
+        "--machine-type",
+        default="n2-standard-4",
+        help="serving machine type, with at least twice the model's bytes of memory (default: n2-standard-4)",
+    )
+    d.add_argument("--min-replicas", type=int, default=1, help="serving replicas at least (default: 1)")
+    d.add_argument("--max-replicas", type=int, default=1, help="serving replicas at most, autoscaled (default: 1)")
     d.add_argument("--service-account", default="", help="service account the serving container runs as")
     u = sub.add_parser("upload-template", help="upload the compiled YAML to a KFP / Artifact Registry host")
     u.add_argument("--host", required=True, help="https://REGION-kfp.pkg.dev/PROJECT/REPOSITORY")

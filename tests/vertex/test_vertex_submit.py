@@ -206,6 +206,8 @@ def test_submit_rejects_unknown_or_ill_typed_parameters_before_sending(template,
         ([*BLESSED, "--param", "lr_margin=-1"], "lr_margin must be >= 0"),
         ([*BLESSED, "--param", "embedding_staleness=-7"], "embedding_staleness must be >= 0, or -1"),
         ([*BLESSED, "--param", "delta_dir=/tmp/deltas"], "delta_dir '/tmp/deltas' is a folder inside the run's"),
+        ([*BLESSED, "--param", "delta_every_s=-5"], "delta_every_s must be a number of seconds >= 0"),
+        ([*BLESSED, "--param", "delta_every_s=nan"], "delta_every_s must be a number of seconds >= 0"),
         (
             [*BLESSED, "--param", "config=critea"],
             "config 'critea' is not a shipped run config ['criteo', 'dcnv2', 'dcnv2_mlperf', 'movielens']",
@@ -537,6 +539,8 @@ def test_deploy_creates_an_endpoint_and_moves_all_traffic_to_the_model_version(e
     for bad, says in (
         (["--model", "models/7"], "expected projects/"),
         (["--model", f"{parent}/models/7", "--min-replicas", "0"], "replicas"),
+        (["--model", "projects//models/"], "expected projects/"),
+        (["--model", "projects/p/locations/europe-west4/models/7@3"], "is in europe-west4, not in the region"),
     ):
         endpoints.clear()
         with pytest.raises(SystemExit):
