@@ -128,11 +128,17 @@ def wait_for_embedding_workers(addresses: list[str], timeout_s: float) -> None:
 
 
 def finalize_model(
-    config, data_dir: str, model_dir: str, addresses: list[str], token: str, wall_seconds: float
+    config,
+    data_dir: str,
+    model_dir: str,
+    addresses: list[str],
+    token: str,
+    wall_seconds: float,
+    deltas: dict | None = None,
 ) -> dict:
     """After the last step: every server dumps its shard into ``model_dir``; the manifest is written last, by the
     same writer as a local run's (``persia_core.train.model_output.finish_model``): shard CRC-32Cs and lineage
-    included. Returns the manifest."""
+    included, and ``deltas`` (where the servers wrote incremental exports) where given. Returns the manifest."""
     n = len(addresses)
     client = EmbeddingClient(addresses, config.embedding, token=token)
     try:
@@ -141,7 +147,7 @@ def finalize_model(
     finally:
         client.close()
     return finish_model(
-        model_dir, config, read_schema(data_dir), dumped, stats, wall_seconds, lineage(config, data_dir)
+        model_dir, config, read_schema(data_dir), dumped, stats, wall_seconds, lineage(config, data_dir), deltas=deltas
     )
 
 
@@ -222,7 +228,10 @@ def _run_nn_worker(args, place: Placement, config, token: str) -> int:
         rc = _run_local_ranks(place, token, worker_args)
     if rc != 0 or place.role != PRIMARY:
         return rc
-    manifest = finalize_model(config, args.data, args.out, place.ps_addresses, token, time.time() - t0)
+    deltas = (
+        {"dir": args.delta_dir, "every_s": args.delta_every_s} if args.delta_dir and args.delta_every_s > 0 else None
+    )
+    manifest = finalize_model(config, args.data, args.out, place.ps_addresses, token, time.time() - t0, deltas)
     log.info("model written to %s (%d shards)", args.out, manifest["num_shards"])
     if args.control:
         io.write_text(io.join(args.control, DONE_MARKER), json.dumps({"model": args.out, "time": time.time()}))

@@ -70,6 +70,8 @@ class ModelManifest:
     checkpoints_refused: list[str] = field(default_factory=list)
     last_checkpoint: str | None = None
     warm_start: dict[str, Any] | None = None
+    deltas: dict[str, Any] | None = None
+    """Where the run's parameter servers wrote incremental exports: ``{"dir": ..., "every_s": ...}``; None: none."""
     format: str = MODEL_FORMAT
 
     @property

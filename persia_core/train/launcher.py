@@ -364,5 +364,6 @@ def _run(
         checkpoints_refused=reasons,
         last_checkpoint=last[0][1] if last else None,
         warm_start=plan.get("warm_start"),
+        deltas={"dir": delta_dir, "every_s": delta_every_s} if delta_every_s > 0 else None,
     )
     return manifest

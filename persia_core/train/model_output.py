@@ -27,11 +27,11 @@ def finish_model(
 ) -> dict[str, Any]:
     """Write the Model manifest of a finished run whose servers have dumped their shards into ``model_dir``.
 
-    ``dumped``: ``(bytes, CRC-32C)`` of each shard file as its server wrote it; ``stats``: each server's
-    ``Stats`` answer; ``lineage``: ``persia_core.checkpoints.lineage(config, data_dir)``; ``provenance``:
-    the ``ModelManifest`` fields of a resumed or warm-started run (``resumed_from``, ``checkpoints_refused``,
-    ``last_checkpoint``, ``warm_start``). Returns the manifest's JSON object. Raises ``IncompleteModelError``
-    naming a file the manifest would list but that is missing."""
+    ``dumped``: ``(bytes, CRC-32C)`` of each shard file as its server wrote it; ``stats``: each server's ``Stats``
+    answer; ``lineage``: ``persia_core.checkpoints.lineage(config, data_dir)``; ``provenance``: the
+    ``ModelManifest`` fields of a resumed or warm-started run (``resumed_from``, ``checkpoints_refused``,
+    ``last_checkpoint``, ``warm_start``) and ``deltas``. Returns the manifest's JSON object. Raises
+    ``IncompleteModelError`` naming a file the manifest would list but that is missing."""
     history = json.loads(io.read_text(io.join(model_dir, METRICS_FILE)))
     history["shards"] = [
         {

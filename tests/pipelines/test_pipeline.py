@@ -83,6 +83,7 @@ def test_kfp_local_runs_the_whole_pipeline_on_a_tiny_subset(tmp_path, capfd, mon
     assert "manifest.json" in found and "schema.json" in found and "shard_plan.json" in found
     manifest = json.load(open(found["manifest.json"][0]))
     assert manifest["num_shards"] == 2 and len(manifest["shard_files"]) == 2
+    assert manifest["deltas"] == {"dir": str(tmp_path / "deltas"), "every_s": 0.5}  # the Model says where they are
     reports = [
         p
         for d, _, fs in os.walk(tmp_path / "out")

@@ -308,6 +308,7 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     assert manifest["num_shards"] == 2 and len(manifest["summary"]["rows"]) == 2
     assert all(list_deltas(deltas, s) for s in (0, 1)) == (ps_replicas == 2)
+    assert manifest["deltas"] == ({"dir": deltas, "every_s": 0.2} if ps_replicas == 2 else None)
     assert all(r > 0 for r in manifest["summary"]["rows"])
     assert os.path.exists(os.path.join(control, cluster.DONE_MARKER))
     result = evaluate(out, tiny_data)
