@@ -1,13 +1,12 @@
 """The Vertex AI requests: a pipeline run (``PipelineJob``, built from a checked template and parameters, then
-submitted), a Model Registry upload of the blessed model, its deployment to an endpoint, and a template upload to
-a KFP registry."""
+submitted) and a template upload to a KFP registry; the Model Registry upload and the endpoint deployment are
+``components.endpoint``'s (the pipeline's deploy step makes them too)."""
 
 from __future__ import annotations
 
 import datetime as _dt
 from typing import Any
 
-from components.endpoint import deploy_to_endpoint, upload_model
 from pipelines.parameters import (
     Target,
     check_cloud_values,
@@ -70,60 +69,6 @@ def submit(
     )
     job.submit(service_account=service_account or None, network=network or None)
     return job
-
-
-def register_model(
-    artifact_uri: str,
-    display_name: str,
-    target: Target,
-    serving_image: str,
-    parent_model: str = "",
-    aliases: list[str] | None = None,
-    labels: dict[str, str] | None = None,
-    description: str = "",
-    credentials=None,
-):
-    """Upload the blessed Model folder to the Vertex AI Model Registry of ``target`` with the serving container's
-    spec (``components.endpoint.upload_model``); returns the ``aiplatform.Model``."""
-    return upload_model(
-        artifact_uri,
-        display_name,
-        target.project,
-        target.region,
-        serving_image,
-        parent_model,
-        aliases,
-        labels,
-        description,
-        credentials,
-    )
-
-
-def deploy_model(
-    model: str,
-    target: Target,
-    endpoint: str = "",
-    endpoint_display_name: str = "",
-    machine_type: str = "n2-standard-4",
-    min_replicas: int = 1,
-    max_replicas: int = 1,
-    service_account: str = "",
-    credentials=None,
-):
-    """Deploy a registered model version to an endpoint of ``target`` with all traffic moved to it
-    (``components.endpoint.deploy_to_endpoint``); returns the ``aiplatform.Endpoint``."""
-    return deploy_to_endpoint(
-        model,
-        target.project,
-        target.region,
-        endpoint,
-        endpoint_display_name,
-        machine_type,
-        min_replicas,
-        max_replicas,
-        service_account,
-        credentials,
-    )
 
 
 def upload_template(

@@ -21,7 +21,8 @@ import argparse
 import json
 import sys
 
-from pipelines.jobs import deploy_model, register_model, submit, upload_template
+from components.endpoint import deploy_to_endpoint, upload_model
+from pipelines.jobs import submit, upload_template
 from pipelines.parameters import Target, dataflow_beam_args, parse_key_values
 from pipelines.schedules import create_schedule, delete_schedule, list_schedules, pause_schedule, resume_schedule
 
@@ -188,10 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"{args.action}d {args.schedule}")
         elif args.command == "register-model":
-            m = register_model(
+            m = upload_model(
                 args.artifact_uri,
                 args.display_name,
-                target,
+                target.project,
+                target.region,
                 args.serving_image,
                 args.parent_model,
                 args.alias,
@@ -200,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(m.versioned_resource_name)
         elif args.command == "deploy":
-            ep = deploy_model(
+            ep = deploy_to_endpoint(
                 args.model,
-                target,
+                target.project,
+                target.region,
                 args.endpoint,
                 args.endpoint_display_name,
                 args.machine_type,

@@ -7,6 +7,7 @@ import pytest
 import yaml
 from apache_beam.options.pipeline_options import GoogleCloudOptions, PipelineOptions, StandardOptions, WorkerOptions
 
+from components import endpoint
 from pipelines import jobs, parameters, schedules, submit
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.vertex import VertexSettings
@@ -365,7 +366,7 @@ def test_register_model_sends_the_upload_model_request_for_the_blessed_folder(ga
     assert dict(m.labels) == {"framework": "persia-kfp", "run": "nightly"}
     assert capsys.readouterr().out.strip() == f"projects/{PROJECT}/locations/{REGION}/models/7@3"
     with pytest.raises(ValueError, match="gs://"):
-        jobs.register_model("/local/model", "x", parameters.Target(PROJECT, REGION), IMAGE)
+        endpoint.upload_model("/local/model", "x", PROJECT, REGION, IMAGE)
 
 
 def test_submit_dataflow_flags_become_the_beam_args_parameter(template, gapic):
