@@ -18,6 +18,7 @@ latest blessed model); both are passed through as parameters.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 
@@ -36,10 +37,23 @@ def _add_target(p: argparse.ArgumentParser, root: bool = False) -> None:
         p.add_argument("--pipeline-root", required=True, help="gs:// folder for the runs' artifacts")
 
 
+def pipeline_parameter_names() -> list[str]:
+    """The pipeline's parameters, in its signature's order (their meaning: ``persia_pipeline``'s docstring and
+    docs/google-cloud.md; their defaults: the compiled template's)."""
+    from pipelines.persia_pipeline import persia_pipeline
+
+    return list(inspect.signature(persia_pipeline.pipeline_func).parameters)
+
+
 def _add_run(p: argparse.ArgumentParser) -> None:
     _add_target(p, root=True)
     p.add_argument("--template", default=DEFAULT_TEMPLATE, help="compiled pipeline YAML (Vertex AI target)")
-    p.add_argument("--param", action="append", metavar="NAME=VALUE", help="pipeline parameter (repeat)")
+    p.add_argument(
+        "--param",
+        action="append",
+        metavar="NAME=VALUE",
+        help="pipeline parameter (repeat): " + ", ".join(pipeline_parameter_names()),
+    )
     p.add_argument("--service-account", default="", help="service account the run uses")
     p.add_argument("--network", default="", help="VPC network (projects/NUMBER/global/networks/NAME)")
     p.add_argument("--cache", dest="cache", action="store_true", default=None, help="enable step caching")

@@ -577,3 +577,12 @@ def test_pipeline_deploy_step_registers_the_blessed_model_and_moves_the_endpoint
     assert dep["deployed_model"].dedicated_resources.machine_spec.machine_type == "n2-highmem-8"
     assert dict(dep["traffic"]) == {"0": 100}
     assert out == f"{parent}/models/7@3 -> {parent}/endpoints/55"
+
+
+def test_run_help_names_every_pipeline_parameter(capsys):
+    with pytest.raises(SystemExit):
+        submit.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in submit.pipeline_parameter_names():
+        assert name in text
+    assert {"data", "blessed_dir", "delta_dir", "deploy_endpoint"} <= set(submit.pipeline_parameter_names())
