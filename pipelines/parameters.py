@@ -6,7 +6,6 @@ the Dataflow options of the preprocess step (the ``beam_args`` parameter)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from components import LOCAL_IMAGE
 from components.data_path import check_cloud_folders, resolve_data_path
 from persia_core import io
 from persia_core.config import is_config_name, shipped_configs
-from persia_core.config.trainer import AUTO_EPOCHS
+from persia_core.config.trainer import AUTO_EPOCHS, check_delta_period
 from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 
 _REGION = re.compile(r"^[a-z]+-[a-z]+\d+$")
@@ -143,9 +142,7 @@ def check_cloud_values(values: dict[str, Any], specs: dict[str, dict]) -> None:
     if "blessed_dir" in specs:
         check_cloud_folders(value("blessed_dir"), value("warm_start_from") if "warm_start_from" in specs else "")
     if "delta_every_s" in specs:
-        every = float(value("delta_every_s") or 0)
-        if not math.isfinite(every) or every < 0:
-            raise ValueError(f"delta_every_s must be a number of seconds >= 0 (0 = no deltas), got {every}")
+        check_delta_period(float(value("delta_every_s") or 0))
     delta_dir = value("delta_dir") if "delta_dir" in specs else ""
     if delta_dir and not delta_dir.startswith(("gs://", "/gcs/")):
         raise ValueError(

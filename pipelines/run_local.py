@@ -15,7 +15,6 @@ import contextlib
 import glob
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -28,7 +27,7 @@ from kfp import local
 
 from components.data_path import resolve_data_path
 from persia_core.config import load_config
-from persia_core.config.trainer import AUTO_EPOCHS
+from persia_core.config.trainer import AUTO_EPOCHS, check_delta_period
 from persia_core.embedding.warm_start import check_warm_start_location
 from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
 from persia_core.logging_utils import PROGRESS_PATTERN
@@ -250,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--verbose", action="store_true", help="print kfp.local's whole output (default: to a log file)")
     args = p.parse_args(argv)
-    if not math.isfinite(args.delta_every_s) or args.delta_every_s < 0:
-        p.error(f"--delta-every-s must be a number of seconds >= 0 (0 = no deltas), got {args.delta_every_s}")
+    try:
+        check_delta_period(args.delta_every_s)
+    except ValueError as e:
+        p.error(str(e))
     for name in ("parameter_servers", "nn_workers", "epochs", "max_rows"):
         if getattr(args, name) < (AUTO_EPOCHS if name == "epochs" else 0):
             zero = "all" if name == "max_rows" else "the config's value" + (", or auto" if name == "epochs" else "")

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from persia_core.config.errors import config_error
+
+
+def check_delta_period(every_s: float) -> None:
+    """Raise ``ValueError`` unless ``every_s`` (``delta_every_s``, from a config, a flag or a pipeline parameter) is
+    a finite number of seconds >= 0."""
+    if not math.isfinite(every_s) or every_s < 0:
+        raise ValueError(f"delta_every_s must be a number of seconds >= 0 (0: no deltas), got {every_s}")
+
 
 AUTO_EPOCHS = -1
 """The pipeline's and ``make run``'s ``epochs`` parameter value that means ``trainer.epochs: auto``."""

@@ -43,6 +43,7 @@ import time
 import numpy as np
 
 from persia_core import io
+from persia_core.config.trainer import check_delta_period
 from persia_core.embedding import kernels as K
 from persia_core.embedding.shard_file import TableArrays, read_shard_file, write_shard_arrays
 from persia_core.embedding.shard_tables import lru_state_dict
@@ -60,6 +61,25 @@ def sorted_unique(ids: np.ndarray) -> np.ndarray:
     if len(s) == 0:
         return s
     return s[np.concatenate(([True], s[1:] != s[:-1]))]
+
+
+def make_delta_folder(folder: str) -> None:
+    """Make the local folder ``folder`` of deltas (nothing for Cloud Storage, which has no folders to make).
+    Raises ``ValueError`` naming it when it cannot be made (a file there, no permission)."""
+    if io.is_gcs(folder):
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"delta_dir {folder!r} cannot be made a folder: {e}") from e
+
+
+def check_delta_settings(delta_dir: str, every_s: float) -> None:
+    """Refuse incremental-export settings that would only fail once the servers run (``check_delta_period``;
+    ``make_delta_folder`` of ``delta_dir`` when deltas are on). Raises ``ValueError`` naming the setting."""
+    check_delta_period(every_s)
+    if every_s > 0 and delta_dir:
+        make_delta_folder(delta_dir)
 
 
 def delta_path(delta_dir: str, shard: int, seq: int) -> str:
@@ -219,12 +239,8 @@ class DeltaExporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.export_lock = threading.Lock()
-        if not io.is_gcs(delta_dir):  # a folder that cannot be made fails the server's start, not its first export
-            folder = os.path.dirname(delta_path(delta_dir, shard, 1))
-            try:
-                os.makedirs(folder, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"delta_dir {delta_dir!r}: cannot make the folder {folder}: {e}") from e
+        # a folder that cannot be made fails the server's start, not its first export
+        make_delta_folder(os.path.dirname(delta_path(delta_dir, shard, 1)))
         for seq, path in list_deltas(delta_dir, shard):
             if seq > self.seq:
                 log.info("removing %s: after this shard's starting state (delta %d)", path, self.seq)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -37,6 +36,7 @@ from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig
 from persia_core.data.reader import read_schema
+from persia_core.embedding.delta import check_delta_settings
 from persia_core.model_store import DENSE_FILE, MANIFEST, METRICS_FILE, shard_file_name
 from persia_core.ps.client import EmbeddingClient
 from persia_core.train.local_cluster import InitRefused, LocalCluster, TrainingFailed, check_local_process_count
@@ -97,19 +97,6 @@ def check_plan_matches_config(plan: dict, config: RunConfig, init_dir: str) -> N
                     f"{where}: table {t.name!r} was planned with {field} {p[field]!r}, but the config "
                     f"has {have!r}; run init-shards again with this config"
                 )
-
-
-def check_delta_settings(delta_dir: str, delta_every_s: float) -> None:
-    """Refuse incremental-export settings that would only fail once the servers run: ``delta_every_s`` not a
-    finite number >= 0, or a local ``delta_dir`` that cannot be made a folder (a file there, no permission).
-    Raises ``ValueError`` naming the setting."""
-    if not math.isfinite(delta_every_s) or delta_every_s < 0:
-        raise ValueError(f"delta_every_s must be a number of seconds >= 0 (0: no deltas), got {delta_every_s}")
-    if delta_every_s > 0 and delta_dir and not io.is_gcs(delta_dir):
-        try:
-            os.makedirs(delta_dir, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"delta_dir {delta_dir!r} cannot be made a folder: {e}") from e
 
 
 def train(
