@@ -24,6 +24,17 @@ def template(tmp_path_factory):
     return compile_pipeline(str(path), "vertex", VertexSettings(image=IMAGE))
 
 
+class _Done:
+    """A long-running operation already done, as the gapic clients return one: ``result()`` gives ``result``."""
+
+    def __init__(self, parent: str, result=None):
+        self._result = result
+        self.operation = type("Op", (), {"name": f"{parent}/operations/1"})()
+
+    def result(self, timeout=None):
+        return self._result
+
+
 @pytest.fixture
 def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     """Anonymous credentials; Pipeline/Schedule/Model service clients record requests instead of sending;
@@ -77,21 +88,13 @@ def gapic(monkeypatch, offline_aiplatform, gcs_emulator):
     def resume_schedule(self, request=None, *, name=None, **kw):
         record("resume_schedule", name=name or request.name)
 
-    class _Done:
-        def __init__(self, result=None):
-            self._result = result
-            self.operation = type("Op", (), {"name": f"{parent}/operations/1"})()
-
-        def result(self, timeout=None):
-            return self._result
-
     def delete_schedule(self, request=None, *, name=None, **kw):
         record("delete_schedule", name=name or request.name)
-        return _Done()
+        return _Done(parent)
 
     def upload_model(self, request=None, **kw):
         record("upload_model", request=request)
-        return _Done(model_service.UploadModelResponse(model=f"{parent}/models/7", model_version_id="3"))
+        return _Done(parent, model_service.UploadModelResponse(model=f"{parent}/models/7", model_version_id="3"))
 
     def get_model(self, request=None, *, name=None, **kw):
         return model_types.Model(  # as the API answers for a model uploaded with a serving container
@@ -476,17 +479,9 @@ def endpoints(gapic, monkeypatch):
 
     parent = f"projects/{PROJECT}/locations/{REGION}"
 
-    class _Done:
-        def __init__(self, result):
-            self._result = result
-            self.operation = type("Op", (), {"name": f"{parent}/operations/2"})()
-
-        def result(self, timeout=None):
-            return self._result
-
     def create_endpoint(self, request=None, *, parent=None, endpoint=None, **kw):
         gapic.append(("create_endpoint", {"parent": parent, "endpoint": endpoint}))
-        return _Done(endpoint_types.Endpoint(name=f"{parent}/endpoints/55", display_name=endpoint.display_name))
+        return _Done(parent, endpoint_types.Endpoint(name=f"{parent}/endpoints/55", display_name=endpoint.display_name))
 
     def get_endpoint(self, request=None, *, name=None, **kw):
         return endpoint_types.Endpoint(name=name or request.name, display_name="persia-ctr")
@@ -495,7 +490,7 @@ def endpoints(gapic, monkeypatch):
         gapic.append(
             ("deploy_model", {"endpoint": endpoint, "deployed_model": deployed_model, "traffic": traffic_split})
         )
-        return _Done(endpoint_service.DeployModelResponse(deployed_model={"id": "9"}))
+        return _Done(parent, endpoint_service.DeployModelResponse(deployed_model={"id": "9"}))
 
     for m in (create_endpoint, get_endpoint, deploy_model):
         monkeypatch.setattr(endpoint_client.EndpointServiceClient, m.__name__, m)
