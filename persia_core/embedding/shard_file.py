@@ -76,7 +76,7 @@ class _CrcWriter:
 
     Having no ``seek`` makes ``zipfile`` stream (sizes in data descriptors after each member) instead of seeking
     back to patch headers, so the running CRC-32C is the CRC of the finished file. (Write-back is left to the
-    kernel, with one fsync at the end: see docs/notes-embedding.md.)"""
+    kernel, with one fsync at the end: see docs/design-figures.md.)"""
 
     def __init__(self, raw):
         self.raw = raw

@@ -21,7 +21,7 @@ one in training, and pushes run in the background. The bound is exact: no lookup
 push of this worker's batches <= t-K-1 is applied (K = ``embedding_staleness``; the embedding workers share one
 ``frontier`` of applied steps); the observed staleness of a lookup is the number of this worker's earlier steps
 whose pushes are not yet applied, and is <= K. Running lookups no further ahead than overlap needs keeps the
-observed staleness low, which is what keeps the AUC of K > 0 close to that of K = 0 (``docs/notes-train.md``).
+observed staleness low, which is what keeps the AUC of K > 0 close to that of K = 0 (``docs/design-figures.md``).
 
 K = 0 is fully synchronous training on the same code path: pushes carry ``sync_workers = M``, so each shard
 combines the M workers' gradients of a step per ID and applies them once, and the next lookup waits for it.
@@ -33,7 +33,7 @@ concatenated, also when ranks hold uneven data (a rank out of data runs empty st
 push is applied on its own and carries ``step_fraction = 1/M``: the scale-invariant optimizers (Adagrad, row-wise
 Adagrad, Adam) normalize the 1/M gradient scale away, so they take 1/M of their step instead, and the M pushes of
 a step move a row about as far as one synchronous update (without it, K > 0 loses AUC to K = 0: see
-``docs/notes-train.md``).
+``docs/design-figures.md``).
 """
 
 from __future__ import annotations
