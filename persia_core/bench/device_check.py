@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             c, os.path.join(work, "data"), os.path.join(work, f"model_{name}"), work_dir=os.path.join(work, f"w_{name}")
         )
         hist = json.load(open(os.path.join(work, f"model_{name}", "train_metrics.json")))
-        ev = evaluate(os.path.join(work, f"model_{name}"), os.path.join(work, "data"))["metrics"]
+        ev = evaluate(os.path.join(work, f"model_{name}"), os.path.join(work, "data"), lr_reference=False)["metrics"]
         result[f"hybrid_{name}"] = {
             "samples_per_s": hist["samples_per_s"],
             "train_seconds": hist["train_seconds"],

@@ -66,7 +66,7 @@ def evaluate_hybrid(model_dir: str, data_dir: str, keep: bool = False) -> dict:
     from persia_core.evaluate.run import evaluate
 
     t0 = time.time()
-    m = evaluate(model_dir, data_dir)["metrics"]
+    m = evaluate(model_dir, data_dir, lr_reference=False)["metrics"]
     if not keep:
         shutil.rmtree(os.path.dirname(model_dir), ignore_errors=True)
     return {"auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"], "eval_seconds": time.time() - t0}

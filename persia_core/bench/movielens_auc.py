@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             init_shards(c, data, os.path.join(d, "init"))
             t0 = time.time()
             train(c, data, os.path.join(d, "model"), init_dir=os.path.join(d, "init"), work_dir=os.path.join(d, "w"))
-            m = evaluate(os.path.join(d, "model"), data)["metrics"]
+            m = evaluate(os.path.join(d, "model"), data, lr_reference=False)["metrics"]
             aucs.append(m["auc"])
             lls.append(m["logloss"])
             print(
