@@ -20,6 +20,7 @@ A leaf module: ``persia_core.io`` and the standard library only.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,6 +132,20 @@ def read_manifest(model_dir: str) -> tuple[str, ModelManifest]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from e
     return model_dir, ModelManifest.from_dict(raw, path)
+
+
+def manifest_digest(model_dir: str) -> str:
+    """The first 16 hex digits of the SHA-256 of the manifest of ``model_dir`` (a Model artifact or a
+    blessed-model location): the model's identity whatever folder holds it (a blessed copy and a Registry upload
+    keep the manifest's bytes), as the manifest records the shard files' CRC-32C and the config. Raises as
+    ``read_manifest``."""
+    folder, _ = read_manifest(model_dir)
+    return folder_digest(folder)
+
+
+def folder_digest(folder: str) -> str:
+    """``manifest_digest`` of the folder itself (a Model artifact or a checkpoint), its manifest unparsed."""
+    return hashlib.sha256(io.read_text(io.join(folder, MANIFEST)).encode()).hexdigest()[:16]
 
 
 def read_marker(blessed_dir: str) -> dict[str, Any] | None:

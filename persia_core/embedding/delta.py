@@ -27,6 +27,11 @@ deltas numbered after the dump's ``delta_seq`` *superseded* in ``<delta_dir>/sha
 deltas or the unexported changes touched, with ``live_keys``, so a consumer that had already applied the
 superseded deltas (online serving, as they came) is back at the loaded state after applying it.
 
+Each delta names the model its run warm-started from (``server["delta"]["base_model"]``: that model's
+``model_store.manifest_digest``, "" for a cold start), so that a consumer holding that model knows the deltas are
+its own (``persia serve --deltas``, ``persia_core.serve.deltas``); a server that stops writes one last delta of what
+changed since its last export.
+
 The IDs changed are recorded in the server's lookup and push paths, the keys removed by the tables' eviction
 logs (``EmbeddingTable.log_evictions``).
 """
@@ -216,6 +221,9 @@ class DeltaExporter:
         shard: the shard's index; first_seq: the ``delta_seq`` of the state the shard started from (deltas of
         this shard numbered above it are removed: they belong to a run that did not reach this state).
         lock: held while the rows are read (the server's push lock), so a delta never splits a push.
+        base_model: ``model_store.manifest_digest`` of the model the run warm-started from ("": a cold start),
+            written into each delta (``server["delta"]["base_model"]``) so that a consumer applies it only on top
+            of that model (``persia serve --deltas``).
     """
 
     def __init__(
@@ -227,8 +235,10 @@ class DeltaExporter:
         every_s: float = 0.0,
         first_seq: int = 0,
         lock=None,
+        base_model: str = "",
     ):
         self.tables = tables
+        self.base_model = base_model
         self.tracker = tracker
         self.delta_dir = delta_dir
         self.shard = shard
@@ -298,7 +308,15 @@ class DeltaExporter:
             self.since = now
             return None
         path = delta_path(self.delta_dir, self.shard, self.seq + 1)
-        server = {"delta": {"seq": self.seq + 1, "since": self.since, "at": now, "shard": self.shard}}
+        server = {
+            "delta": {
+                "seq": self.seq + 1,
+                "since": self.since,
+                "at": now,
+                "shard": self.shard,
+                "base_model": self.base_model,
+            }
+        }
         try:
             write_shard_arrays(path, tables, server, fsync=False)
         except Exception:  # nothing is lost: the next export writes these rows (their values then) under this number

@@ -10,7 +10,7 @@ per-ID initializer), or the rows and optimizer state of a previous run's model (
 Output folder::
 
     shard_plan.json         routing rule, shards, per table: dim, optimizer, bytes/row, capacity, estimates;
-                            ``warm_start``: where from, rows carried over and dropped
+                            ``warm_start``: where from (and ``manifest_digest``), rows carried over and dropped
     shards/shard-SSSSS.npz  initial state of each shard
     warm_start/dense.pt     the previous model's dense weights (warm start only)
     run_config.yaml         the run config, passed on to training
@@ -27,7 +27,7 @@ from persia_core.data.reader import read_schema
 from persia_core.embedding.shard_tables import make_tables, shard_file_bytes
 from persia_core.embedding.warm_start import resolve_warm_start, warm_start
 from persia_core.memory import bytes_per_row, capacity_for_budget
-from persia_core.model_store import shard_file_name
+from persia_core.model_store import folder_digest, shard_file_name
 
 ROUTING = "shard = splitmix64(feature_id) % num_shards"
 SKEW_MARGIN = 1.2
@@ -101,6 +101,8 @@ def init_shards(config: RunConfig, data_dir: str, output_dir: str, warm_start_fr
     if source:
         plan["warm_start"] = warm_start(config, schema, source, output_dir, caps)
         files = plan["warm_start"].pop("shard_files")
+        # the deltas of this run apply to that model: they name it (``embedding.delta``, ``persia serve --deltas``)
+        plan["warm_start"]["manifest_digest"] = folder_digest(source)
     else:
         files = []
         for s in range(plan["num_shards"]):

@@ -7,7 +7,7 @@ shard's state and push semantics are ``persia_core.ps.shard``'s; the gRPC servic
 shared-memory transport) is ``persia_core.ps.servicer``'s.
 
 Incremental export (``--delta-dir``, ``--delta-every-s``): every T seconds the rows created or updated since the
-last export are written as a delta file (``persia_core.embedding.delta``).
+last export are written as a delta file (``persia_core.embedding.delta``), and once more when the server stops.
 
 Exit codes of ``main``: 0 stopped by SIGTERM/SIGINT; 3 the ``--init`` state was refused (missing, partial or
 corrupt: the log's last line says which check failed); other non-zero: a crash.
@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="run config (YAML path or shipped name)")
     p.add_argument("--shard", type=int, required=True, help="this shard's index")
     p.add_argument("--num-shards", type=int, required=True, help="shards in the plan")
-    p.add_argument("--plan", default="", help="shard_plan.json from init_shards (row capacities)")
+    p.add_argument(
+        "--plan",
+        default="",
+        help="shard_plan.json from init_shards (row capacities; the model warm-started from, named in deltas)",
+    )
     p.add_argument("--init", default="", help="shard file to start from (initial state or checkpoint)")
     p.add_argument("--init-size", type=int, default=None, help="refuse --init unless it has this many bytes")
     p.add_argument("--init-crc32c", type=int, default=None, help="refuse --init unless its CRC-32C is this")
@@ -91,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     config = load_config(args.config)
-    capacities = None
+    capacities, base = None, ""
     if args.plan:
         plan = json.loads(io.read_text(args.plan))
         capacities = {n: t["capacity_rows_per_shard"] for n, t in plan["tables"].items()}
+        base = str((plan.get("warm_start") or {}).get("manifest_digest", ""))
     shard = ParameterServerShard(config, args.shard, args.num_shards, capacities)
     if args.init:
         t0 = time.perf_counter()
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             {n: t.size for n, t in shard.tables.items()},
         )
     if args.delta_dir and args.delta_every_s > 0:
-        shard.start_deltas(args.delta_dir, args.delta_every_s)
+        shard.start_deltas(args.delta_dir, args.delta_every_s, base_model=base)
         log.info("incremental export every %.1f s to %s", args.delta_every_s, args.delta_dir)
     t0 = time.perf_counter()
     warm_up(config)
@@ -143,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     if shard.exporter is not None:
         shard.exporter.stop()
+        try:  # the rows changed since the last export, so that a consumer of the deltas reaches the final state
+            shard.export_delta()
+        except Exception:
+            log.exception("the last delta export failed")
     server.stop(grace=2).wait()
     return 0
 

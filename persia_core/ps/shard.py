@@ -132,11 +132,14 @@ class ParameterServerShard:
             self.tracker.record(name, ids)
         return rows
 
-    def start_deltas(self, delta_dir: str, every_s: float) -> None:
+    def start_deltas(self, delta_dir: str, every_s: float, base_model: str = "") -> None:
         """Record changed rows and write them as delta files every ``every_s`` seconds (0: only on
-        ``export_delta``). See ``persia_core.embedding.delta``."""
+        ``export_delta``). ``base_model``: ``manifest_digest`` of the model the run warm-started from ("" cold),
+        recorded in each delta. See ``persia_core.embedding.delta``."""
         tracker = DeltaTracker(self.tables)
-        exporter = DeltaExporter(self.tables, tracker, delta_dir, self.shard, every_s, self.delta_seq, lock=self.cond)
+        exporter = DeltaExporter(
+            self.tables, tracker, delta_dir, self.shard, every_s, self.delta_seq, lock=self.cond, base_model=base_model
+        )
         self.tracker, self.exporter = tracker, exporter
         exporter.start()
 
