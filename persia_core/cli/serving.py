@@ -39,6 +39,7 @@ def cmd_serve(args, _extra) -> int:
         threads=args.threads,
         follow=bool(args.follow),
         poll_s=args.poll_seconds,
+        deltas=args.deltas,
     )
     return EXIT_OK
 
@@ -62,10 +63,18 @@ def add_commands(add: AddCommand) -> None:
         "later, without failing a request (a model that cannot be loaded leaves the old one serving)",
     )
     sp.add_argument(
+        "--deltas",
+        default="",
+        metavar="DELTA_DIR",
+        help="apply the delta files of a training run that warm-started from the served model (its delta_dir) as "
+        "they come: rows not yet through the evaluate step's gate (PERSIA's online update); deltas of a run that "
+        "started from another model wait, superseded ones are skipped; freshness in /metrics and health",
+    )
+    sp.add_argument(
         "--poll-seconds",
         type=float_in(0.05),
         default=5.0,
-        help="follow mode: how often the blessed marker is read (default 5)",
+        help="follow mode and --deltas: how often the blessed marker and the delta folder are read (default 5)",
     )
     sp.add_argument(
         "--host",

@@ -10,7 +10,8 @@ Routes (Vertex AI: https://cloud.google.com/vertex-ai/docs/predictions/custom-co
 - ``GET <health route>`` (``AIP_HEALTH_ROUTE``, default ``/health``): 200 ``{"status": "ok", "model_version"}``
   once the model is loaded.
 - ``GET /metrics``: Prometheus text format (``prometheus_client``): requests by route and status, instances,
-  requests in flight, request latency, the served model's version, load time and age.
+  requests in flight, request latency, the served model's version, load time and age, and with ``--deltas`` the
+  deltas applied and the age of the newest one (its freshness).
 
 The server is aiohttp (``aiohttp.web``): one asyncio event loop; each request is scored in one of ``threads``
 worker threads (torch releases the GIL), so health checks and metrics answer while a large request is scored, and
@@ -18,14 +19,14 @@ one request's dense step runs beside the next one's parsing. SIGTERM and SIGINT 
 let the requests in flight finish (up to ``drain_s``) before exiting.
 Embedding lookups are read-only and in-process (``LoadedModel``); the model must fit twice in memory
 (``check_memory``) so that a new one can be loaded beside it. Follow mode (``Follower``) swaps to each model newly
-blessed at a blessed-model location.
+blessed at a blessed-model location; ``--deltas`` applies a training run's delta files to the served model
+(``persia_core.serve.deltas``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import logging
 import os
 import time
@@ -37,7 +38,14 @@ import orjson
 
 from persia_core import io
 from persia_core.evaluate.run import LoadedModel
-from persia_core.model_store import BLESSED_MARKER, MANIFEST, is_blessed_location, read_manifest, read_marker
+from persia_core.model_store import (
+    BLESSED_MARKER,
+    is_blessed_location,
+    manifest_digest,
+    read_manifest,
+    read_marker,
+)
+from persia_core.serve.deltas import DeltaFeed
 from persia_core.serve.instances import InstanceEncoder, InstanceError
 
 log = logging.getLogger("persia.serve")
@@ -99,10 +107,9 @@ def check_memory(model_dir: str, available: int | None = None) -> int:
 
 def model_version(model_dir: str) -> str:
     """The version a response names: the model folder's name and the first 12 hex digits of the SHA-256 of its
-    manifest (which records its shards' CRCs), e.g. ``model-3f1c9a0b2d4e``."""
+    manifest (``model_store.manifest_digest``), e.g. ``model-3f1c9a0b2d4e``."""
     folder, _ = read_manifest(model_dir)
-    digest = hashlib.sha256(io.read_text(io.join(folder, MANIFEST)).encode()).hexdigest()[:12]
-    return f"{os.path.basename(folder.rstrip('/')) or 'model'}-{digest}"
+    return f"{os.path.basename(folder.rstrip('/')) or 'model'}-{manifest_digest(folder)[:12]}"
 
 
 @dataclass
@@ -158,6 +165,16 @@ class Metrics:
         self.freshness = Gauge(
             "persia_serve_model_age_seconds", "seconds since the served model was loaded", registry=self.registry
         )
+        self.delta_age = Gauge(
+            "persia_serve_delta_age_seconds",
+            "--deltas: seconds since the newest delta applied was written (NaN before the first)",
+            registry=self.registry,
+        )
+        self.delta_age.set(float("nan"))
+        self.deltas_applied = Counter(
+            "persia_serve_deltas_applied", "--deltas: delta files applied to the served model", registry=self.registry
+        )
+        self.newest_delta_at: float | None = None
 
     def serving(self, served: Served) -> None:
         self.version.clear()
@@ -169,6 +186,8 @@ class Metrics:
 
         if served is not None:
             self.freshness.set(time.time() - served.loaded_at)
+        if self.newest_delta_at is not None:
+            self.delta_age.set(time.time() - self.newest_delta_at)
         return generate_latest(self.registry)
 
 
@@ -227,11 +246,6 @@ class Follower:
         self.metrics.swaps.labels("failed").inc()
         log.error("follow: still serving %s: %s", self.state["served"].version, message)
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            await self.check()
-
     def status(self) -> dict:
         return {"location": self.location, "checked_at": self.checked_at, "error": self.error}
 
@@ -250,10 +264,12 @@ def make_app(
     threads: int = 2,
     follow: str = "",
     poll_s: float = 5.0,
+    deltas: str = "",
 ):
     """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring), scoring
     up to ``threads`` requests at once; with ``follow`` (a blessed-model location), swapping to each model newly
-    blessed there (``Follower``, every ``poll_s`` seconds)."""
+    blessed there (``Follower``, every ``poll_s`` seconds); with ``deltas`` (a training run's delta folder),
+    applying its deltas to the served model (``serve.deltas.DeltaFeed``, every ``poll_s`` seconds)."""
     from aiohttp import web
 
     metrics = Metrics()
@@ -296,12 +312,34 @@ def make_app(
         return web.json_response(payload, status=status)
 
     follower = Follower(follow, state, metrics, poll_s) if follow else None
+    feed = DeltaFeed(deltas, state) if deltas else None
+    feed_pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-deltas") if feed else None
+
+    async def apply_deltas() -> None:
+        assert feed is not None and feed_pool is not None
+        before = feed.applied.count
+        served = await asyncio.get_running_loop().run_in_executor(feed_pool, feed.check)
+        if served is not None:
+            state["served"] = served
+            metrics.serving(served)
+            metrics.deltas_applied.inc(max(0, feed.applied.count - before))
+            metrics.newest_delta_at = feed.applied.newest_at
+
+    async def poll() -> None:
+        while True:
+            await asyncio.sleep(poll_s)
+            if follower is not None:
+                await follower.check()
+            if feed is not None:
+                await apply_deltas()
 
     async def health(_request: web.Request) -> web.Response:
         metrics.requests.labels("health", "200").inc()
         body: dict[str, Any] = {"status": "ok", "model_version": state["served"].version}
         if follower is not None:
             body["follow"] = follower.status()
+        if feed is not None:
+            body["deltas"] = feed.status()
         return web.json_response(body)
 
     async def metrics_route(_request: web.Request) -> web.Response:
@@ -312,16 +350,17 @@ def make_app(
         return resp
 
     async def on_startup(app) -> None:
-        if follower is not None:
-            app["persia_follow_task"] = asyncio.get_running_loop().create_task(follower.run())
+        if follower is not None or feed is not None:
+            app["persia_follow_task"] = asyncio.get_running_loop().create_task(poll())
 
     async def on_cleanup(app) -> None:
         task = app.get("persia_follow_task")
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            follower.pool.shutdown(wait=True)  # type: ignore[union-attr]
-        pool.shutdown(wait=True)
+        for p in (follower.pool if follower is not None else None, feed_pool, pool):
+            if p is not None:
+                p.shutdown(wait=True)
 
     app = web.Application(client_max_size=max_request_bytes)
     app.router.add_post(predict_route, predict)
@@ -344,11 +383,13 @@ def serve(
     threads: int = 0,
     follow: bool = False,
     poll_s: float = 5.0,
+    deltas: str = "",
 ) -> None:
     """Load ``model_dir`` and serve it on ``host:port`` until SIGTERM or SIGINT (then drain for up to
     ``drain_s`` seconds). ``threads``: requests scored at once, each on one torch thread (0: the machine's
     cores, at most 4). ``follow``: ``model_dir`` is a blessed-model location whose newly blessed models are
-    swapped in (``Follower``). Raises
+    swapped in (``Follower``). ``deltas``: a training run's delta folder whose deltas are applied to the served
+    model (``serve.deltas.DeltaFeed``). Raises
     ``ModelTooLargeError`` (``check_memory``), ``FileNotFoundError`` / ``ValueError`` for a missing or bad model."""
     import torch
     from aiohttp import web
@@ -371,6 +412,8 @@ def serve(
         predict_route,
         health_route,
     )
-    app = make_app(served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s)
+    app = make_app(
+        served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s, deltas
+    )
     web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
     log.info("stopped: requests in flight drained")

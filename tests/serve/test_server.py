@@ -353,3 +353,71 @@ def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(tr
     assert all(abs(p - expected[v]) <= 1e-6 for _, v, p in replies)
     assert health["model_version"] == second and bad in health["follow"]["error"]
     assert swaps == (1, 1)
+
+
+def _wait_health(s: Server, done, what: str, timeout: float = 30.0) -> dict:
+    deadline = time.time() + timeout
+    while not done(health := json.loads(s.get("/health")[2])):
+        assert time.time() < deadline, f"{what}: {health}"
+        time.sleep(0.1)
+    return health
+
+
+def test_deltas_of_a_run_warm_started_from_the_served_model_are_applied_and_others_wait(trained, tmp_path):
+    from persia_core.embedding.delta import list_deltas
+    from persia_core.embedding.plan import init_shards
+    from persia_core.model_store import manifest_digest, read_manifest
+    from persia_core.train.launcher import train
+    from tests.support import tiny_config
+
+    model, data = trained
+    blessed, deltas = str(tmp_path / "blessed"), str(tmp_path / "deltas")
+    bless(model, {"auc": 0.5}, blessed)
+    served = latest_blessed_model(blessed)
+    base_version = model_version(served)
+    port = free_port()
+    args = ["--model", blessed, "--deltas", deltas, "--poll-seconds", "0.1", "--port", str(port)]
+    s = Server(args, {}, port, "/health", str(tmp_path / "serve.log"))
+    instances = _as_instances(ROWS)
+    body = json.dumps({"instances": instances}).encode()
+
+    def run(name: str, warm_start_from: str) -> str:
+        cfg = tiny_config(epochs=2)
+        init, out = str(tmp_path / f"init-{name}"), str(tmp_path / f"model-{name}")
+        init_shards(cfg, data, init, warm_start_from=warm_start_from)
+        train(
+            cfg, data, out, init_dir=init, work_dir=str(tmp_path / f"work-{name}"), delta_every_s=0.05, delta_dir=deltas
+        )
+        return out
+
+    try:
+        _, _, before = s.post("/predict", body)
+        assert before["model_version"] == base_version
+        # a run that warm-started from the served model: its deltas are applied, the last one written as its
+        # servers stopped, so the served rows end as that run's Model's rows (the dense network stays the served one)
+        warm = run("warm", blessed)
+        last = [max(q for q, _ in list_deltas(deltas, sh)) for sh in range(2)]
+        health = _wait_health(s, lambda h: h["deltas"]["applied"] == last, "the deltas were not all applied")
+        _, headers, after = s.post("/predict", body)
+        age = _metric(s, "persia_serve_delta_age_seconds")
+        applied = _metric(s, "persia_serve_deltas_applied_total")
+
+        # a new cold-started run in the same folder: renumbered deltas of another base; the server goes back to
+        # the served model's own rows and waits
+        run("cold", "")
+        cold = _wait_health(s, lambda h: h["deltas"]["waiting"] is not None, "the cold run's deltas were applied")
+        _, _, back = s.post("/predict", body)
+    finally:
+        s.stop()
+
+    reference = LoadedModel(served)  # the served dense network on the warm run's final rows, from its Model files
+    folder, manifest = read_manifest(warm)
+    reference.embedding.load([os.path.join(folder, f) for f in manifest.shard_files])
+    expected = reference.predict(InstanceEncoder(reference.config, reference.slots, 1).batch(instances))
+    assert after["model_version"] == headers["X-Model-Version"] == f"{base_version}+deltas-{last[0]}.{last[1]}"
+    np.testing.assert_allclose(after["predictions"], expected.astype(np.float64), rtol=0, atol=1e-6)
+    assert not np.allclose(after["predictions"], before["predictions"], rtol=0, atol=1e-6)
+    assert health["deltas"]["error"] is None and 0 <= age < 60 and applied == sum(last)
+    assert manifest_digest(served) in cold["deltas"]["waiting"] and "cold start" in cold["deltas"]["waiting"]
+    assert back["model_version"] == base_version
+    np.testing.assert_allclose(back["predictions"], before["predictions"], rtol=0, atol=1e-6)
