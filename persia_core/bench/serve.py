@@ -23,7 +23,11 @@ The server follows a blessed-model location (``persia serve --follow``): a third
 model (the same with its dense weights scaled by 0.9) is blessed there; ``swap_seconds`` is the time from its
 marker being written to the first reply from it, ``failed_during_swap`` the errors and unanswered requests of that
 phase, ``old_model_replies_after_swap`` the replies from the old model after the first from the new one (requests
-that started before the swap).
+that started before the swap). Two thirds of the way through, deltas arrive (``persia serve --deltas``): those of a
+run that warm-started from the new model (trained before the load phases, on the same rows, with
+``delta_every_s`` 2; their files are moved into the served delta folder at once); ``deltas_seconds`` is the time
+from their arrival to the first reply from the rows with every delta applied, ``deltas`` their number. With
+``--model`` (no training data here) no deltas arrive.
 
 Last line: one JSON object with those figures, ``errors`` (over every phase but the one that failed the search)
 and the phases' details.
@@ -83,11 +87,58 @@ def train_model(work: str, train_rows: int) -> str:
     return model
 
 
-def start_server(blessed: str, work: str, threads: int) -> tuple[subprocess.Popen, int]:
-    """``persia serve --follow blessed`` on a free port, once its health route answers."""
+def stage_deltas(work: str, base: str) -> str:
+    """Train one epoch on ``work/data`` warm-started from the Model ``base``, writing deltas every 2 s into
+    ``work/deltas-staged``, which is returned."""
+    from persia_core.embedding.plan import init_shards
+    from persia_core.evaluate.run import LoadedModel
+    from persia_core.train.launcher import train
+
+    data, staged = os.path.join(work, "data"), os.path.join(work, "deltas-staged")
+    for old in (staged, os.path.join(work, "init-3"), os.path.join(work, "model-3")):
+        shutil.rmtree(old, ignore_errors=True)
+    config = LoadedModel(base).config
+    init_shards(config, data, os.path.join(work, "init-3"), warm_start_from=base)
+    train(
+        config,
+        data,
+        os.path.join(work, "model-3"),
+        init_dir=os.path.join(work, "init-3"),
+        work_dir=os.path.join(work, "train-3"),
+        delta_every_s=2.0,
+        delta_dir=staged,
+    )
+    return staged
+
+
+def deliver_deltas(staged: str, target: str) -> int:
+    """Move the delta files of ``staged`` into ``target`` (each renamed into place, shard by shard in order, so a
+    reader never sees a partial file). Returns how many."""
+    n = 0
+    for shard in sorted(os.listdir(staged)):
+        os.makedirs(os.path.join(target, shard), exist_ok=True)
+        for name in sorted(os.listdir(os.path.join(staged, shard))):
+            if name.startswith("delta-"):
+                os.replace(os.path.join(staged, shard, name), os.path.join(target, shard, name))
+                n += 1
+    return n
+
+
+def last_deltas(delta_dir: str, num_shards: int) -> str:
+    """The suffix ``persia serve`` adds to the model version once every delta of ``delta_dir`` is applied."""
+    from persia_core.embedding.delta import list_deltas
+
+    last = [max((q for q, _ in list_deltas(delta_dir, s)), default=0) for s in range(num_shards)]
+    return "+deltas-" + ".".join(map(str, last))
+
+
+def start_server(blessed: str, work: str, threads: int, deltas: str = "") -> tuple[subprocess.Popen, int]:
+    """``persia serve --follow blessed [--deltas deltas]`` on a free port, once its health route answers."""
     port = free_port()
     logf = open(os.path.join(work, "serve.log"), "wb")
     args = ["--follow", blessed, "--poll-seconds", "1", "--port", str(port), "--threads", str(threads)]
+    if deltas:
+        args += ["--deltas", deltas]
     proc = subprocess.Popen(
         [sys.executable, "-m", "persia_core", "serve", *args],
         stdout=logf,
@@ -173,17 +224,17 @@ async def _phase(url: str, bodies: list[bytes], rate: float, rows: int) -> dict:
     }
 
 
-def phase(url: str, rows: Rows, rate: float, per_request: int, seconds: float, during=None) -> dict:
-    """One phase of ``seconds`` at ``rate`` requests/s of ``per_request`` rows; ``during()`` runs in a thread of its
-    own a third of the way through."""
+def phase(url: str, rows: Rows, rate: float, per_request: int, seconds: float, during=()) -> dict:
+    """One phase of ``seconds`` at ``rate`` requests/s of ``per_request`` rows; each ``(fraction, fn)`` of
+    ``during``: ``fn()`` runs in a thread of its own that fraction of the way through."""
     n = max(1, int(round(rate * seconds)))
     bodies = [rows.body(per_request) for _ in range(n)]
-    timer = threading.Timer(seconds / 3, during) if during is not None else None
-    if timer is not None:
-        timer.start()
+    timers = [threading.Timer(seconds * f, fn) for f, fn in during]
+    for t in timers:
+        t.start()
     r = asyncio.run(_phase(url, bodies, rate, per_request))
-    if timer is not None:
-        timer.join()
+    for t in timers:
+        t.join()
     log(
         f"{per_request}-row requests at {rate:.0f}/s for {seconds:.0f} s: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} "
         f"ms, errors {r['errors']}, unanswered {r['unanswered']}"
@@ -231,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         bless(model, {}, blessed)
         first = model_version(latest_blessed_model(blessed) or "")
         second_model = other_model(model, os.path.join(work, "model-2"))
-        proc, port = start_server(blessed, work, args.threads)
+        staged, delta_dir = "", os.path.join(work, "deltas")
+        shutil.rmtree(delta_dir, ignore_errors=True)
+        if not args.model:
+            t0 = time.time()
+            staged = stage_deltas(work, second_model)
+            log(f"deltas of a run warm-started from the second model staged ({time.time() - t0:.0f} s)")
+        proc, port = start_server(blessed, work, args.threads, delta_dir if staged else "")
         url = f"http://127.0.0.1:{port}/predict"
         gc.collect()
         gc.freeze()  # the 1M instances and torch's objects live to the end: no collection need scan them again
@@ -254,8 +311,13 @@ def main(argv: list[str] | None = None) -> int:
             swap["blessed_at"] = time.time()
             swap["version"] = model_version(latest_blessed_model(blessed) or "")
 
+        def deliver() -> None:
+            swap["deltas"] = deliver_deltas(staged, delta_dir)
+            swap["deltas_at"] = time.time()
+
         if best is not None:  # at half load a new model is blessed a third of the way through (follow mode)
-            half = phase(url, rows, best["rate"] / 2, 100, args.phase_seconds, during=bless_second)
+            during = [(1 / 3, bless_second)] + ([(2 / 3, deliver)] if staged else [])
+            half = phase(url, rows, best["rate"] / 2, 100, args.phase_seconds, during=during)
             one = phase(url, rows, 200.0, 1, args.phase_seconds)
             phases += [half, one]
             errors += half["errors"] + one["errors"] + half["unanswered"] + one["unanswered"]
@@ -265,6 +327,19 @@ def main(argv: list[str] | None = None) -> int:
                 swap["old"] = sum(1 for t, v in half["answered_by"] if v == first and t > min(new))
             swap["failed"] = half["errors"] + half["unanswered"]
             log(f"swap: blessed {swap.get('version')}, first reply from it {swap.get('seconds')} s later")
+            if staged:
+                from persia_core.model_store import read_manifest
+
+                shards = read_manifest(second_model)[1].num_shards
+                applied = [t for t, v in half["answered_by"] if v.startswith(f"{swap.get('version')}+deltas-")]
+                every = swap.get("version", "") + last_deltas(delta_dir, shards)
+                full = [t for t, v in half["answered_by"] if v == every]
+                if full:
+                    swap["deltas_seconds"] = round(min(full) - swap["deltas_at"], 3)
+                log(
+                    f"deltas: {swap.get('deltas')} arrived, {len(applied)} replies from rows with deltas, all "
+                    f"applied {swap.get('deltas_seconds')} s after their arrival"
+                )
         for ph in phases:
             ph.pop("answered_by", None)
         result = {
@@ -276,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             "swap_seconds": swap.get("seconds"),
             "failed_during_swap": swap.get("failed"),
             "old_model_replies_after_swap": swap.get("old"),
+            "deltas": swap.get("deltas"),
+            "deltas_seconds": swap.get("deltas_seconds"),
             "distinct_rows": args.distinct_rows,
             "phase_seconds": args.phase_seconds,
             "server_threads": args.threads,
