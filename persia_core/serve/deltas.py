@@ -44,7 +44,6 @@ class _Applied:
     seq: list[int]
     size: list[int]
     newest_at: float | None = None
-    count: int = 0
     waiting: str = ""
     error: str = ""
 
@@ -60,6 +59,7 @@ class DeltaFeed:
         self.delta_dir, self.state = delta_dir, state
         self.base = state["served"]  # the model as loaded, without deltas: where a new numbering starts again
         self.applied = self._fresh(self.base)
+        self.total = 0  # delta files applied since start (a counter: never goes back, a restart included)
 
     @staticmethod
     def _fresh(base) -> _Applied:
@@ -143,7 +143,7 @@ class DeltaFeed:
                 at = header.get("at")
                 if isinstance(at, (int, float)):
                     a.newest_at = max(a.newest_at or 0.0, float(at))
-                a.count += len(deltas)
+                self.total += len(deltas)
         model = copy.copy(served.model)
         model.embedding = emb
         version = f"{self.base.version}+deltas-{'.'.join(str(q) for q in a.seq)}"

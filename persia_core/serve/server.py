@@ -186,8 +186,7 @@ class Metrics:
 
         if served is not None:
             self.freshness.set(time.time() - served.loaded_at)
-        if self.newest_delta_at is not None:
-            self.delta_age.set(time.time() - self.newest_delta_at)
+        self.delta_age.set(float("nan") if self.newest_delta_at is None else time.time() - self.newest_delta_at)
         return generate_latest(self.registry)
 
 
@@ -317,12 +316,12 @@ def make_app(
 
     async def apply_deltas() -> None:
         assert feed is not None and feed_pool is not None
-        before = feed.applied.count
+        before = feed.total
         served = await asyncio.get_running_loop().run_in_executor(feed_pool, feed.check)
         if served is not None:
             state["served"] = served
             metrics.serving(served)
-            metrics.deltas_applied.inc(max(0, feed.applied.count - before))
+            metrics.deltas_applied.inc(feed.total - before)
             metrics.newest_delta_at = feed.applied.newest_at
 
     async def poll() -> None:
