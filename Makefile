@@ -11,6 +11,8 @@ EPOCHS ?= 0
 MAX_ROWS ?= 0
 WARM_START ?=
 LR_MARGIN ?= 0
+DELTA_EVERY_S ?= 0
+DELTA_DIR ?=
 PIPELINE_ROOT ?= local_outputs
 PYTEST_ARGS ?=
 TARGET ?= local
@@ -45,11 +47,12 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv from requirements.txt and install the project in it
 
-run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS (a number, or auto: validation-driven), MAX_ROWS override the config; WARM_START: a model or blessed-model location to start from; LR_MARGIN: how far below the LR reference's AUC a blessed model may be)
+run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG (defaults: bundled MovieLens; PS, WORKERS, STALENESS, EPOCHS (a number, or auto: validation-driven), MAX_ROWS override the config; WARM_START: a model or blessed-model location to start from; LR_MARGIN: how far below the LR reference's AUC a blessed model may be; DELTA_EVERY_S, DELTA_DIR: incremental exports for persia serve --deltas)
 	$(PY) -m pipelines.persia_pipeline --output pipelines/persia_pipeline.yaml
 	PERSIA_DIE_WITH=$$PPID $(PY) -m pipelines.run_local --data "$(DATA)" --config "$(CONFIG)" --pipeline-root $(PIPELINE_ROOT) \
 		--parameter-servers $(PS) --nn-workers $(WORKERS) --staleness $(STALENESS) --epochs $(EPOCHS) \
-		--max-rows $(MAX_ROWS) --warm-start-from "$(WARM_START)" --lr-margin $(LR_MARGIN)
+		--max-rows $(MAX_ROWS) --warm-start-from "$(WARM_START)" --lr-margin $(LR_MARGIN) \
+		--delta-every-s $(DELTA_EVERY_S) --delta-dir "$(DELTA_DIR)"
 
 compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persia_pipeline.yaml; TARGET=vertex (needs PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_vertex.yaml
 	$(PY) -m pipelines.persia_pipeline --target $(TARGET)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from persia_core.argchecks import float_in, int_at_least
+from persia_core.argchecks import float_in, int_at_least, port_number
 from persia_core.cli.common import EXIT_OK, AddCommand
 
 
@@ -83,7 +83,7 @@ def add_commands(add: AddCommand) -> None:
     )
     sp.add_argument(
         "--port",
-        type=int_at_least(0),
+        type=port_number,
         default=None,
         help="port (default: $AIP_HTTP_PORT, else 8080)",
     )

@@ -8,6 +8,8 @@ the deltas numbered after the last one it applied, shard by shard in order:
 
 - only deltas whose ``base_model`` is the served model's digest (a run that warm-started from it); others wait,
   and the status says which model they need;
+- in their numbering without a gap: a delta whose predecessor is not there yet waits for it (files copied to
+  Cloud Storage may arrive out of order);
 - never a delta marked superseded (``epochs: auto`` put an earlier epoch's model back; the rollback delta written
   then undoes any superseded one already applied);
 - when the numbering went back (a new run in the same folder, or a retried one that rewrote deltas after its
@@ -57,72 +59,85 @@ class DeltaFeed:
 
     def __init__(self, delta_dir: str, state: dict):
         self.delta_dir, self.state = delta_dir, state
-        self.base = state["served"]  # the model as loaded, without deltas: where a new numbering starts again
-        self.applied = self._fresh(self.base)
+        self._restart(state["served"])
         self.total = 0  # delta files applied since start (a counter: never goes back, a restart included)
 
-    @staticmethod
-    def _fresh(base) -> _Applied:
-        n = base.model.manifest.num_shards
-        return _Applied(manifest_digest(base.folder), [0] * n, [0] * n)
-
     def _restart(self, served) -> None:
-        self.base = served
-        self.applied = self._fresh(served)
+        """Start over on ``served`` (as loaded, without deltas). Only its folder and version are kept, not its
+        rows: going back to them (a renumbered folder) loads it again, so no more than two models' rows are ever
+        in memory (the served ones and those being built)."""
+        self.base_folder, self.base_version = served.folder, served.version
+        n = served.model.manifest.num_shards
+        self.applied = _Applied(manifest_digest(served.folder), [0] * n, [0] * n)
 
     def check(self):
         """Apply what is new; see the class docstring. Returns a ``Served`` or None."""
+        from persia_core.serve.server import load_served
+
         served = self.state["served"]
-        if served.folder != self.base.folder:  # follow mode swapped to another model: start over on it
+        if served.folder != self.base_folder:  # follow mode swapped to another model: start over on it
             self._restart(served)
         a = self.applied
         try:
-            todo, restart = self._pending(a)
-            if restart:
-                log.info("deltas in %s were renumbered (a new or retried run): applying them again", self.delta_dir)
-                served, a = self.base, self._fresh(self.base)
-                todo, _ = self._pending(a)
+            if io.exists(self.delta_dir) and not io.isdir(self.delta_dir):
+                raise NotADirectoryError(f"{self.delta_dir} is not a folder")
+            todo, gone, waiting = self._pending(a)
+            if gone:
+                log.info(
+                    "%s no longer holds the deltas applied (%s; a new or retried run, or files removed): applying "
+                    "its deltas again from %s's own rows",
+                    self.delta_dir,
+                    gone,
+                    self.base_version,
+                )
+                served = load_served(self.base_folder)
+                self._restart(served)
+                a = self.applied
+                todo, _, waiting = self._pending(a)
+            a.waiting = waiting
             if not any(todo):
-                if restart:
-                    self.applied = a
-                    return served
-                return None
+                return served if gone else None
             new = self._apply(served, todo, a)
         except Exception as e:  # an unreadable or refused delta leaves the served model as it was
-            self.applied.error = f"{type(e).__name__}: {e}"
-            log.error("deltas: still serving %s: %s", served.version, self.applied.error)
+            a.error = f"{type(e).__name__}: {e}"
+            log.error("deltas: still serving %s: %s", self.state["served"].version, a.error)
             return None
         a.error = ""
-        self.applied = a
         return new
 
-    def _pending(self, a: _Applied) -> tuple[list[list[tuple[int, str, dict]]], bool]:
-        """Per shard, the deltas to apply in order (number, path, its ``delta`` header) and whether the folder's
-        numbering went back. Deltas of another run's base stop their shard's list there (``a.waiting``)."""
+    def _pending(self, a: _Applied) -> tuple[list[list[tuple[int, str, dict]]], str, str]:
+        """Per shard, the deltas to apply in order (number, path, its ``delta`` header); what the folder no longer
+        holds of those applied ("" when it holds them all); why deltas wait ("" when none does). A shard's list
+        stops at a number missing before a later one (a delta not there yet), or at a delta of another run's
+        base."""
         todo: list[list[tuple[int, str, dict]]] = []
-        restart = False
-        a.waiting = ""
+        gone, waiting = "", []
         for s in range(len(a.seq)):
             listed = list_deltas(self.delta_dir, s)
             paths = dict(listed)
             if a.seq[s] and (a.seq[s] not in paths or io.size(paths[a.seq[s]]) != a.size[s]):
-                restart = True
-            gone = superseded_deltas(self.delta_dir, s)
+                gone = f"shard {s}: delta {a.seq[s]} " + ("changed" if a.seq[s] in paths else "missing")
+            superseded = superseded_deltas(self.delta_dir, s)
             mine: list[tuple[int, str, dict]] = []
+            expect = a.seq[s] + 1
             for seq, path in listed:
-                if seq <= a.seq[s] or seq in gone:
+                if seq < expect:
+                    continue
+                if seq > expect:
+                    waiting.append(f"shard {s}: delta {expect} is missing while {path} is there")
+                    break
+                expect += 1
+                if seq in superseded:
                     continue
                 header = (read_shard_file(path, build_index=False).server or {}).get("delta", {})
                 base = str(header.get("base_model", ""))
                 if base != a.digest:
-                    a.waiting = (
-                        f"{path} is of a run that started from model {base or '(a cold start)'}, not from the "
-                        f"served model {a.digest}"
-                    )
+                    started = f"from model {base}" if base else "cold"
+                    waiting.append(f"{path} is of a run that started {started}, not from the served model {a.digest}")
                     break
                 mine.append((seq, path, header))
             todo.append(mine)
-        return todo, restart
+        return todo, gone, "; ".join(waiting)
 
     def _apply(self, served, todo: list[list[tuple[int, str, dict]]], a: _Applied):
         """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied; updates ``a``."""
@@ -146,7 +161,7 @@ class DeltaFeed:
                 self.total += len(deltas)
         model = copy.copy(served.model)
         model.embedding = emb
-        version = f"{self.base.version}+deltas-{'.'.join(str(q) for q in a.seq)}"
+        version = f"{self.base_version}+deltas-{'.'.join(str(q) for q in a.seq)}"
         log.info("applied %d delta(s) from %s: now serving %s", sum(map(len, todo)), self.delta_dir, version)
         return replace(served, model=model, version=version, loaded_at=time.time())
 

@@ -397,6 +397,8 @@ def serve(
     torch.set_num_threads(1)  # parallel across requests: one torch thread each
     if follow and not is_blessed_location(model_dir):
         raise ValueError(f"--follow {model_dir}: not a blessed-model location (no {BLESSED_MARKER})")
+    if deltas and io.exists(deltas) and not io.isdir(deltas):
+        raise ValueError(f"--deltas {deltas}: not a folder (a training run's delta_dir)")
     need = check_memory(model_dir)
     served = load_served(model_dir)
     gc.collect()

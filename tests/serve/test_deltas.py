@@ -2,7 +2,8 @@
 shards (``ParameterServerShard``) start from the served model's shard files, train, export deltas that name the
 served model, and put an earlier dump back (``epochs: auto``), which supersedes the deltas after it. The served
 rows end equal to the shards' own rows whether the superseded delta was applied before it was superseded or never;
-a delta that cannot be read leaves the served rows as they were, and the next good one applies."""
+a delta that cannot be read leaves the served rows as they were, and the next good one applies; a delta whose
+predecessor has not arrived waits for it."""
 
 from __future__ import annotations
 
@@ -41,9 +42,8 @@ def _push(shard: ParameterServerShard, rng, seq: int, n: int = 60) -> None:
     shard.push(meta, ids, rng.normal(size=(len(ids), dim)).astype(np.float32), None)
 
 
-def test_the_served_rows_follow_the_deltas_and_superseded_ones_are_undone_or_skipped(trained, tmp_path):
-    model, _ = trained
-    deltas = str(tmp_path / "deltas")
+def _shards(model: str, deltas: str) -> tuple[object, list[ParameterServerShard]]:
+    """The served model and one exporting shard per shard of it, started from its files."""
     base = load_served(model)
     cfg, manifest = base.model.config, base.model.manifest
     shards = []
@@ -52,6 +52,13 @@ def test_the_served_rows_follow_the_deltas_and_superseded_ones_are_undone_or_ski
         shard.load(os.path.join(base.folder, manifest.shard_files[s]))
         shard.start_deltas(deltas, 0, base_model=manifest_digest(model))
         shards.append(shard)
+    return base, shards
+
+
+def test_the_served_rows_follow_the_deltas_and_superseded_ones_are_undone_or_skipped(trained, tmp_path):
+    model, _ = trained
+    deltas = str(tmp_path / "deltas")
+    base, shards = _shards(model, deltas)
     rng = np.random.default_rng(0)
     early = DeltaFeed(deltas, {"served": base})  # polls at every step
     late = DeltaFeed(deltas, {"served": base})  # polls only at the end
@@ -88,3 +95,32 @@ def test_the_served_rows_follow_the_deltas_and_superseded_ones_are_undone_or_ski
     late.state["served"] = late.check()
     assert late.status()["applied"] == [4, 3] and late.status()["error"] is None
     _assert_rows_equal(late.state["served"], shards)
+
+
+def test_a_delta_waits_for_its_predecessor_to_arrive(trained, tmp_path):
+    model, _ = trained
+    staged, live = str(tmp_path / "staged"), str(tmp_path / "live")
+    base, shards = _shards(model, staged)
+    rng = np.random.default_rng(1)
+    for seq in (1, 2, 3):
+        for shard in shards:
+            _push(shard, rng, seq)
+            shard.export_delta()
+    feed = DeltaFeed(live, {"served": base})
+
+    def arrive(seq: int) -> None:  # every shard's delta ``seq`` moved into the served folder
+        for s in range(len(shards)):
+            name = os.path.join(f"shard-{s:05d}", f"delta-{seq:08d}.npz")
+            os.makedirs(os.path.dirname(os.path.join(live, name)), exist_ok=True)
+            os.replace(os.path.join(staged, name), os.path.join(live, name))
+
+    assert feed.check() is None and feed.status()["applied"] == [0, 0]  # no folder yet: nothing to do
+    arrive(1)
+    arrive(3)
+    feed.state["served"] = feed.check()
+    assert feed.status()["applied"] == [1, 1] and "delta 2 is missing" in feed.status()["waiting"]
+    assert feed.check() is None  # still waiting
+    arrive(2)
+    feed.state["served"] = feed.check()
+    assert feed.status()["applied"] == [3, 3] and feed.status()["waiting"] is None
+    _assert_rows_equal(feed.state["served"], shards)

@@ -418,6 +418,6 @@ def test_deltas_of_a_run_warm_started_from_the_served_model_are_applied_and_othe
     np.testing.assert_allclose(after["predictions"], expected.astype(np.float64), rtol=0, atol=1e-6)
     assert not np.allclose(after["predictions"], before["predictions"], rtol=0, atol=1e-6)
     assert health["deltas"]["error"] is None and 0 <= age < 60 and applied == sum(last)
-    assert manifest_digest(served) in cold["deltas"]["waiting"] and "cold start" in cold["deltas"]["waiting"]
+    assert manifest_digest(served) in cold["deltas"]["waiting"] and "started cold" in cold["deltas"]["waiting"]
     assert back["model_version"] == base_version
     np.testing.assert_allclose(back["predictions"], before["predictions"], rtol=0, atol=1e-6)
