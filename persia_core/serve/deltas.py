@@ -27,7 +27,9 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from persia_core import io
 from persia_core.embedding.delta import apply_deltas, list_deltas, superseded_deltas
@@ -51,14 +53,15 @@ class _Applied:
 
 
 class DeltaFeed:
-    """Applies the deltas under ``delta_dir`` to the model that ``state["served"]`` holds (a ``Served``).
+    """Applies the deltas under ``delta_dir`` to the model that ``state["served"]`` holds (a ``Served``);
+    ``load(folder)`` loads a model as served (``server.load_served``).
 
     ``check()`` (called from one thread at a time) returns the new ``Served`` with the deltas applied since the
     last call, or None when none applies. A delta that cannot be read or applied leaves the served model as it
     was; ``status()["error"]`` says why, and it is tried again at the next check."""
 
-    def __init__(self, delta_dir: str, state: dict):
-        self.delta_dir, self.state = delta_dir, state
+    def __init__(self, delta_dir: str, state: dict, load: Callable[[str], Any]):
+        self.delta_dir, self.state, self.load = delta_dir, state, load
         self._restart(state["served"])
         self.total = 0  # delta files applied since start (a counter: never goes back, a restart included)
 
@@ -67,13 +70,15 @@ class DeltaFeed:
         rows: going back to them (a renumbered folder) loads it again, so no more than two models' rows are ever
         in memory (the served ones and those being built)."""
         self.base_folder, self.base_version = served.folder, served.version
+        self.applied = self._nothing_applied(served)
+
+    @staticmethod
+    def _nothing_applied(served) -> _Applied:
         n = served.model.manifest.num_shards
-        self.applied = _Applied(manifest_digest(served.folder), [0] * n, [0] * n)
+        return _Applied(manifest_digest(served.folder), [0] * n, [0] * n)
 
     def check(self):
         """Apply what is new; see the class docstring. Returns a ``Served`` or None."""
-        from persia_core.serve.server import load_served
-
         served = self.state["served"]
         if served.folder != self.base_folder:  # follow mode swapped to another model: start over on it
             self._restart(served)
@@ -90,20 +95,21 @@ class DeltaFeed:
                     gone,
                     self.base_version,
                 )
-                served = load_served(self.base_folder)
-                self._restart(served)
-                a = self.applied
+                served = self.load(self.base_folder)  # its rows are nobody's yet: the deltas go into them
+                a = self._nothing_applied(served)
                 todo, _, waiting = self._pending(a)
             a.waiting = waiting
-            if not any(todo):
-                return served if gone else None
-            new = self._apply(served, todo, a)
+            if any(todo):
+                served = self._apply(served, todo, a, in_place=bool(gone))
+            elif not gone:
+                return None
         except Exception as e:  # an unreadable or refused delta leaves the served model as it was
-            a.error = f"{type(e).__name__}: {e}"
-            log.error("deltas: still serving %s: %s", self.state["served"].version, a.error)
+            self.applied.error = f"{type(e).__name__}: {e}"
+            log.error("deltas: still serving %s: %s", self.state["served"].version, self.applied.error)
             return None
         a.error = ""
-        return new
+        self.applied = a
+        return served
 
     def _pending(self, a: _Applied) -> tuple[list[list[tuple[int, str, dict]]], str, str]:
         """Per shard, the deltas to apply in order (number, path, its ``delta`` header); what the folder no longer
@@ -139,10 +145,11 @@ class DeltaFeed:
             todo.append(mine)
         return todo, gone, "; ".join(waiting)
 
-    def _apply(self, served, todo: list[list[tuple[int, str, dict]]], a: _Applied):
-        """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied; updates ``a``."""
+    def _apply(self, served, todo: list[list[tuple[int, str, dict]]], a: _Applied, in_place: bool = False):
+        """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied (into new tables, or
+        into ``served``'s own with ``in_place``: a model no request uses yet); updates ``a``."""
         old: LocalEmbedding = served.model.embedding
-        emb = LocalEmbedding(old.config, old.num_shards, served.model.config.trainer.seed)
+        emb = old if in_place else LocalEmbedding(old.config, old.num_shards, served.model.config.trainer.seed)
         for s, deltas in enumerate(todo):
             state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
             if deltas:

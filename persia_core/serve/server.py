@@ -311,7 +311,7 @@ def make_app(
         return web.json_response(payload, status=status)
 
     follower = Follower(follow, state, metrics, poll_s) if follow else None
-    feed = DeltaFeed(deltas, state) if deltas else None
+    feed = DeltaFeed(deltas, state, load_served) if deltas else None
     feed_pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-deltas") if feed else None
 
     async def apply_deltas() -> None:

@@ -60,8 +60,8 @@ def test_the_served_rows_follow_the_deltas_and_superseded_ones_are_undone_or_ski
     deltas = str(tmp_path / "deltas")
     base, shards = _shards(model, deltas)
     rng = np.random.default_rng(0)
-    early = DeltaFeed(deltas, {"served": base})  # polls at every step
-    late = DeltaFeed(deltas, {"served": base})  # polls only at the end
+    early = DeltaFeed(deltas, {"served": base}, load_served)  # polls at every step
+    late = DeltaFeed(deltas, {"served": base}, load_served)  # polls only at the end
 
     for shard in shards:
         _push(shard, rng, 1)
@@ -106,7 +106,7 @@ def test_a_delta_waits_for_its_predecessor_to_arrive(trained, tmp_path):
         for shard in shards:
             _push(shard, rng, seq)
             shard.export_delta()
-    feed = DeltaFeed(live, {"served": base})
+    feed = DeltaFeed(live, {"served": base}, load_served)
 
     def arrive(seq: int) -> None:  # every shard's delta ``seq`` moved into the served folder
         for s in range(len(shards)):
@@ -124,3 +124,26 @@ def test_a_delta_waits_for_its_predecessor_to_arrive(trained, tmp_path):
     feed.state["served"] = feed.check()
     assert feed.status()["applied"] == [3, 3] and feed.status()["waiting"] is None
     _assert_rows_equal(feed.state["served"], shards)
+
+
+def test_a_renumbered_folder_is_applied_again_from_the_served_models_own_rows(trained, tmp_path):
+    model, _ = trained
+    deltas = str(tmp_path / "deltas")
+    base, first = _shards(model, deltas)
+    rng = np.random.default_rng(2)
+    for seq in (1, 2):
+        for shard in first:
+            _push(shard, rng, seq)
+            shard.export_delta()
+    feed = DeltaFeed(deltas, {"served": base}, load_served)
+    feed.state["served"] = feed.check()
+    assert feed.status()["applied"] == [2, 2]
+    _, second = _shards(model, deltas)  # the next run from the same model: its servers remove the old deltas
+    for shard in second:
+        _push(shard, rng, 1)
+        shard.export_delta()
+    before = feed.state["served"]
+    feed.state["served"] = feed.check()
+    assert feed.status()["applied"] == [1, 1] and feed.state["served"].version == f"{base.version}+deltas-1.1"
+    _assert_rows_equal(feed.state["served"], second)
+    _assert_rows_equal(before, first)  # the rows a request in flight holds are left as they were
