@@ -50,7 +50,7 @@ import numpy as np
 from persia_core import io
 from persia_core.config.trainer import check_delta_period
 from persia_core.embedding import kernels as K
-from persia_core.embedding.shard_file import TableArrays, read_shard_file, write_shard_arrays
+from persia_core.embedding.shard_file import ShardContents, TableArrays, read_shard_file, write_shard_arrays
 from persia_core.embedding.shard_tables import lru_state_dict
 from persia_core.embedding.table import EmbeddingTable
 
@@ -347,17 +347,20 @@ class DeltaExporter:
             self._thread.join(timeout=10)
 
 
-def apply_deltas(base: dict[str, dict[str, np.ndarray]], paths: list[str]) -> dict[str, dict[str, np.ndarray]]:
+def apply_deltas(
+    base: dict[str, dict[str, np.ndarray]], paths: list[str], contents: list[ShardContents] | None = None
+) -> dict[str, dict[str, np.ndarray]]:
     """Apply delta files in order to a table state.
 
     ``base``: per table a state in ``EmbeddingTable.state_dict()`` form (rows most recent first; e.g.
     ``lru_state_dict`` of a shard file's tables). Each delta replaces or adds its rows (placed most recent first,
     by their ``last_used``) after dropping its ``evicted_keys`` and, when it carries ``live_keys``, the rows not
-    among them. Returns the new state per table. Raises ``ShardFileError`` for a corrupt delta file."""
+    among them. ``contents``: the files of ``paths`` already read (``read_shard_file``), else they are read here.
+    Returns the new state per table. Raises ``ShardFileError`` for a corrupt delta file."""
     out = {n: dict(sd) for n, sd in base.items()}
-    for path in paths:
-        contents = read_shard_file(path, build_index=False)
-        for name, ta in contents.tables.items():
+    for i, path in enumerate(paths):
+        delta = contents[i] if contents is not None else read_shard_file(path, build_index=False)
+        for name, ta in delta.tables.items():
             d = dict(ta.arrays)
             live = d.pop("live_keys", None)
             evicted = d.pop("evicted_keys", None)

@@ -34,7 +34,7 @@ from typing import Any
 from persia_core import io
 from persia_core.embedding.delta import apply_deltas, list_deltas, superseded_deltas
 from persia_core.embedding.reference import LocalEmbedding
-from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_file import ShardContents, read_shard_file
 from persia_core.model_store import manifest_digest
 
 log = logging.getLogger("persia.serve")
@@ -111,12 +111,12 @@ class DeltaFeed:
         self.applied = a
         return served
 
-    def _pending(self, a: _Applied) -> tuple[list[list[tuple[int, str, dict]]], str, str]:
-        """Per shard, the deltas to apply in order (number, path, its ``delta`` header); what the folder no longer
+    def _pending(self, a: _Applied) -> tuple[list[list[tuple[int, str, ShardContents]]], str, str]:
+        """Per shard, the deltas to apply in order (number, path, the file read); what the folder no longer
         holds of those applied ("" when it holds them all); why deltas wait ("" when none does). A shard's list
         stops at a number missing before a later one (a delta not there yet), or at a delta of another run's
         base."""
-        todo: list[list[tuple[int, str, dict]]] = []
+        todo: list[list[tuple[int, str, ShardContents]]] = []
         gone, waiting = "", []
         for s in range(len(a.seq)):
             listed = list_deltas(self.delta_dir, s)
@@ -124,7 +124,7 @@ class DeltaFeed:
             if a.seq[s] and (a.seq[s] not in paths or io.size(paths[a.seq[s]]) != a.size[s]):
                 gone = f"shard {s}: delta {a.seq[s]} " + ("changed" if a.seq[s] in paths else "missing")
             superseded = superseded_deltas(self.delta_dir, s)
-            mine: list[tuple[int, str, dict]] = []
+            mine: list[tuple[int, str, ShardContents]] = []
             expect = a.seq[s] + 1
             for seq, path in listed:
                 if seq < expect:
@@ -135,17 +135,18 @@ class DeltaFeed:
                 expect += 1
                 if seq in superseded:
                     continue
-                header = (read_shard_file(path, build_index=False).server or {}).get("delta", {})
+                contents = read_shard_file(path, build_index=False)  # read once: its header here, its rows later
+                header = (contents.server or {}).get("delta", {})
                 base = str(header.get("base_model", ""))
                 if base != a.digest:
                     started = f"from model {base}" if base else "cold"
                     waiting.append(f"{path} is of a run that started {started}, not from the served model {a.digest}")
                     break
-                mine.append((seq, path, header))
+                mine.append((seq, path, contents))
             todo.append(mine)
         return todo, gone, "; ".join(waiting)
 
-    def _apply(self, served, todo: list[list[tuple[int, str, dict]]], a: _Applied, in_place: bool = False):
+    def _apply(self, served, todo: list[list[tuple[int, str, ShardContents]]], a: _Applied, in_place: bool = False):
         """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied (into new tables, or
         into ``served``'s own with ``in_place``: a model no request uses yet); updates ``a``."""
         old: LocalEmbedding = served.model.embedding
@@ -153,16 +154,16 @@ class DeltaFeed:
         for s, deltas in enumerate(todo):
             state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
             if deltas:
-                state = apply_deltas(state, [p for _, p, _ in deltas])
+                state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
             for name, t in emb.shards[s].items():
                 if name in state:
                     t.load_state_dict(state[name])
             del state
         for s, deltas in enumerate(todo):
             if deltas:
-                seq, path, header = deltas[-1]
+                seq, path, last = deltas[-1]
                 a.seq[s], a.size[s] = seq, io.size(path)
-                at = header.get("at")
+                at = ((last.server or {}).get("delta") or {}).get("at")
                 if isinstance(at, (int, float)):
                     a.newest_at = max(a.newest_at or 0.0, float(at))
                 self.total += len(deltas)
