@@ -15,11 +15,11 @@ the deltas numbered after the last one it applied, shard by shard in order:
 - when the numbering went back (a new run in the same folder, or a retried one that rewrote deltas after its
   checkpoint), the deltas are applied again from the served model's own rows.
 
-The rows are absolute values, so the result equals ``embedding.delta.load_with_deltas`` of the served model's
-shard files. The embedding tables are rebuilt beside the served ones, one shard's rows copied at a time, and
-swapped in between two requests (a request keeps the model it started with); the dense network is shared. These
-rows have not been through the evaluate step's gate: serving them trades that for freshness, as PERSIA's online
-update does.
+The rows are absolute values, so the result equals ``embedding.delta.load_with_deltas`` of the served model's shard
+files. The embedding tables of each shard with new deltas are rebuilt beside the served ones, one shard's rows
+copied at a time (a shard without new deltas keeps its tables), and swapped in between two requests (a request keeps
+the model it started with); the dense network is shared. These rows have not been through the evaluate step's gate:
+serving them trades that for freshness, as PERSIA's online update does.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from persia_core import io
 from persia_core.embedding.delta import apply_deltas, list_deltas, superseded_deltas
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.shard_file import ShardContents, read_shard_file
+from persia_core.embedding.shard_tables import make_tables
 from persia_core.model_store import manifest_digest
 
 log = logging.getLogger("persia.serve")
@@ -150,14 +151,25 @@ class DeltaFeed:
         """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied (into new tables, or
         into ``served``'s own with ``in_place``: a model no request uses yet); updates ``a``."""
         old: LocalEmbedding = served.model.embedding
-        emb = old if in_place else LocalEmbedding(old.config, old.num_shards, served.model.config.trainer.seed)
+        emb = old if in_place else copy.copy(old)  # a shard without new deltas keeps its tables (read-only)
+        emb.shards = list(old.shards)
+        cfg = old.config
         for s, deltas in enumerate(todo):
+            if not deltas:
+                continue
             state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
-            if deltas:
-                state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
-            for name, t in emb.shards[s].items():
+            state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
+            tables = (
+                old.shards[s]
+                if in_place
+                else make_tables(
+                    cfg.tables, cfg.shard_memory_bytes, served.model.config.trainer.seed, storage=cfg.storage
+                )
+            )
+            for name, t in tables.items():
                 if name in state:
                     t.load_state_dict(state[name])
+            emb.shards[s] = tables
             del state
         for s, deltas in enumerate(todo):
             if deltas:

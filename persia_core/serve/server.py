@@ -193,14 +193,14 @@ class Metrics:
 class Follower:
     """Follow mode: watches a blessed-model location and swaps the served model when its marker names a new one.
 
-    Every ``poll_s`` seconds the marker (``BLESSED.json``) is read; a model it names that is not the one served is
-    loaded in a thread of its own (refused when it does not fit in the memory left: ``ModelTooLargeError``),
-    then replaces the served one between two requests: a request keeps the model it started with, none fails.
-    A model that cannot be loaded leaves the old one serving; ``error`` (health, and a log line) says why, and it
-    is not tried again until the marker changes."""
+    At each ``check`` (every ``poll_s`` seconds of ``make_app``) the marker (``BLESSED.json``) is read; a model it
+    names that is not the one served is loaded in a thread of its own (refused when it does not fit in the memory
+    left: ``ModelTooLargeError``), then replaces the served one between two requests: a request keeps the model it
+    started with, none fails. A model that cannot be loaded leaves the old one serving; ``error`` (health, and a log
+    line) says why, and it is not tried again until the marker changes."""
 
-    def __init__(self, location: str, state: dict, metrics: Metrics, poll_s: float):
-        self.location, self.state, self.metrics, self.poll_s = location, state, metrics, poll_s
+    def __init__(self, location: str, state: dict, metrics: Metrics):
+        self.location, self.state, self.metrics = location, state, metrics
         self.error: str | None = None
         self.checked_at: float | None = None
         self.failed: str | None = None
@@ -310,7 +310,7 @@ def make_app(
             return web.Response(body=text, content_type="application/json", headers={"X-Model-Version": version})
         return web.json_response(payload, status=status)
 
-    follower = Follower(follow, state, metrics, poll_s) if follow else None
+    follower = Follower(follow, state, metrics) if follow else None
     feed = DeltaFeed(deltas, state, load_served) if deltas else None
     feed_pool = ThreadPoolExecutor(1, thread_name_prefix="persia-serve-deltas") if feed else None
 
