@@ -90,14 +90,15 @@ def train_model(work: str, train_rows: int) -> str:
 def stage_deltas(work: str, base: str) -> str:
     """Train one epoch on ``work/data`` warm-started from the Model ``base``, writing deltas every 2 s into
     ``work/deltas-staged``, which is returned."""
+    from persia_core.config import RunConfig
     from persia_core.embedding.plan import init_shards
-    from persia_core.evaluate.run import LoadedModel
+    from persia_core.model_store import read_manifest
     from persia_core.train.launcher import train
 
     data, staged = os.path.join(work, "data"), os.path.join(work, "deltas-staged")
     for old in (staged, os.path.join(work, "init-3"), os.path.join(work, "model-3")):
         shutil.rmtree(old, ignore_errors=True)
-    config = LoadedModel(base).config
+    config = RunConfig.from_dict(read_manifest(base)[1].config)  # the config only, not its rows
     init_shards(config, data, os.path.join(work, "init-3"), warm_start_from=base)
     train(
         config,
