@@ -18,10 +18,9 @@ import json
 import secrets
 
 from persia_core import io
+from persia_core.cluster_spec import PATH_PLACEHOLDERS as PLACEHOLDERS
 from persia_core.config import load_config
 from persia_core.ps.protocol import TOKEN_ENV, TOKEN_SECRET_ENV
-
-PLACEHOLDERS = ("dataset", "shards", "model", "control")
 
 
 def fill_worker_pool_specs(
@@ -79,6 +78,55 @@ def _arg(args: list[str], flag: str, default: int) -> int:
     return int(args[args.index(flag) + 1]) if flag in args else default
 
 
+def replica_counts(args: list[str], shards_uri: str) -> tuple[int, int, int, int, int]:
+    """``(M, N, embedding-worker replicas, k, g)`` of a run: M = ``trainer.num_workers`` and N =
+    ``embedding.num_shards`` of the run config in ``shards_uri``, k = ``--shards-per-server``, g =
+    ``--ranks-per-replica`` and the embedding-worker replicas ``M * E / e`` (E = ``--embedding-workers``, e =
+    ``--embedding-workers-per-replica``) read from the replicas' ``args``. Raises ``ValueError`` when the counts do
+    not divide."""
+    k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
+    ew, per = _arg(args, "--embedding-workers", 0), _arg(args, "--embedding-workers-per-replica", 1)
+    config = load_config(io.join(shards_uri, "run_config.yaml"))
+    n, m = config.embedding.num_shards, config.trainer.num_workers
+    if n % k or m % g or (m * ew) % per:
+        raise ValueError(
+            f"embedding.num_shards={n} must be a multiple of shards per server {k}, "
+            f"trainer.num_workers={m} of ranks per replica {g}, and its {m} x {ew} embedding workers "
+            f"of embedding workers per replica {per}"
+        )
+    return m, n, m * ew // per, k, g
+
+
+def run_flags(
+    model_uri: str,
+    checkpoint_every_s: float = 0.0,
+    checkpoint_every_steps: int = 0,
+    delta_dir: str = "",
+    delta_every_s: float = 0.0,
+) -> tuple[list[str], list[str]]:
+    """The replicas' flags for one run's deltas and checkpoints: ``(entry-point flags, NN-worker flags after
+    "--")``. With ``delta_every_s`` > 0 the parameter servers write deltas every ``delta_every_s`` seconds to
+    ``delta_dir`` (empty: ``<model>/deltas``); with ``checkpoint_every_s`` or ``checkpoint_every_steps`` > 0
+    checkpoints go to ``<model>/checkpoints`` (paths in ``/gcs/`` form)."""
+    entry: list[str] = []
+    worker: list[str] = []
+    if delta_every_s > 0:
+        entry = ["--delta-dir", io.to_fuse(delta_dir or io.join(model_uri, "deltas")), "--delta-every-s"]
+        entry.append(str(delta_every_s))
+    if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
+        worker = [
+            "--",
+            "--checkpoint-dir",
+            io.to_fuse(io.join(model_uri, "checkpoints")),
+            "--checkpoint-every-s",
+            str(float(checkpoint_every_s)),
+            "--checkpoint-every-steps",
+            str(int(checkpoint_every_steps)),
+            "--no-checkpoint-at-end",
+        ]
+    return entry, worker
+
+
 def custom_job_request(
     template_json: str,
     dataset_uri: str,
@@ -102,17 +150,7 @@ def custom_job_request(
     write incremental exports every ``delta_every_s`` seconds to ``delta_dir`` (a Cloud Storage folder; empty:
     ``<model>/deltas``). Raises ``ValueError`` when the counts do not divide."""
     template = json.loads(template_json)
-    args = template[0]["containerSpec"]["args"]
-    k, g = _arg(args, "--shards-per-server", 1), _arg(args, "--ranks-per-replica", 1)
-    ew, per = _arg(args, "--embedding-workers", 0), _arg(args, "--embedding-workers-per-replica", 1)
-    config = load_config(io.join(shards_uri, "run_config.yaml"))
-    n, m = config.embedding.num_shards, config.trainer.num_workers
-    if n % k or m % g or (m * ew) % per:
-        raise ValueError(
-            f"embedding.num_shards={n} must be a multiple of shards per server {k}, "
-            f"trainer.num_workers={m} of ranks per replica {g}, and its {m} x {ew} embedding workers "
-            f"of embedding workers per replica {per}"
-        )
+    m, n, ew_replicas, k, g = replica_counts(template[0]["containerSpec"]["args"], shards_uri)
     base = io.to_uri(model_uri).rstrip("/") + "_job"
     paths = {
         "dataset": io.to_fuse(dataset_uri),
@@ -121,26 +159,11 @@ def custom_job_request(
         "control": io.to_fuse(io.join(base, "control")),
     }
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
-    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env, m * ew // per)
-    if delta_every_s > 0:  # flags of the replicas' entry point (persia_core.cluster): before any "--"
-        deltas = ["--delta-dir", io.to_fuse(delta_dir or io.join(model_uri, "deltas")), "--delta-every-s"]
-        for spec in specs:
-            if spec:
-                spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + [*deltas, str(delta_every_s)]
-    if checkpoint_every_s > 0 or checkpoint_every_steps > 0:
-        flags = [
-            "--",
-            "--checkpoint-dir",
-            io.to_fuse(io.join(model_uri, "checkpoints")),
-            "--checkpoint-every-s",
-            str(float(checkpoint_every_s)),
-            "--checkpoint-every-steps",
-            str(int(checkpoint_every_steps)),
-            "--no-checkpoint-at-end",
-        ]
-        for spec in specs:
-            if spec:
-                spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + flags
+    specs = fill_worker_pool_specs(template, paths, m // g, n // k, env, ew_replicas)
+    entry, worker = run_flags(model_uri, checkpoint_every_s, checkpoint_every_steps, delta_dir, delta_every_s)
+    for spec in specs:
+        if spec:
+            spec["containerSpec"]["args"] = list(spec["containerSpec"]["args"]) + entry + worker
     return specs, base
 
 

@@ -167,6 +167,25 @@ class Placement:
 
 ENTRY_COMMAND = ["python", "-m", "persia_core.cluster"]
 """The container command of every pool (the role comes from CLUSTER_SPEC)."""
+PATH_PLACEHOLDERS = ("dataset", "shards", "model", "control")
+"""``{{name}}`` placeholders of ``replica_args``, filled with a run's folders when the job is submitted."""
+
+
+def replica_args(
+    shards_per_server: int = 1,
+    ranks_per_replica: int = 1,
+    embedding_workers: int = 0,
+    embedding_workers_per_replica: int = 1,
+) -> list[str]:
+    """The arguments of ``ENTRY_COMMAND`` in every replica of a job (Vertex AI pools or Kubernetes pods), with
+    ``{{dataset}}``, ``{{shards}}``, ``{{model}}`` and ``{{control}}`` placeholders for the run's folders."""
+    args = ["--config", "{{shards}}/run_config.yaml", "--data", "{{dataset}}", "--init", "{{shards}}"]
+    args += ["--out", "{{model}}", "--control", "{{control}}"]
+    args += ["--shards-per-server", str(shards_per_server), "--ranks-per-replica", str(ranks_per_replica)]
+    if embedding_workers:
+        args += ["--embedding-workers", str(embedding_workers)]
+        args += ["--embedding-workers-per-replica", str(embedding_workers_per_replica)]
+    return args
 
 
 @dataclass(frozen=True)

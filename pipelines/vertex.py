@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from persia_core.cluster_spec import Machine, worker_pool_specs
+from persia_core.cluster_spec import Machine, replica_args, worker_pool_specs
 
 GPU_MACHINE_FAMILIES = (
     ("NVIDIA_TESLA_A100", "a2-"),
@@ -218,26 +218,11 @@ class VertexSettings:
             self.nn_machine_type, self.accelerator_type, self.accelerator_count, boot_disk_gb=self.boot_disk_gb
         )
         ps = Machine(self.ps_machine_type, boot_disk_gb=self.boot_disk_gb)
-        args = [
-            "--config",
-            "{{shards}}/run_config.yaml",
-            "--data",
-            "{{dataset}}",
-            "--init",
-            "{{shards}}",
-            "--out",
-            "{{model}}",
-            "--control",
-            "{{control}}",
-            "--shards-per-server",
-            str(self.shards_per_server),
-            "--ranks-per-replica",
-            str(self.ranks_per_replica),
-        ]
+        args = replica_args(
+            self.shards_per_server, self.ranks_per_replica, self.embedding_workers, self.embedding_workers_per_replica
+        )
         ew_replicas = 0
         if self.embedding_workers:
-            args += ["--embedding-workers", str(self.embedding_workers)]
-            args += ["--embedding-workers-per-replica", str(self.embedding_workers_per_replica)]
             workers = self.nn_replicas * self.ranks_per_replica * self.embedding_workers
             ew_replicas = -(-workers // self.embedding_workers_per_replica)  # replaced at run time
         return worker_pool_specs(
