@@ -1,6 +1,6 @@
 """Capacity plan computation: from the model and a target throughput to parameter servers, NN-worker GPUs,
-network bytes per step and the Vertex AI worker pools to submit (``plan(PlanInputs(...))``; the CLI and the
-printed table are ``persia_core.planner``'s).
+network bytes per step and the Vertex AI worker pools to submit, or the GKE node pools of the same machines
+(``plan(PlanInputs(...))``; the CLI and the printed table are ``persia_core.planner``'s).
 
 Memory (parameter servers). Bytes per row come from the table's own accounting (``persia_core.memory``, what
 ``persia_core.embedding.table`` allocates): key, LRU links, last-used step and optimizer state from
@@ -185,10 +185,51 @@ class Plan:
     net_allreduce_bytes_per_step: float
     ps_gbps_per_server: float
     worker_pool_specs: list[dict] = field(default_factory=list)
+    gke_node_pools: list[dict] = field(default_factory=list)
+    """The same machines as GKE node pools, one per role (``gke_node_pools``)."""
+    kubeflow_settings: dict[str, int] = field(default_factory=dict)
+    """The ``PERSIA_K8S_*`` compile settings that lay the roles out on those pools, one pod per node."""
 
     @property
     def net_bytes_per_step(self) -> float:
         return self.net_lookup_bytes_per_step + self.net_push_bytes_per_step + self.net_allreduce_bytes_per_step
+
+
+GKE_ACCELERATORS = {
+    "NVIDIA_TESLA_A100": "nvidia-tesla-a100",
+    "NVIDIA_A100_80GB": "nvidia-a100-80gb",
+    "NVIDIA_H100": "nvidia-h100-80gb",
+    "NVIDIA_H200": "nvidia-h200-141gb",
+    "NVIDIA_L4": "nvidia-l4",
+    "NVIDIA_TESLA_T4": "nvidia-tesla-t4",
+    "NVIDIA_TESLA_V100": "nvidia-tesla-v100",
+    "NVIDIA_B200": "nvidia-b200",
+}
+"""Vertex AI's accelerator names -> GKE's (``gcloud container node-pools create --accelerator type=...``)."""
+
+
+def gke_node_pools(specs: list[dict]) -> list[dict]:
+    """GKE node pools for the roles of ``worker_pool_specs`` (Vertex AI REST shape): ``[{"name", "role",
+    "machine_type", "nodes", "accelerator", "accelerator_count"}]`` for the NN workers (pools 0 and 1 share
+    one), the parameter servers and, where there is a pool 3, the embedding workers; one pod per node. The
+    names are what ``PERSIA_K8S_*_NODE_POOL`` and ``docs/kubeflow-gke.md`` use."""
+    nn = specs[0]["machineSpec"]
+    out = [
+        {
+            "name": "persia-nn",
+            "role": "nn-worker",
+            "machine_type": nn["machineType"],
+            "nodes": 1 + (specs[1]["replicaCount"] if specs[1] else 0),
+            "accelerator": GKE_ACCELERATORS.get(nn.get("acceleratorType", ""), nn.get("acceleratorType", "").lower()),
+            "accelerator_count": nn.get("acceleratorCount", 0),
+        }
+    ]
+    for n, name, role in ((2, "persia-ps", "parameter-server"), (3, "persia-ew", "embedding-worker")):
+        if len(specs) > n and specs[n]:
+            m = specs[n]["machineSpec"]["machineType"]
+            out.append(dict(name=name, role=role, machine_type=m, nodes=specs[n]["replicaCount"]))
+            out[-1].update(accelerator="", accelerator_count=0)
+    return out
 
 
 def _layouts(inp: PlanInputs) -> list[tuple[int, int, int, int]]:
@@ -309,4 +350,12 @@ def plan(inp: PlanInputs) -> Plan:
         net_allreduce_bytes_per_step=allreduce,
         ps_gbps_per_server=ps_gbps,
         worker_pool_specs=specs,
+        gke_node_pools=gke_node_pools(specs),
+        kubeflow_settings={
+            "PERSIA_K8S_GPUS": inp.gpus_per_vm if accel else 0,
+            "PERSIA_K8S_RANKS_PER_REPLICA": inp.gpus_per_vm,
+            "PERSIA_K8S_SHARDS_PER_SERVER": k,
+            "PERSIA_K8S_EMBEDDING_WORKERS": ew_per_nn,
+            "PERSIA_K8S_EMBEDDING_WORKERS_PER_REPLICA": ew_per_vm,
+        },
     )

@@ -4,7 +4,8 @@
         --vm-ram-tb 12 --usable 0.9          (also: python -m persia_core plan ...)
 
 The plan prints as a table whose last line is ``parameter_servers=N``; ``--json`` also writes it with the
-worker-pool specs (Vertex AI REST shape, ``persia_core.cluster_spec.worker_pool_specs``).
+worker-pool specs (Vertex AI REST shape, ``persia_core.cluster_spec.worker_pool_specs``) and the GKE node pools of the
+same machines with the ``PERSIA_K8S_*`` settings of the Kubeflow target.
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def format_table(p: Plan) -> str:
             )
             or "-",
         ),
+        (
+            "GKE node pools",
+            "; ".join(
+                f"{g['name']}: {g['nodes']} x {g['machine_type']}"
+                + (f" ({g['accelerator_count']} x {g['accelerator']})" if g["accelerator_count"] else "")
+                for g in p.gke_node_pools
+            ),
+        ),
+        ("Kubeflow settings", " ".join(f"{k}={v}" for k, v in p.kubeflow_settings.items())),
     ]
     rows.append(
         (

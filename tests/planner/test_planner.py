@@ -123,6 +123,25 @@ def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(cap
     assert pools[2]["machineSpec"] == {"machineType": "m2-ultramem-416"}
     assert all(p["containerSpec"]["command"] == ["python", "-m", "persia_core.cluster"] for p in pools)
     assert pools[2]["containerSpec"]["args"][:2] == ["--shards-per-server", "1"]
+    # the same machines as GKE node pools, one per role, and the Kubeflow settings that fill them one pod a node
+    assert d["gke_node_pools"] == [
+        dict(name="persia-nn", role="nn-worker", machine_type="a2-highgpu-1g", nodes=4)
+        | dict(accelerator="nvidia-tesla-a100", accelerator_count=1),
+        dict(name="persia-ps", role="parameter-server", machine_type="m2-ultramem-416", nodes=1)
+        | dict(accelerator="", accelerator_count=0),
+        dict(name="persia-ew", role="embedding-worker", machine_type=pools[3]["machineSpec"]["machineType"])
+        | dict(nodes=d["embedding_worker_vms"], accelerator="", accelerator_count=0),
+    ]
+    per = pools[3]["containerSpec"]["args"][
+        pools[3]["containerSpec"]["args"].index("--embedding-workers-per-replica") + 1
+    ]
+    assert d["kubeflow_settings"] == {
+        "PERSIA_K8S_GPUS": 1,
+        "PERSIA_K8S_RANKS_PER_REPLICA": 1,
+        "PERSIA_K8S_SHARDS_PER_SERVER": 1,
+        "PERSIA_K8S_EMBEDDING_WORKERS": d["embedding_workers_per_nn_worker"],
+        "PERSIA_K8S_EMBEDDING_WORKERS_PER_REPLICA": int(per),
+    }
 
 
 def test_planner_network_bytes_per_step_count_ids_rows_and_the_dense_all_reduce():
