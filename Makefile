@@ -54,7 +54,7 @@ run: venv ## compile the pipeline and run it with kfp.local on DATA with CONFIG 
 		--max-rows $(MAX_ROWS) --warm-start-from "$(WARM_START)" --lr-margin $(LR_MARGIN) \
 		--delta-every-s $(DELTA_EVERY_S) --delta-dir "$(DELTA_DIR)"
 
-compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persia_pipeline.yaml; TARGET=vertex (needs PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_vertex.yaml
+compile: venv ## compile the pipeline: TARGET=local (default) -> pipelines/persia_pipeline.yaml; TARGET=vertex (needs PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_vertex.yaml; TARGET=kubeflow (needs PERSIA_K8S_IMAGE or PERSIA_BASE_IMAGE) -> pipelines/persia_pipeline_kubeflow.yaml
 	$(PY) -m pipelines.persia_pipeline --target $(TARGET)
 
 test: venv ## run the whole test suite (2 xdist workers)

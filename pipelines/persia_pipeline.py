@@ -16,6 +16,10 @@ One pipeline, two compile-time targets (``--target``):
           ``resolve_data``, fills ``{date}`` tokens of ``data`` from the run's scheduled time. Every step runs in
           ``$PERSIA_BASE_IMAGE``. Writes ``pipelines/persia_pipeline_vertex.yaml``
           (``make compile TARGET=vertex``).
+  kubeflow train is one JobSet on the Kubernetes cluster of Kubeflow Pipelines, a replicated job per role
+          (``components.kubeflow_train``; settings ``pipelines.kubeflow``). Every step runs in ``$PERSIA_K8S_IMAGE``
+          (else ``$PERSIA_BASE_IMAGE``). Writes ``pipelines/persia_pipeline_kubeflow.yaml``
+          (``make compile TARGET=kubeflow``).
 
 Every parameter has a default that runs on the bundled MovieLens data. Compile with
 ``python -m pipelines.persia_pipeline [--target vertex] [--output FILE]``.
@@ -25,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
 from kfp import compiler, dsl
 
@@ -33,6 +38,7 @@ from components.deploy import deploy
 from components.evaluate import evaluate
 from components.gate import bless_model, gate
 from components.init_shards import init_shards
+from components.kubeflow_train import train as kubeflow_train
 from components.preprocess import preprocess
 from components.resolve_data import resolve_data
 from components.train import train
@@ -44,14 +50,18 @@ from persia_core.evaluate.decision import (
     DEFAULT_MAX_NE,
     DEFAULT_MIN_AUC,
 )
-from pipelines import vertex
+from pipelines import kubeflow, vertex
 
 PIPELINE_NAME = "persia-hybrid-training"
 PIPELINE_DESCRIPTION = "PERSIA-style hybrid training of a CTR model with huge embeddings"
 DEFAULT_DATA = "data/movielens"
 DEFAULT_BLESSED_DIR = "local_outputs/blessed"
-TARGETS = ("local", "vertex")
-DEFAULT_OUTPUT = {"local": "pipelines/persia_pipeline.yaml", "vertex": "pipelines/persia_pipeline_vertex.yaml"}
+TARGETS = ("local", "vertex", "kubeflow")
+DEFAULT_OUTPUT = {
+    "local": "pipelines/persia_pipeline.yaml",
+    "vertex": "pipelines/persia_pipeline_vertex.yaml",
+    "kubeflow": "pipelines/persia_pipeline_kubeflow.yaml",
+}
 
 
 @dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)
@@ -104,13 +114,14 @@ def persia_pipeline(
         many seconds of training (0 = none): PERSIA's incremental update for online serving.
     delta_dir: where deltas go, a location that stays the same from run to run (Vertex AI: gs:// or /gcs/);
         empty = ``<model>/deltas`` inside each run's Model artifact.
-    deploy_endpoint: Vertex AI target only (ignored by local runs): an endpoint (resource name or ID) that a newly
-        blessed model is deployed to, registered first as a new version of ``registry_model`` (empty: a new
+    deploy_endpoint: Vertex AI target only (ignored by local and Kubeflow runs): an endpoint (resource name or ID)
+        that a newly blessed model is deployed to, registered first as a new version of ``registry_model`` (empty: a new
         Registry model ``persia-<config>``), on ``serving_machine_type``, with all traffic moved to it; empty = no
         deploy step.
     Returns the evaluation metrics as a JSON string.
     """
     target = vertex.current_settings()  # compile-time switch: None = local, else the Vertex AI settings
+    k8s = kubeflow.current_settings()  # or the Kubeflow settings
     tasks = []
     if target is not None:
         resolved = resolve_data(
@@ -132,7 +143,17 @@ def persia_pipeline(
         beam_args=beam_args,
     ).set_display_name("preprocess (Beam)")
     plan = init_shards(dataset=pre.outputs["dataset"], warm_start_from=warm_start_from).set_display_name("init shards")
-    if target is None:
+    if k8s is not None:
+        trained = kubeflow_train(
+            dataset=pre.outputs["dataset"],
+            shards=plan.outputs["shards"],
+            settings=json.dumps(k8s.to_json(), sort_keys=True),
+            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_steps=checkpoint_every_steps,
+            delta_every_s=delta_every_s,
+            delta_dir=delta_dir,
+        )
+    elif target is None:
         trained = train(
             dataset=pre.outputs["dataset"],
             shards=plan.outputs["shards"],
@@ -194,24 +215,30 @@ def persia_pipeline(
                     machine_type=serving_machine_type,
                 ).set_display_name("deploy to endpoint")
                 tasks.append(deployed)
-    image = target.image if target is not None else base_image("local")
+    image = target.image if target is not None else k8s.image if k8s is not None else base_image("local")
     for task in tasks:
         task.set_caching_options(False)
         task.set_container_image(image)
     return ev.outputs["Output"]
 
 
-def compile_pipeline(output: str, target: str = "local", settings: "vertex.VertexSettings | None" = None) -> str:
-    """Compile ``persia_pipeline`` for ``target`` (``local`` | ``vertex``) to a KFP IR YAML file at ``output``;
-    returns the path. The Vertex AI target takes ``settings`` (default: from ``PERSIA_*`` variables; raises
-    ``ValueError`` without ``$PERSIA_BASE_IMAGE``)."""
+def compile_pipeline(
+    output: str, target: str = "local", settings: "vertex.VertexSettings | kubeflow.KubeflowSettings | None" = None
+) -> str:
+    """Compile ``persia_pipeline`` for ``target`` (``local`` | ``vertex`` | ``kubeflow``) to a KFP IR YAML file at
+    ``output``; returns the path. The Vertex AI and Kubeflow targets take ``settings`` (default: from ``PERSIA_*``
+    / ``PERSIA_K8S_*`` variables; raises ``ValueError`` without an image)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r} (expected one of {TARGETS})")
     if target == "local":
         compiler.Compiler().compile(persia_pipeline, package_path=output)
         return output
-    settings = settings or vertex.VertexSettings.from_env()
-    with vertex.compiling_for(settings):
+    switch: Any
+    if target == "vertex":
+        switch = vertex.compiling_for(settings or vertex.VertexSettings.from_env())  # type: ignore[arg-type]
+    else:
+        switch = kubeflow.compiling_for(settings or kubeflow.KubeflowSettings.from_env())  # type: ignore[arg-type]
+    with switch:
         pipeline = dsl.pipeline(name=PIPELINE_NAME, description=PIPELINE_DESCRIPTION)(persia_pipeline.pipeline_func)
     compiler.Compiler().compile(pipeline, package_path=output)
     return output
@@ -223,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         "--target",
         choices=TARGETS,
         default="local",
-        help="local: train as local processes (kfp.local); vertex: train as a Vertex AI CustomJob",
+        help="local: train as local processes (kfp.local); vertex: train as a Vertex AI CustomJob; kubeflow: train "
+        "as a JobSet on the Kubernetes cluster of Kubeflow Pipelines",
     )
     p.add_argument(
         "--output",
@@ -251,13 +279,26 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--network", help="VPC network of the CustomJob")
     v.add_argument("--ps-token-secret", help="Secret Manager version of the parameter servers' token")
     v.add_argument("--timeout-s", type=int, help="CustomJob timeout, seconds")
+    k = p.add_argument_group("kubeflow target (defaults: the PERSIA_K8S_* variables, see pipelines/kubeflow.py)")
+    k.add_argument("--k8s-image", help="image of every step and role ($PERSIA_K8S_IMAGE, else $PERSIA_BASE_IMAGE)")
+    k.add_argument("--k8s-cuda-image", help="image of the NN workers ($PERSIA_K8S_CUDA_IMAGE)")
+    k.add_argument("--k8s-namespace", help="namespace of the training JobSet (default: the step's own)")
+    k.add_argument("--k8s-service-account", help="Kubernetes ServiceAccount of the training pods")
+    k.add_argument("--k8s-nn-node-pool", help="GKE node pool of the NN workers")
+    k.add_argument("--k8s-ps-node-pool", help="GKE node pool of the parameter servers")
+    k.add_argument("--k8s-ew-node-pool", help="GKE node pool of the embedding workers")
+    k.add_argument("--k8s-gpus", type=int, help="GPUs per NN pod (0: CPU only)")
+    k.add_argument("--k8s-embedding-workers", type=int, help="embedding workers per NN worker in pods of their own")
     args = p.parse_args(argv)
     output = args.output or DEFAULT_OUTPUT[args.target]
-    settings = None
+    settings: vertex.VertexSettings | kubeflow.KubeflowSettings | None = None
     try:
         if args.target == "vertex":
             names = [f.name for f in dataclasses.fields(vertex.VertexSettings)]
             settings = vertex.VertexSettings.from_env(**{k: v for k, v in vars(args).items() if k in names})
+        elif args.target == "kubeflow":
+            given = {k[len("k8s_") :]: v for k, v in vars(args).items() if k.startswith("k8s_")}
+            settings = kubeflow.KubeflowSettings.from_env(**given)
         print(compile_pipeline(output, args.target, settings))
     except ValueError as e:
         p.error(str(e))
