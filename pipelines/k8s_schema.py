@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate  # type: ignore[import-untyped]
-from jsonschema import Draft202012Validator, ValidationError  # type: ignore[import-untyped]
-from kubernetes_validate.utils import VersionNotSupportedError  # type: ignore[import-untyped]
+import kubernetes_validate
+from jsonschema import Draft202012Validator, ValidationError
+from kubernetes_validate.utils import VersionNotSupportedError
 from referencing import Registry, Resource
 
 K8S_VERSION = "1.35.0"
