@@ -18,6 +18,17 @@ CPU cost per sample measured by ``make bench-feed`` (``embedding_worker_cpu_us_p
 sample) and scaled by ``ids_per_sample / 26``; as pool 3 of the CustomJob, E = ceil(cores / GPUs) processes per
 NN worker, one per core, split over equal VMs of at most ``ew_cores_per_vm``.
 
+Kubeflow (GKE): the same machines as node pools, one pod of each role per node (``gke_node_pools``), and the
+``PERSIA_K8S_*`` settings that fill them (``kubeflow_settings``). A pod's requests fit its node: CPU = vCPUs - 1
+(at least 1), memory = 90% of the machine's memory - 1 GiB, whole GiB (``pod_fit``). GKE keeps part of each node
+for itself (about 3.6 GiB of a 32 GiB node, 2% of memory above 128 GiB, a few hundred millicores), and the system
+DaemonSets and the Cloud Storage FUSE sidecar of every pod (250m, 256Mi) request a little more: one vCPU and 10%
++ 1 GiB cover them. The machine's vCPUs and memory come from its type (``machine_shape``: the vCPUs in the name,
+the memory per vCPU of its family, or a table of fixed shapes); for a type not in it those settings stay absent.
+An NN pod's memory limit is ``PERSIA_K8S_NN_MEMORY`` + ``PERSIA_K8S_SHM_SIZE`` (the memory-backed /dev/shm), so
+the two share the fit; a parameter-server pod's memory follows the run's shard plan (k x the shard budget plus
+overheads), which the plan checks against its machine.
+
 Network per NN worker (one GPU, one DDP rank) per step: the batch's IDs, deduplicated (``unique_fraction``),
 go out as uint64 (8 B) and come back as float32 rows (4 D B; the wire carries fp32 whatever the storage); the
 gradient push sends both again; the dense all-reduce (ring) moves 2 (W - 1) / W x 4 B per dense parameter.
@@ -26,6 +37,7 @@ gradient push sends both again; the dense all-reduce (ring) moves 2 (W - 1) / W 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,8 +55,14 @@ TB = 10**12
 SKEW_SIGMAS = 4.0
 EW_BUSY = 0.8
 """Share of an embedding-worker core the plan fills (the rest absorbs skew and the servers' slow moments)."""
+GIB = 1 << 30
 BENCH_FEED_IDS_PER_SAMPLE = 26.0
 """IDs per sample of ``make bench-feed``'s Criteo-shaped set, at which ``ew_cpu_us_per_sample`` is measured."""
+GPU_NN_MACHINE_TYPE = "a2-highgpu-8g"
+CPU_NN_MACHINE_TYPE = "n2-standard-16"
+"""The NN workers' default machines: with a GPU (8 x A100), and CPU-only (as the Vertex AI target's)."""
+GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
+"""Machine families that exist only with their GPUs attached."""
 
 
 @dataclass
@@ -130,8 +148,11 @@ class PlanInputs:
     ew_cores_per_vm: int = 32
     ew_machine_type: str = "n2-highcpu-32"
     ps_machine_type: str = "m2-ultramem-416"
-    gpu_machine_type: str = "a2-highgpu-8g"
+    gpu_machine_type: str = ""
+    """NN-worker machine (default ``GPU_NN_MACHINE_TYPE`` with a GPU, ``CPU_NN_MACHINE_TYPE`` CPU-only)."""
     accelerator_type: str = "NVIDIA_TESLA_A100"
+    """GPU of an NN-worker machine, Vertex AI's name (gcloud's ``nvidia-tesla-a100`` accepted); ``none`` or
+    empty: CPU-only NN workers (``gpus_per_vm`` is then their processes per machine)."""
     image: str = "IMAGE_URI"
 
     def __post_init__(self) -> None:
@@ -161,6 +182,16 @@ class PlanInputs:
             raise ValueError(f"planner: weights must be one of {sorted(WEIGHT_BYTES)}, got {self.weights!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"planner: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        accel = self.accelerator_type.strip()
+        # "none" (as PERSIA_ACCELERATOR_TYPE=none on Vertex AI): CPU-only NN workers; gcloud's spelling accepted
+        self.accelerator_type = "" if accel.lower() in ("", "none") else accel.upper().replace("-", "_")
+        if not self.gpu_machine_type:
+            self.gpu_machine_type = GPU_NN_MACHINE_TYPE if self.accelerator_type else CPU_NN_MACHINE_TYPE
+        if not self.accelerator_type and self.gpu_machine_type.startswith(GPU_ONLY_FAMILIES):
+            raise ValueError(
+                f"planner: --gpu-machine-type {self.gpu_machine_type} carries GPUs, but --accelerator-type is "
+                f"none (CPU-only NN workers): name its GPU, or a CPU machine such as {CPU_NN_MACHINE_TYPE}"
+            )
 
 
 @dataclass
@@ -187,8 +218,18 @@ class Plan:
     worker_pool_specs: list[dict] = field(default_factory=list)
     gke_node_pools: list[dict] = field(default_factory=list)
     """The same machines as GKE node pools, one per role (``gke_node_pools``)."""
-    kubeflow_settings: dict[str, int] = field(default_factory=dict)
-    """The ``PERSIA_K8S_*`` compile settings that lay the roles out on those pools, one pod per node."""
+    kubeflow_settings: dict[str, int | str | None] = field(default_factory=dict)
+    """The ``PERSIA_K8S_*`` compile settings that lay the roles out on those pools, one pod per node, with the
+    pods' resources (``kubeflow_resources``; None where the machine's shape is unknown)."""
+    pipeline_parameters: dict[str, int] = field(default_factory=dict)
+    """The pipeline parameters the run must use so that the counts divide by those settings:
+    ``num_parameter_servers`` (= total shards) and ``num_nn_workers`` (= NN workers, one per GPU)."""
+    ps_pod_memory_bytes: float = 0.0
+    """A parameter-server pod's memory on Kubeflow with ``embedding.shard_memory_bytes`` at the shard budget: k x
+    (budget + 1 GiB) + 1 GiB, at least what the JobSet builder asks (k x (shard memory + process overhead) + pod
+    overhead)."""
+    kubeflow_notes: list[str] = field(default_factory=list)
+    """What the Kubeflow settings could not derive (a machine type of unknown shape), or what does not fit."""
 
     @property
     def net_bytes_per_step(self) -> float:
@@ -199,29 +240,164 @@ GKE_ACCELERATORS = {
     "NVIDIA_TESLA_A100": "nvidia-tesla-a100",
     "NVIDIA_A100_80GB": "nvidia-a100-80gb",
     "NVIDIA_H100": "nvidia-h100-80gb",
+    "NVIDIA_H100_80GB": "nvidia-h100-80gb",
+    "NVIDIA_H100_MEGA_80GB": "nvidia-h100-mega-80gb",
     "NVIDIA_H200": "nvidia-h200-141gb",
+    "NVIDIA_H200_141GB": "nvidia-h200-141gb",
     "NVIDIA_L4": "nvidia-l4",
     "NVIDIA_TESLA_T4": "nvidia-tesla-t4",
     "NVIDIA_TESLA_V100": "nvidia-tesla-v100",
     "NVIDIA_B200": "nvidia-b200",
 }
 """Vertex AI's accelerator names -> GKE's (``gcloud container node-pools create --accelerator type=...``)."""
+MACHINE_GB_PER_VCPU: dict[str, float] = {
+    "n2-standard": 4,
+    "n2-highmem": 8,
+    "n2-highcpu": 1,
+    "n2d-standard": 4,
+    "n2d-highmem": 8,
+    "n2d-highcpu": 1,
+    "e2-standard": 4,
+    "e2-highmem": 8,
+    "e2-highcpu": 1,
+    "c2-standard": 4,
+    "c2d-standard": 4,
+    "c2d-highmem": 8,
+    "c2d-highcpu": 2,
+    "c3-standard": 4,
+    "c3-highmem": 8,
+    "c3-highcpu": 2,
+    "n1-standard": 3.75,
+    "n1-highmem": 6.5,
+    "n1-highcpu": 0.9,
+    "g2-standard": 4,
+}
+"""Compute Engine families ``<series>-<kind>-<vCPUs>`` -> memory per vCPU, GB (Compute Engine's GB are GiB:
+n2-highcpu-32 has 32 GB = 32768 MB)."""
+GPU_MACHINE_PER_GPU: dict[str, tuple[int, float]] = {
+    "a2-highgpu": (12, 85),
+    "a2-ultragpu": (12, 170),
+    "a3-highgpu": (26, 234),
+}
+"""GPU families ``<series>-<kind>-<GPUs>g`` -> (vCPUs, GB) per GPU (a3-highgpu-8g: 208 vCPUs, 1872 GB)."""
+MACHINE_SHAPES: dict[str, tuple[int, float]] = {
+    "m1-megamem-96": (96, 1433.6),
+    "m1-ultramem-40": (40, 961),
+    "m1-ultramem-80": (80, 1922),
+    "m1-ultramem-160": (160, 3844),
+    "m2-megamem-416": (416, 5888),
+    "m2-ultramem-208": (208, 5888),
+    "m2-ultramem-416": (416, 11776),
+    "m2-hypermem-416": (416, 8832),
+    "m3-megamem-64": (64, 976),
+    "m3-megamem-128": (128, 1952),
+    "m3-ultramem-32": (32, 976),
+    "m3-ultramem-64": (64, 1952),
+    "m3-ultramem-128": (128, 3904),
+    "a2-megagpu-16g": (96, 1360),
+    "a3-megagpu-8g": (208, 1872),
+    "a3-ultragpu-8g": (224, 2952),
+}
+"""Machines of fixed shape (memory-optimized, the larger GPU types) -> (vCPUs, GB)."""
+
+
+def machine_shape(machine_type: str) -> tuple[int, float] | None:
+    """``(vCPUs, memory GB)`` of a Compute Engine machine type (GB as Compute Engine counts them, 2^30 bytes):
+    from ``MACHINE_SHAPES``, else the GPU count or vCPUs in the name times ``GPU_MACHINE_PER_GPU`` or
+    ``MACHINE_GB_PER_VCPU``; None for a type it does not know (shared-core, custom, -lssd, other families)."""
+    if machine_type in MACHINE_SHAPES:
+        return MACHINE_SHAPES[machine_type]
+    m = re.fullmatch(r"([a-z][a-z0-9]*-[a-z]+)-(\d+)(g?)", machine_type)
+    if not m or int(m.group(2)) < 1:
+        return None
+    family, n = m.group(1), int(m.group(2))
+    if m.group(3):
+        if family not in GPU_MACHINE_PER_GPU:
+            return None
+        vcpus, gb = GPU_MACHINE_PER_GPU[family]
+        return vcpus * n, gb * n
+    if family not in MACHINE_GB_PER_VCPU:
+        return None
+    return n, n * MACHINE_GB_PER_VCPU[family]
+
+
+def pod_fit(machine_type: str) -> tuple[int, int] | None:
+    """``(CPU, memory GiB)`` one pod may request on a node of ``machine_type`` beside what GKE and the system
+    keep: vCPUs - 1 (at least 1) and 90% of the memory - 1 GiB, rounded down to whole GiB. None when the shape
+    is unknown or leaves less than 1 GiB."""
+    shape = machine_shape(machine_type)
+    if shape is None:
+        return None
+    vcpus, gb = shape
+    memory = math.floor(0.9 * gb - 1)
+    return (max(1, vcpus - 1), memory) if memory >= 1 else None
+
+
+def kubeflow_resources(
+    nn_machine: str, ps_machine: str, ew_machine: str, ps_pod_bytes: float, shm_gib: int = 16
+) -> tuple[dict[str, str | None], list[str]]:
+    """The ``PERSIA_K8S_*`` resource settings of one pod per node of each machine (``pod_fit``), and notes.
+
+    ``PERSIA_K8S_NN_CPU``, ``_NN_MEMORY`` and ``_SHM_SIZE`` (NN_MEMORY + SHM_SIZE = the fit: the NN pod's limit;
+    /dev/shm is ``shm_gib``, at most a quarter of the fit), ``_PS_CPU``, ``_EW_CPU``, ``_EW_MEMORY``; None where the
+    machine's shape is unknown, with a note naming them. ``ps_pod_bytes``: a parameter-server pod's memory under
+    the shard plan, checked against its machine's fit."""
+    out: dict[str, str | None] = {}
+    notes: list[str] = []
+    unknown: list[tuple[str, list[str]]] = []
+    nn = pod_fit(nn_machine)
+    if nn is not None and nn[1] >= 2:
+        shm = max(1, min(shm_gib, nn[1] // 4))
+        out.update(
+            PERSIA_K8S_NN_CPU=str(nn[0]), PERSIA_K8S_NN_MEMORY=f"{nn[1] - shm}Gi", PERSIA_K8S_SHM_SIZE=f"{shm}Gi"
+        )
+    else:
+        out.update(PERSIA_K8S_NN_CPU=None, PERSIA_K8S_NN_MEMORY=None, PERSIA_K8S_SHM_SIZE=None)
+        unknown.append((nn_machine, ["PERSIA_K8S_NN_CPU", "PERSIA_K8S_NN_MEMORY", "PERSIA_K8S_SHM_SIZE"]))
+    ps = pod_fit(ps_machine)
+    out["PERSIA_K8S_PS_CPU"] = str(ps[0]) if ps else None
+    if ps is None:
+        unknown.append((ps_machine, ["PERSIA_K8S_PS_CPU"]))
+        notes.append(
+            f"a parameter-server pod needs about {ps_pod_bytes / GIB:,.0f} GiB (the shard plan): check that "
+            f"{ps_machine} holds it"
+        )
+    elif ps_pod_bytes > ps[1] * GIB:
+        notes.append(
+            f"a parameter-server pod needs about {ps_pod_bytes / GIB:,.0f} GiB (the shard plan) but one "
+            f"{ps_machine} node fits {ps[1]:,} GiB: lower --vm-ram-tb or --usable, or pick a larger machine"
+        )
+    ew = pod_fit(ew_machine)
+    if ew is not None:
+        out.update(PERSIA_K8S_EW_CPU=str(ew[0]), PERSIA_K8S_EW_MEMORY=f"{ew[1]}Gi")
+    else:
+        out.update(PERSIA_K8S_EW_CPU=None, PERSIA_K8S_EW_MEMORY=None)
+        unknown.append((ew_machine, ["PERSIA_K8S_EW_CPU", "PERSIA_K8S_EW_MEMORY"]))
+    for machine, names in unknown:
+        notes.append(
+            f"{', '.join(names)} not derived: the planner does not know {machine}'s vCPUs and memory; set them "
+            f"to fit one pod per node (vCPUs - 1, 90% of memory - 1 GiB)"
+        )
+    return out, notes
 
 
 def gke_node_pools(specs: list[dict]) -> list[dict]:
     """GKE node pools for the roles of ``worker_pool_specs`` (Vertex AI REST shape): ``[{"name", "role",
     "machine_type", "nodes", "accelerator", "accelerator_count"}]`` for the NN workers (pools 0 and 1 share
     one), the parameter servers and, where there is a pool 3, the embedding workers; one pod per node. The
-    names are what ``PERSIA_K8S_*_NODE_POOL`` and ``docs/kubeflow-gke.md`` use."""
+    names are what ``PERSIA_K8S_*_NODE_POOL`` and ``docs/kubeflow-gke.md`` use; ``vcpus`` and ``memory_gb``:
+    the machine's (``machine_shape``; None when unknown). A pool 0 without an accelerator (CPU-only NN workers)
+    gives a node pool without one."""
     nn = specs[0]["machineSpec"]
+    accel = nn.get("acceleratorType", "")
     out = [
         {
             "name": "persia-nn",
             "role": "nn-worker",
             "machine_type": nn["machineType"],
             "nodes": 1 + (specs[1]["replicaCount"] if specs[1] else 0),
-            "accelerator": GKE_ACCELERATORS.get(nn.get("acceleratorType", ""), nn.get("acceleratorType", "").lower()),
-            "accelerator_count": nn.get("acceleratorCount", 0),
+            "accelerator": GKE_ACCELERATORS.get(accel, accel.lower().replace("_", "-")) if accel else "",
+            "accelerator_count": nn.get("acceleratorCount", 0) if accel else 0,
         }
     ]
     for n, name, role in ((2, "persia-ps", "parameter-server"), (3, "persia-ew", "embedding-worker")):
@@ -229,6 +405,9 @@ def gke_node_pools(specs: list[dict]) -> list[dict]:
             m = specs[n]["machineSpec"]["machineType"]
             out.append(dict(name=name, role=role, machine_type=m, nodes=specs[n]["replicaCount"]))
             out[-1].update(accelerator="", accelerator_count=0)
+    for pool in out:
+        shape = machine_shape(pool["machine_type"])
+        pool.update(vcpus=shape[0] if shape else None, memory_gb=shape[1] if shape else None)
     return out
 
 
@@ -309,7 +488,7 @@ def plan(inp: PlanInputs) -> Plan:
     push = unique * (8 + row_wire)
     allreduce = 2 * (gpus - 1) / gpus * 4 * inp.dense_params if gpus > 1 else 0.0
     ps_gbps = (lookup + push) * gpus * steps_per_s * 8 / servers / 1e9
-    accel = inp.accelerator_type if inp.gpus_per_vm else ""
+    accel = inp.accelerator_type  # "" for CPU-only NN workers
     specs = worker_pool_specs(
         nn_machine=Machine(inp.gpu_machine_type, accel, inp.gpus_per_vm if accel else 0),
         ps_machine=Machine(inp.ps_machine_type),
@@ -329,6 +508,8 @@ def plan(inp: PlanInputs) -> Plan:
         ew_machine=Machine(inp.ew_machine_type),
         ew_replicas=ew_vms,
     )
+    ps_pod_bytes = k * (budget + GIB) + GIB  # the JobSet's k x (shard_memory_bytes + overhead) + overhead, or more
+    resources, notes = kubeflow_resources(inp.gpu_machine_type, inp.ps_machine_type, inp.ew_machine_type, ps_pod_bytes)
     return Plan(
         inputs=inp,
         row_bytes=rb,
@@ -357,5 +538,10 @@ def plan(inp: PlanInputs) -> Plan:
             "PERSIA_K8S_SHARDS_PER_SERVER": k,
             "PERSIA_K8S_EMBEDDING_WORKERS": ew_per_nn,
             "PERSIA_K8S_EMBEDDING_WORKERS_PER_REPLICA": ew_per_vm,
+            **resources,
         },
+        # the train step refuses num_shards not a multiple of k, num_workers of g, or num_workers x E of e
+        pipeline_parameters={"num_parameter_servers": total_shards, "num_nn_workers": gpus},
+        ps_pod_memory_bytes=ps_pod_bytes,
+        kubeflow_notes=notes,
     )

@@ -5,7 +5,10 @@
 
 The plan prints as a table whose last line is ``parameter_servers=N``; ``--json`` also writes it with the
 worker-pool specs (Vertex AI REST shape, ``persia_core.cluster_spec.worker_pool_specs``) and the GKE node pools of the
-same machines with the ``PERSIA_K8S_*`` settings of the Kubeflow target.
+same machines with the ``PERSIA_K8S_*`` settings of the Kubeflow target (layout and pod resources,
+``kubeflow_settings``; null where a machine's shape is unknown, see ``kubeflow_notes``) and the pipeline parameters
+the run must use so that the counts divide (``pipeline_parameters``). ``--accelerator-type none``: CPU-only NN
+workers (no GPU in their pools, ``PERSIA_K8S_GPUS=0``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from dataclasses import asdict
 from persia_core import io
 from persia_core.argchecks import check_output_file, float_in
 from persia_core.capacity_plan import (
+    CPU_NN_MACHINE_TYPE,
     EW_BUSY,
+    GIB,
+    GPU_NN_MACHINE_TYPE,
     MAX_ROWS_PER_SHARD,
     SKEW_SIGMAS,
     TB,
@@ -27,6 +33,7 @@ from persia_core.capacity_plan import (
     Plan,
     PlanInputs,
     plan,
+    pod_fit,
 )
 from persia_core.config import OPTIMIZERS
 
@@ -41,6 +48,7 @@ def _si(x: float, unit: str = "B") -> str:
 def format_table(p: Plan) -> str:
     """The plan as a two-column table; the last line is ``parameter_servers=N``."""
     i, rb = p.inputs, p.row_bytes
+    ps_fit = pod_fit(i.ps_machine_type)
     usable = i.vm_ram_tb * TB * i.usable
     rows = [
         ("parameters", f"{i.rows * i.dim:.4g} ({i.rows:.4g} rows x dim {i.dim})"),
@@ -70,10 +78,12 @@ def format_table(p: Plan) -> str:
             f"{_si(p.parameter_servers * i.vm_ram_tb * TB)} of servers",
         ),
         (
-            "NN worker GPUs",
-            f"{p.gpus} on {p.nn_vms} x {i.gpu_machine_type} ({i.gpus_per_vm} x "
-            f"{i.accelerator_type}); {math.ceil(i.throughput / i.samples_per_gpu)} needed for "
-            f"{i.throughput:.4g} samples/s at {i.samples_per_gpu:.4g} per GPU",
+            "NN worker GPUs" if i.accelerator_type else "NN workers (CPU)",
+            f"{p.gpus} on {p.nn_vms} x {i.gpu_machine_type} ("
+            + (f"{i.gpus_per_vm} x {i.accelerator_type}" if i.accelerator_type else f"{i.gpus_per_vm} each, no GPU")
+            + f"); {math.ceil(i.throughput / i.samples_per_gpu)} needed for "
+            f"{i.throughput:.4g} samples/s at {i.samples_per_gpu:.4g} per "
+            + ("GPU" if i.accelerator_type else "worker"),
         ),
         (
             "embedding workers",
@@ -82,7 +92,7 @@ def format_table(p: Plan) -> str:
             f"{p.embedding_workers_per_nn_worker} per NN worker = {p.embedding_workers_per_nn_worker * p.gpus:,} "
             f"processes on {p.embedding_worker_vms:,} x {i.ew_machine_type} ({i.ew_cores_per_vm} cores)",
         ),
-        ("steps/s", f"{p.steps_per_s:.2f} (batch {i.batch_size} per GPU)"),
+        ("steps/s", f"{p.steps_per_s:.2f} (batch {i.batch_size} per {'GPU' if i.accelerator_type else 'NN worker'})"),
         (
             "network/step/worker",
             f"{_si(p.net_bytes_per_step)} = lookup {_si(p.net_lookup_bytes_per_step)} + push "
@@ -110,8 +120,18 @@ def format_table(p: Plan) -> str:
                 for g in p.gke_node_pools
             ),
         ),
-        ("Kubeflow settings", " ".join(f"{k}={v}" for k, v in p.kubeflow_settings.items())),
+        ("Kubeflow settings", " ".join(f"{k}={v}" for k, v in p.kubeflow_settings.items() if v is not None)),
+        ("pipeline parameters", " ".join(f"{k}={v}" for k, v in p.pipeline_parameters.items())),
+        (
+            "note",
+            "Kubeflow pods, one per node, request vCPUs - 1 and 90% of the machine's memory - 1 GiB (the rest: "
+            "GKE's reserved share, system DaemonSets, the Cloud Storage FUSE sidecar); an NN pod's memory limit "
+            "is NN_MEMORY + SHM_SIZE; a parameter server's follows the run's shard plan: about "
+            f"{p.ps_pod_memory_bytes / GIB:,.0f} GiB at this shard budget"
+            + (f" of the {ps_fit[1]:,} GiB that fit one {i.ps_machine_type} node" if ps_fit else ""),
+        ),
     ]
+    rows += [("note", n) for n in p.kubeflow_notes]
     rows.append(
         (
             "note",
@@ -197,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="samples per GPU per step")
     p.add_argument("--throughput", type=_count_arg, default=d.throughput, help="target samples/s of the job")
     p.add_argument("--samples-per-gpu", type=_count_arg, default=d.samples_per_gpu, help="samples/s of one GPU")
-    p.add_argument("--gpus-per-vm", type=int, default=d.gpus_per_vm, help="GPUs of an NN-worker VM")
+    p.add_argument(
+        "--gpus-per-vm",
+        type=int,
+        default=d.gpus_per_vm,
+        help="GPUs of an NN-worker VM (CPU-only: NN worker processes per VM)",
+    )
     p.add_argument(
         "--ids-per-sample",
         type=float_in(),
@@ -219,8 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ew-cores-per-vm", type=int, default=d.ew_cores_per_vm, help="cores of an embedding-worker VM")
     p.add_argument("--ew-machine-type", default=d.ew_machine_type, help="embedding-worker machine type")
     p.add_argument("--ps-machine-type", default=d.ps_machine_type, help="parameter-server machine type")
-    p.add_argument("--gpu-machine-type", default=d.gpu_machine_type, help="NN-worker machine type")
-    p.add_argument("--accelerator-type", default=d.accelerator_type, help="NN-worker accelerator")
+    p.add_argument(
+        "--gpu-machine-type",
+        default="",
+        help=f"NN-worker machine type (default {GPU_NN_MACHINE_TYPE}, CPU-only {CPU_NN_MACHINE_TYPE})",
+    )
+    p.add_argument(
+        "--accelerator-type",
+        default=d.accelerator_type,
+        help="NN-worker GPU, Vertex AI's name (e.g. NVIDIA_TESLA_A100); 'none' for CPU-only NN workers",
+    )
     p.add_argument("--image", default=d.image, help="container image URI for the worker-pool specs")
     p.add_argument("--json", default="", help="also write the plan (with the worker-pool specs) here")
     args = p.parse_args(argv)

@@ -126,22 +126,31 @@ def test_planner_small_model_gets_one_server_one_shard_and_slot_sizes_add_up(cap
     # the same machines as GKE node pools, one per role, and the Kubeflow settings that fill them one pod a node
     assert d["gke_node_pools"] == [
         dict(name="persia-nn", role="nn-worker", machine_type="a2-highgpu-1g", nodes=4)
-        | dict(accelerator="nvidia-tesla-a100", accelerator_count=1),
+        | dict(accelerator="nvidia-tesla-a100", accelerator_count=1, vcpus=12, memory_gb=85),
         dict(name="persia-ps", role="parameter-server", machine_type="m2-ultramem-416", nodes=1)
-        | dict(accelerator="", accelerator_count=0),
+        | dict(accelerator="", accelerator_count=0, vcpus=416, memory_gb=11776),
         dict(name="persia-ew", role="embedding-worker", machine_type=pools[3]["machineSpec"]["machineType"])
-        | dict(nodes=d["embedding_worker_vms"], accelerator="", accelerator_count=0),
+        | dict(nodes=d["embedding_worker_vms"], accelerator="", accelerator_count=0, vcpus=32, memory_gb=32),
     ]
     per = pools[3]["containerSpec"]["args"][
         pools[3]["containerSpec"]["args"].index("--embedding-workers-per-replica") + 1
     ]
+    # one pod per node: vCPUs - 1, 90% of the memory - 1 GiB (NN: NN_MEMORY + SHM_SIZE, its limit)
     assert d["kubeflow_settings"] == {
         "PERSIA_K8S_GPUS": 1,
         "PERSIA_K8S_RANKS_PER_REPLICA": 1,
         "PERSIA_K8S_SHARDS_PER_SERVER": 1,
         "PERSIA_K8S_EMBEDDING_WORKERS": d["embedding_workers_per_nn_worker"],
         "PERSIA_K8S_EMBEDDING_WORKERS_PER_REPLICA": int(per),
+        "PERSIA_K8S_NN_CPU": "11",
+        "PERSIA_K8S_NN_MEMORY": "59Gi",  # floor(0.9 x 85 - 1) = 75, less 16Gi of /dev/shm
+        "PERSIA_K8S_SHM_SIZE": "16Gi",
+        "PERSIA_K8S_PS_CPU": "415",
+        "PERSIA_K8S_EW_CPU": "31",
+        "PERSIA_K8S_EW_MEMORY": "27Gi",  # floor(0.9 x 32 - 1)
     }
+    assert d["pipeline_parameters"] == {"num_parameter_servers": 1, "num_nn_workers": 4}
+    assert d["kubeflow_notes"] == []
 
 
 def test_planner_network_bytes_per_step_count_ids_rows_and_the_dense_all_reduce():
@@ -301,3 +310,151 @@ def planner_help() -> str:
     with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
         planner.main(["--help"])
     return " ".join(buf.getvalue().split())
+
+
+QUANTITY_BYTES = {"": 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity(q: str) -> float:
+    """A Kubernetes quantity as a number: bytes for memory (``27Gi``), cores for CPU (``31``, ``500m``)."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(m|Ki|Mi|Gi|Ti|k|M|G)?", q)
+    assert m, q
+    value, unit = float(m.group(1)), m.group(2) or ""
+    return value / 1000 if unit == "m" else value * QUANTITY_BYTES[unit]
+
+
+def seed_plan(**kw):
+    return capacity_plan.plan(
+        capacity_plan.PlanInputs(
+            rows=int(1e14 / 32), dim=32, weights="fp16", optimizer="rowwise_adagrad", vm_ram_tb=12, usable=0.9, **kw
+        )
+    )
+
+
+@pytest.mark.parametrize("spelling", ["none", "None", "NONE", ""])
+def test_planner_cpu_only_nn_workers_get_a_node_pool_without_gpus_and_zero_gpus_per_pod(spelling, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--params", "1e9", "--gpus-per-vm", "4", "--accelerator-type", spelling, "--json", str(out)]
+    assert planner.main(args) == 0
+    table = capsys.readouterr().out
+    d = json.loads(out.read_text())
+    nn = d["gke_node_pools"][0]
+    assert nn["accelerator"] == "" and nn["accelerator_count"] == 0
+    assert nn["machine_type"] == capacity_plan.CPU_NN_MACHINE_TYPE  # a CPU machine by default, not a2-highgpu
+    assert "acceleratorType" not in d["worker_pool_specs"][0]["machineSpec"]
+    s = d["kubeflow_settings"]
+    assert s["PERSIA_K8S_GPUS"] == 0 and s["PERSIA_K8S_RANKS_PER_REPLICA"] == 4  # ranks as planned
+    assert d["pipeline_parameters"]["num_nn_workers"] == d["gpus"] and d["gpus"] % 4 == 0
+    assert "none" not in table.lower().split("gke node pools")[1].splitlines()[0]
+    assert "PERSIA_K8S_GPUS=0 " in table and table.strip().splitlines()[-1] == "parameter_servers=1"
+    # the Kubeflow settings build: a CPU-only NN pod of 4 ranks, no GPU asked for
+    from pipelines.kubeflow import KubeflowSettings
+
+    env = {k: str(v) for k, v in s.items() if v is not None}
+    assert KubeflowSettings.from_env({"PERSIA_K8S_IMAGE": "us-docker.pkg.dev/p/r/persia:1", **env}).gpus == 0
+
+
+def test_planner_cpu_only_refuses_a_machine_that_carries_gpus(capsys):
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--params", "1e9", "--accelerator-type", "none", "--gpu-machine-type", "a2-highgpu-8g"])
+    assert e.value.code == 2 and "carries GPUs" in capsys.readouterr().err
+    # gcloud's spelling of a GPU is Vertex AI's
+    p = capacity_plan.plan(capacity_plan.PlanInputs(rows=10**6, accelerator_type="nvidia-tesla-a100"))
+    assert p.gke_node_pools[0]["accelerator"] == "nvidia-tesla-a100" and p.kubeflow_settings["PERSIA_K8S_GPUS"] == 8
+
+
+def test_planner_kubeflow_resources_of_the_seed_plan_fit_one_pod_per_node_of_its_machines():
+    p = seed_plan()
+    s = p.kubeflow_settings
+    shapes = {pool["role"]: (pool["vcpus"], pool["memory_gb"] * (1 << 30)) for pool in p.gke_node_pools}
+    assert shapes == {
+        "nn-worker": (96, 680 * (1 << 30)),  # a2-highgpu-8g: 12 vCPUs, 85 GB per GPU
+        "parameter-server": (416, 11776 * (1 << 30)),  # m2-ultramem-416
+        "embedding-worker": (32, 32 * (1 << 30)),  # n2-highcpu-32
+    }
+    for role, cpu, mems in [
+        ("nn-worker", "PERSIA_K8S_NN_CPU", ["PERSIA_K8S_NN_MEMORY", "PERSIA_K8S_SHM_SIZE"]),
+        ("parameter-server", "PERSIA_K8S_PS_CPU", []),
+        ("embedding-worker", "PERSIA_K8S_EW_CPU", ["PERSIA_K8S_EW_MEMORY"]),
+    ]:
+        vcpus, ram = shapes[role]
+        assert 1 <= quantity(str(s[cpu])) <= vcpus - 1, (role, s[cpu])
+        asked = sum(quantity(str(s[m])) for m in mems) if mems else p.ps_pod_memory_bytes
+        assert 0 < asked <= 0.9 * ram - (1 << 30), (role, asked, ram)  # GKE's reserve and the system's
+    assert quantity(str(s["PERSIA_K8S_EW_MEMORY"])) < 32 * (1 << 30)  # the highcpu-32's 32 GB: 32Gi never schedules
+    # a parameter-server pod holds its k shards at the plan's budget, with the builder's overheads
+    assert p.ps_pod_memory_bytes >= p.shards_per_server * p.shard_budget_bytes + (1 << 30)
+    assert p.kubeflow_notes == []
+    # the settings are valid Kubeflow settings
+    from pipelines.kubeflow import KubeflowSettings
+
+    KubeflowSettings.from_env(
+        {"PERSIA_K8S_IMAGE": "us-docker.pkg.dev/p/r/persia:1", **{k: str(v) for k, v in s.items()}}
+    )
+
+
+def test_planner_pipeline_parameters_divide_by_the_kubeflow_settings(tmp_path, capsys):
+    for p in (
+        seed_plan(),
+        seed_plan(accelerator_type="none", gpus_per_vm=3, throughput=4e5),
+        capacity_plan.plan(capacity_plan.PlanInputs(rows=10**6, throughput=1.6e7, ew_cpu_us_per_sample=1.0)),
+    ):
+        s, params = p.kubeflow_settings, p.pipeline_parameters
+        n, m = params["num_parameter_servers"], params["num_nn_workers"]
+        assert n == p.total_shards and m == p.gpus
+        assert n % int(s["PERSIA_K8S_SHARDS_PER_SERVER"]) == 0 and n // int(s["PERSIA_K8S_SHARDS_PER_SERVER"]) == (
+            p.parameter_servers
+        )
+        assert m % int(s["PERSIA_K8S_RANKS_PER_REPLICA"]) == 0
+        e, per = int(s["PERSIA_K8S_EMBEDDING_WORKERS"]), int(s["PERSIA_K8S_EMBEDDING_WORKERS_PER_REPLICA"])
+        assert (m * e) % per == 0 and m * e // per == p.embedding_worker_vms
+    out = tmp_path / "plan.json"
+    assert planner.main([*SEED_ARGS, "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    p = seed_plan()
+    row = next(x for x in lines if x.startswith("pipeline parameters"))
+    assert row.split()[2:] == [f"num_parameter_servers={p.total_shards}", f"num_nn_workers={p.gpus}"]
+    row = next(x for x in lines if x.startswith("Kubeflow settings"))
+    assert "PERSIA_K8S_EW_MEMORY=27Gi" in row and "PERSIA_K8S_NN_CPU=95" in row
+    assert lines[-1] == f"parameter_servers={p.parameter_servers}"
+    assert json.loads(out.read_text())["pipeline_parameters"] == p.pipeline_parameters
+
+
+@pytest.mark.parametrize(
+    "machine, shape",
+    [
+        ("n2-highcpu-32", (32, 32)),
+        ("n2-standard-16", (16, 64)),
+        ("n2d-highmem-8", (8, 64)),
+        ("e2-standard-4", (4, 16)),
+        ("c2-standard-60", (60, 240)),
+        ("c3-highcpu-22", (22, 44)),
+        ("m1-megamem-96", (96, 1433.6)),
+        ("m2-ultramem-416", (416, 11776)),
+        ("a2-highgpu-1g", (12, 85)),
+        ("a2-highgpu-8g", (96, 680)),
+        ("a3-highgpu-8g", (208, 1872)),
+        ("e2-medium", None),
+        ("foo-bar-9", None),
+        ("n2-custom-8-16384", None),
+    ],
+)
+def test_planner_reads_a_machines_vcpus_and_memory_from_its_type(machine, shape):
+    assert capacity_plan.machine_shape(machine) == shape
+
+
+def test_planner_a_machine_of_unknown_shape_leaves_its_resources_absent_and_says_so(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert planner.main(["--params", "1e9", "--ew-machine-type", "foo-bar-9", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    s = json.loads(out.read_text())["kubeflow_settings"]
+    assert s["PERSIA_K8S_EW_CPU"] is None and s["PERSIA_K8S_EW_MEMORY"] is None and s["PERSIA_K8S_PS_CPU"] == "415"
+    row = next(x for x in lines if x.startswith("Kubeflow settings"))
+    assert "PERSIA_K8S_EW_CPU" not in row and "PERSIA_K8S_EW_MEMORY" not in row and "PERSIA_K8S_NN_CPU=95" in row
+    assert any(x.startswith("note") and "PERSIA_K8S_EW_MEMORY not derived" in x and "foo-bar-9" in x for x in lines)
+    assert lines[-1] == "parameter_servers=1"
+    # a parameter-server machine too small for the plan's servers is named
+    p = seed_plan(ps_machine_type="m2-megamem-416")
+    assert any("parameter-server pod needs" in n and "m2-megamem-416" in n for n in p.kubeflow_notes)
