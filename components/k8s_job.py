@@ -3,9 +3,9 @@
 Lifecycle of one attempt (``run_jobset``):
 
 * retry: KFP retries a failed step in a new pod, so the previous attempt's JobSet and Secret may still exist
-  (the old step pod owns them but is kept). Both carry the train step's ``persia-kfp/run-key`` label, the same
-  on every attempt: each one listed by it is deleted first (background propagation: the JobSet's Jobs and pods
-  go with it).
+  (the old step pod owns them but is kept). The JobSet carries the train step's ``persia-kfp/run-key`` label,
+  the same on every attempt: each JobSet listed by it is deleted first, with its Secret, found by name
+  (background propagation: the JobSet's Jobs and pods go with it).
 * create: the Secret (the parameter servers' token), then the JobSet.
 * watch: every ``poll_s`` seconds the JobSet's pods are listed and the JobSet read. Its ``Completed`` condition
   ends the step; its ``Failed`` condition, or any pod that failed (its ``persia`` container exited non-zero),
@@ -23,7 +23,7 @@ RBAC of the step's ServiceAccount in the JobSet's namespace (and ``get`` on pods
     jobset.x-k8s.io  jobsets    create, get, list, delete
     ""               pods       get, list
     ""               pods/log   get
-    ""               secrets    create, list, delete
+    ""               secrets    create, delete
 """
 
 import contextlib
@@ -32,12 +32,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kubernetes.client import ApiClient, ApiException, CoreV1Api, CustomObjectsApi
 
 from components.jobset import CONTAINER, JOBSET_NAME_LABEL, REPLICATED_JOB_LABEL, ROLE_LABEL, RUN_KEY_LABEL
+from components.jobset import secret_name as token_secret_name
 
 GROUP, VERSION, PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -47,6 +48,9 @@ REQUEST_TIMEOUT_S = 30.0
 """Seconds one API request may take (connect and read) before it raises."""
 WAITING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError")
 """Reasons of a waiting container that are reported (once per pod) while the JobSet runs."""
+SLOW_START_S = 300.0
+"""A container still being created after this many seconds of the watch is reported (once): usually a volume that
+cannot be mounted, such as Cloud Storage without Workload Identity for the pods' ServiceAccount."""
 
 
 class Terminated(BaseException):
@@ -83,25 +87,34 @@ def _jobsets_path(namespace: str) -> str:
     return f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
 
 
-def step_pod(namespace_file: str = NAMESPACE_FILE) -> tuple[str, str]:
-    """``(namespace, pod name)`` of the pod this runs in: the namespace from its ServiceAccount's mount
-    (``namespace_file``), the name from ``$HOSTNAME``. Raises ``RuntimeError`` outside a pod."""
+def step_pod(namespace_file: str = NAMESPACE_FILE, environ: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """``(namespace, pod name, pod uid)`` of the pod this runs in. KFP's launcher sets ``$KFP_NAMESPACE``,
+    ``$KFP_POD_NAME`` and ``$KFP_POD_UID`` in a step's container (from the downward API: the pod's full name,
+    where ``$HOSTNAME`` is cut to 63 characters); without them the namespace comes from the ServiceAccount's
+    mount (``namespace_file``), the name from ``$HOSTNAME`` and the uid is "" (``owner_reference`` reads it).
+    Raises ``RuntimeError`` outside a pod."""
+    env = os.environ if environ is None else environ
+    if env.get("KFP_POD_NAME") and env.get("KFP_POD_UID") and env.get("KFP_NAMESPACE"):
+        return env["KFP_NAMESPACE"], env["KFP_POD_NAME"], env["KFP_POD_UID"]
     try:
         with open(namespace_file, encoding="utf-8") as f:
             namespace = f.read().strip()
     except FileNotFoundError:
         namespace = ""
-    pod = os.environ.get("HOSTNAME", "")
+    pod = env.get("HOSTNAME", "")
     if not namespace or not pod:
         raise RuntimeError(
-            f"not in a Kubernetes pod: {namespace_file} (the pod's namespace) and $HOSTNAME (its name) must be set"
+            f"not in a Kubernetes pod: $KFP_NAMESPACE, $KFP_POD_NAME and $KFP_POD_UID (KFP's launcher), or "
+            f"{namespace_file} (the pod's namespace) and $HOSTNAME (its name) must be set"
         )
-    return namespace, pod
+    return namespace, pod, ""
 
 
-def owner_reference(api_client: ApiClient, namespace: str, pod_name: str) -> dict[str, str]:
-    """An ``ownerReferences`` entry naming pod ``pod_name`` of ``namespace`` (read from the API for its uid).
+def owner_reference(api_client: ApiClient, namespace: str, pod_name: str, uid: str = "") -> dict[str, str]:
+    """An ``ownerReferences`` entry naming pod ``pod_name`` of ``namespace``; without ``uid``, read from the API.
     Raises ``kubernetes.client.ApiException`` when it cannot be read."""
+    if uid:
+        return {"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": uid}
     core = CoreV1Api(api_client)
     pod = _json(f"GET /api/v1/namespaces/{namespace}/pods/{pod_name}", core.read_namespaced_pod, pod_name, namespace)
     return {"apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}
@@ -161,6 +174,14 @@ def _failure(pod: dict[str, Any]) -> str:
     return ""
 
 
+def _failed_order(pod: dict[str, Any]) -> tuple[bool, str]:
+    """Sort key of failed pods, the cause first: not stopped by a signal (exit codes 137, 143) before stopped,
+    then by when the ``persia`` container finished (RFC 3339 times sort as text)."""
+    status = pod.get("status") or {}
+    term = (_container(status.get("containerStatuses"), CONTAINER).get("state") or {}).get("terminated") or {}
+    return term.get("exitCode") in (137, 143), term.get("finishedAt") or "~"
+
+
 def _events(pod: dict[str, Any]) -> list[tuple[str, str]]:
     """``(reason, message)`` of what keeps ``pod`` from running: unschedulable, or a container waiting for
     its image or its configuration."""
@@ -175,6 +196,15 @@ def _events(pod: dict[str, Any]) -> list[tuple[str, str]]:
         if waiting.get("reason") in WAITING_REASONS:
             out.append(
                 (waiting["reason"], f"container {c.get('name')}: {waiting['reason']}: {waiting.get('message', '')}")
+            )
+        elif waiting.get("reason") == "ContainerCreating":
+            out.append(
+                (
+                    "ContainerCreating",
+                    f"container {c.get('name')} still being created after {SLOW_START_S:.0f} s: a volume that cannot "
+                    f"be mounted? (kubectl describe pod shows the events; the Cloud Storage FUSE driver needs "
+                    f"Workload Identity for the pods' ServiceAccount)",
+                )
             )
     return out
 
@@ -211,13 +241,8 @@ def run_jobset(
             n = item["metadata"]["name"]
             if _delete(f"DELETE {jobsets}/{n}", custom.delete_namespaced_custom_object, *cr, n):
                 on_event(f"deleted JobSet {namespace}/{n} of a previous attempt")
-        old = _json(
-            f"GET {secrets}?labelSelector={by_key}", core.list_namespaced_secret, namespace, label_selector=by_key
-        )
-        for item in old.get("items") or []:
-            n = item["metadata"]["name"]
-            _delete(f"DELETE {secrets}/{n}", core.delete_namespaced_secret, n, namespace)
-
+            t = token_secret_name(n)  # by name: the step needs no right to list (and read) the namespace's Secrets
+            _delete(f"DELETE {secrets}/{t}", core.delete_namespaced_secret, t, namespace)
         posted: list[str] = []  # before each POST: a POST cut short by SIGTERM may still have created its object
         try:
             posted.append("secret")
@@ -264,6 +289,7 @@ def _watch(
     path = f"{_jobsets_path(namespace)}/{name}"
     selector = f"{JOBSET_NAME_LABEL}={name}"
     reported: set[tuple[str, str]] = set()
+    first_seen: dict[tuple[str, str], float] = {}
     while True:
         pods = _json(
             f"GET {pods_path}?labelSelector={selector}", core.list_namespaced_pod, namespace, label_selector=selector
@@ -273,19 +299,27 @@ def _watch(
             on_event(f"JobSet {namespace}/{name} completed")
             return js
         failed = _condition(js, "Failed")
-        for pod in pods.get("items") or []:
-            what = _failure(pod)
-            if what:
-                msg = f"JobSet {namespace}/{name} failed: {_describe(pod)} {what}"
-                if failed:
-                    msg += f" (JobSet: {failed.get('reason', '')}: {failed.get('message', '')})"
-                raise RuntimeError(msg + _log_tail(core, namespace, pod["metadata"]["name"], log_lines))
+        broken = [(p, what) for p in pods.get("items") or [] if (what := _failure(p))]
+        if broken:
+            # the first to fail is the cause: the others are the ones the JobSet controller stopped after it
+            # (SIGTERM: exit code 143, or 137 when killed), which end later
+            pod, what = min(broken, key=lambda b: _failed_order(b[0]))
+            msg = f"JobSet {namespace}/{name} failed: {_describe(pod)} {what}"
+            if len(broken) > 1:
+                msg += f" (first of {len(broken)} failed pods)"
+            if failed:
+                msg += f" (JobSet: {failed.get('reason', '')}: {failed.get('message', '')})"
+            raise RuntimeError(msg + _log_tail(core, namespace, pod["metadata"]["name"], log_lines))
         if failed is not None:
             raise RuntimeError(
                 f"JobSet {namespace}/{name} failed: {failed.get('reason', 'Failed')}: {failed.get('message', '')}"
             )
+        now = time.monotonic()
         for pod in pods.get("items") or []:
             for reason, text in _events(pod):
+                seen = first_seen.setdefault((pod["metadata"]["name"], reason), now)
+                if reason == "ContainerCreating" and now - seen < SLOW_START_S:
+                    continue  # every container is created for a while
                 if (pod["metadata"]["name"], reason) not in reported:
                     reported.add((pod["metadata"]["name"], reason))
                     on_event(f"{_describe(pod)} {text}")

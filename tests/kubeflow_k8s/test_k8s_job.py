@@ -202,7 +202,7 @@ def calls(fake: FakeApi) -> list[tuple[str, str, dict[str, str]]]:
     return [(r.method, r.path, r.query) for r in fake.requests]
 
 
-START = [("GET", JOBSETS, BY_KEY), ("GET", SECRETS, BY_KEY), ("POST", SECRETS, {}), ("POST", JOBSETS, {})]
+START = [("GET", JOBSETS, BY_KEY), ("POST", SECRETS, {}), ("POST", JOBSETS, {})]
 POLL = [("GET", PODS, BY_NAME), ("GET", f"{JOBSETS}/{NAME}", {})]
 CLEANUP = [("DELETE", f"{JOBSETS}/{NAME}", BACKGROUND), ("DELETE", f"{SECRETS}/{SECRET}", BACKGROUND)]
 
@@ -221,7 +221,7 @@ def test_a_run_creates_the_secret_then_the_jobset_watches_it_complete_and_delete
     bodies = {(r.method, r.path): r.body for r in fake.requests}
     assert bodies[("POST", SECRETS)] == manifests["secret"]
     assert bodies[("POST", JOBSETS)] == manifests["jobset"]
-    assert [r.body for r in fake.requests if r.method != "POST"] == [None] * 8
+    assert [r.body for r in fake.requests if r.method != "POST"] == [None] * 7
     assert fake.objects == {"jobsets": {}, "secrets": {}}
     assert signal.getsignal(signal.SIGTERM) is before  # the step's own handler is back
     assert events[0].startswith(f"created JobSet {NS}/{NAME}") and f"JobSet {NS}/{NAME} completed" in events
@@ -239,8 +239,7 @@ def test_a_retry_deletes_the_previous_attempts_jobset_and_secret_before_creating
     assert calls(fake) == [
         ("GET", JOBSETS, BY_KEY),
         ("DELETE", f"{JOBSETS}/{old}", BACKGROUND),
-        ("GET", SECRETS, BY_KEY),
-        ("DELETE", f"{SECRETS}/{old}-token", BACKGROUND),
+        ("DELETE", f"{SECRETS}/{old}-token", BACKGROUND),  # by name: the step does not list Secrets
         ("POST", SECRETS, {}),
         ("POST", JOBSETS, {}),
         *POLL,
@@ -263,6 +262,35 @@ def test_a_failed_pod_fails_the_run_at_once_with_its_role_exit_code_and_last_log
     log = ("GET", f"{PODS}/{ps}/log", {"container": "persia", "tailLines": "20"})
     assert calls(fake) == START + POLL + POLL + [log] + CLEANUP  # the second poll saw it: no third
     assert fake.objects["secrets"] == {}
+
+
+def test_the_pod_that_failed_first_is_blamed_not_those_the_jobset_stopped_after_it(fake, client, manifests):
+    def ended(name, role, code, reason, at):
+        p = pod(name, role, "Failed", code)
+        p["status"]["containerStatuses"][0]["state"]["terminated"].update(reason=reason, finishedAt=at)
+        return p
+
+    ps, primary = f"{NAME}-parameter-server-0-0-a", f"{NAME}-primary-0-0-b"
+    fake.pod_lists = [  # listed by name: the servers the controller stopped come before the primary
+        [
+            ended(ps, "parameter-server", 143, "Error", "2026-01-01T00:00:09Z"),
+            ended(primary, "primary", 137, "OOMKilled", "2026-01-01T00:00:07Z"),
+        ]
+    ]
+    fake.logs[primary] = "step 7\nout of memory"
+    with pytest.raises(RuntimeError) as e:
+        k8s_job.run_jobset(client, NS, manifests, poll_s=0.01, on_event=lambda line: None)
+    assert f"pod {primary} (role primary) exited with code 137 (OOMKilled) (first of 2 failed pods)" in str(e.value)
+    assert str(e.value).endswith("out of memory")
+    # an exit code of its own beats a signal's, whenever it ended
+    fake.pod_lists = [
+        [
+            ended(ps, "parameter-server", 143, "Error", "2026-01-01T00:00:01Z"),
+            ended(primary, "primary", 1, "Error", "2026-01-01T00:00:05Z"),
+        ]
+    ]
+    with pytest.raises(RuntimeError, match=f"pod {primary} \\(role primary\\) exited with code 1"):
+        k8s_job.run_jobset(client, NS, manifests, poll_s=0.01, on_event=lambda line: None)
 
 
 def test_a_failed_jobset_fails_the_run_with_its_condition(fake, client, manifests):
@@ -297,6 +325,26 @@ def test_unschedulable_pods_and_image_pull_errors_are_reported_once_and_do_not_f
         f"pod {primary} (role primary) container persia: ImagePullBackOff: Back-off pulling image",
     ]
     assert calls(fake) == START + POLL * 3 + CLEANUP
+
+
+def test_a_container_still_being_created_is_reported_only_after_the_slow_start_time(
+    fake, client, manifests, monkeypatch
+):
+    creating = {"waiting": {"reason": "ContainerCreating"}}
+    ps = f"{NAME}-parameter-server-0-0-a"
+    stuck = [pod(ps, "parameter-server", "Pending", containerStatuses=[{"name": "persia", "state": creating}])]
+    fake.pod_lists, fake.statuses = [stuck] * 4, [RUNNING] * 3 + [COMPLETED]
+    monkeypatch.setattr(k8s_job, "SLOW_START_S", 0.015)  # a few polls of 0.01 s
+    events: list[str] = []
+    k8s_job.run_jobset(client, NS, manifests, poll_s=0.01, on_event=events.append)
+    slow = [e for e in events if "still being created" in e]
+    assert len(slow) == 1 and slow[0].startswith(f"pod {ps} (role parameter-server) container persia")
+    assert "Workload Identity" in slow[0]
+    monkeypatch.setattr(k8s_job, "SLOW_START_S", 60.0)  # a container created within it: nothing said
+    fake.pod_lists, fake.statuses, fake._gets, fake._lists = [stuck] * 2, [RUNNING, COMPLETED], 0, 0
+    events.clear()
+    k8s_job.run_jobset(client, NS, manifests, poll_s=0.01, on_event=events.append)
+    assert not [e for e in events if "still being created" in e]
 
 
 def test_an_api_error_names_its_request_and_what_was_posted_is_still_deleted(fake, client, manifests):
@@ -359,8 +407,10 @@ def test_sigterm_cancels_the_run_deleting_the_jobset_and_the_secret(fake, manife
     assert child.returncode != 0
     assert "Terminated: SIGTERM: the step was cancelled" in err
     seen = calls(fake)
-    assert seen[:4] == START and seen[-2:] == CLEANUP
-    assert len(seen) >= 8 and all(c in POLL for c in seen[4:-2])  # polls (the last may be cut short), no more
+    assert seen[: len(START)] == START and seen[-2:] == CLEANUP
+    assert len(seen) >= 8 and all(
+        c in POLL for c in seen[len(START) : -2]
+    )  # polls (the last may be cut short), no more
     assert fake.objects == {"jobsets": {}, "secrets": {}}
 
 
@@ -373,15 +423,24 @@ def test_owner_reference_names_the_step_pod_with_its_uid(fake, client):
     }
     assert k8s_job.owner_reference(client, NS, "persia-train-step") == OWNER
     assert calls(fake) == [("GET", f"{PODS}/persia-train-step", {})]
+    # under KFP's launcher the uid is known: no request
+    assert k8s_job.owner_reference(client, NS, OWNER["name"], OWNER["uid"]) == OWNER and len(fake.requests) == 1
 
 
 def test_step_pod_reads_the_namespace_file_and_hostname_and_refuses_outside_a_pod(tmp_path, monkeypatch):
     ns_file = tmp_path / "namespace"
     ns_file.write_text(NS + "\n")
+    for var in ("KFP_NAMESPACE", "KFP_POD_NAME", "KFP_POD_UID"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOSTNAME", "persia-train-step")
-    assert k8s_job.step_pod(str(ns_file)) == (NS, "persia-train-step")
+    assert k8s_job.step_pod(str(ns_file)) == (NS, "persia-train-step", "")
     with pytest.raises(RuntimeError, match="not in a Kubernetes pod"):
         k8s_job.step_pod(str(tmp_path / "missing"))
+    # KFP's launcher names the pod in full (a recurring run's pod name is longer than the 63 characters of
+    # $HOSTNAME) and gives its uid
+    long_name = "daily-retrain-2j9lq-1234567890-system-container-impl-3385719836"  # 63+ characters
+    kfp = {"KFP_NAMESPACE": "team", "KFP_POD_NAME": long_name + "x" * 8, "KFP_POD_UID": "u-1"}
+    assert k8s_job.step_pod(str(tmp_path / "missing"), kfp) == ("team", long_name + "x" * 8, "u-1")
     monkeypatch.delenv("HOSTNAME")
     with pytest.raises(RuntimeError, match="HOSTNAME"):
         k8s_job.step_pod(str(ns_file))
