@@ -24,7 +24,7 @@ from typing import Any
 
 from components.custom_job import replica_counts, run_flags
 from persia_core import io
-from persia_core.cluster_spec import ENTRY_COMMAND, PATH_PLACEHOLDERS, replica_args
+from persia_core.cluster_spec import DEVICE_ENV, ENTRY_COMMAND, PATH_PLACEHOLDERS, replica_args
 from persia_core.ps.protocol import TOKEN_ENV
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -46,8 +46,27 @@ ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 TOKEN_KEY = "token"
 CONTAINER = "persia"
 GCS_FUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
-PS_MEMORY_OVERHEAD = 1 << 30
-"""Bytes a parameter-server pod holds beyond its shards' budgets (Python, gRPC buffers, a shard file in flight)."""
+PS_PROCESS_OVERHEAD = 512 << 20
+"""Bytes one parameter-server shard process holds beyond its table's budget (interpreter, gRPC buffers), as the
+capacity planner assumes (``PlanInputs.process_overhead_gb``)."""
+PS_POD_OVERHEAD = 512 << 20
+"""Bytes of a parameter-server pod's own entry process (``persia_core.cluster``, which starts the shards)."""
+GPU_DRIVER_LIBS = "/usr/local/nvidia/lib64"
+"""Where GKE mounts the NVIDIA driver's libraries into a container that requests GPUs (the container must put it
+on ``LD_LIBRARY_PATH`` itself)."""
+UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def require_cloud_storage(artifacts: dict[str, str]) -> None:
+    """Refuse artifact URIs (name -> URI) that are not on Cloud Storage: the roles' pods reach the run's folders
+    only there (mounted at ``/gcs/``). Raises ``ValueError`` naming the artifact and the setting to change."""
+    for name, uri in artifacts.items():
+        if not io.is_gcs(io.to_uri(uri)):
+            raise ValueError(
+                f"artifact {name} is at {uri}, not on Cloud Storage: the Kubeflow target's training pods use "
+                f"the run's artifacts at gs:// (mounted at /gcs/). Set the pipeline root to a gs:// folder "
+                f"(defaultPipelineRoot in the kfp-launcher ConfigMap, or pipeline_root when the run is created)"
+            )
 
 
 def run_key(model_uri: str) -> str:
@@ -60,6 +79,11 @@ def jobset_name(key: str, attempt: str = "") -> str:
     return f"persia-{key[:8]}-{attempt or secrets.token_hex(2)}"
 
 
+def secret_name(name: str) -> str:
+    """The Secret holding the token of JobSet ``name``'s parameter servers (found by name, never listed)."""
+    return f"{name}-token"
+
+
 def pod_host(name: str, pool: int, index: int) -> str:
     """The DNS name of pod ``index`` of ``pool`` in JobSet ``name`` (JobSet's ``enableDNSHostnames``)."""
     return f"{name}-{ROLE_JOBS[pool]}-0-{index}.{name}"
@@ -67,6 +91,17 @@ def pod_host(name: str, pool: int, index: int) -> str:
 
 def _mebibytes(n: int) -> str:
     return f"{-(-n // (1 << 20))}Mi"
+
+
+def quantity_bytes(q: str) -> int:
+    """Bytes of a Kubernetes memory quantity (``64Gi``, ``500M``, ``1073741824``). Raises ``ValueError`` for
+    another form."""
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if q.endswith(unit) and q[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(q[: -len(unit)]) * UNITS[unit])
+    if q.replace(".", "", 1).isdigit():
+        return int(float(q))
+    raise ValueError(f"{q!r} is not a memory quantity such as 64Gi or 500M")
 
 
 def _buckets(paths: list[str]) -> list[str]:
@@ -98,8 +133,9 @@ def jobset_manifests(
 
     ``settings``: ``pipelines.kubeflow.KubeflowSettings`` as JSON. Counts follow the run config in ``shards_uri``
     (``trainer.num_workers``, ``embedding.num_shards``) and each parameter-server pod's memory its shard plan
-    (``shard_memory_bytes`` per shard, plus ``PS_MEMORY_OVERHEAD``). ``owner``: an ``ownerReferences`` entry (the
-    step's pod) put on both objects, so that deleting the step's pod deletes them. Checkpoint and delta flags as
+    (``shard_memory_bytes`` plus ``PS_PROCESS_OVERHEAD`` per shard, and ``PS_POD_OVERHEAD``); an NN pod's memory
+    limit holds its ``/dev/shm`` too. ``owner``: an ``ownerReferences`` entry (the step's pod) put on both objects,
+    so that deleting the step's pod deletes them. Checkpoint and delta flags as
     on Vertex AI (``components.custom_job.run_flags``). Raises ``ValueError`` when the counts do not divide or the
     shard plan is missing."""
     s = settings
@@ -111,7 +147,7 @@ def jobset_manifests(
         plan = json.loads(io.read_text(io.join(shards_uri, "shard_plan.json")))
     except FileNotFoundError as e:
         raise ValueError(f"{io.join(shards_uri, 'shard_plan.json')}: no shard plan (init_shards writes it)") from e
-    ps_memory = _mebibytes(k * int(plan["shard_memory_bytes"]) + PS_MEMORY_OVERHEAD)
+    ps_memory = _mebibytes(k * (int(plan["shard_memory_bytes"]) + PS_PROCESS_OVERHEAD) + PS_POD_OVERHEAD)
     base = io.to_uri(model_uri).rstrip("/") + "_job"
     paths = {
         "dataset": io.to_fuse(dataset_uri),
@@ -133,7 +169,7 @@ def jobset_manifests(
         for pool, c in counts.items()
         if c > 0
     }
-    secret_name = f"{name}-token"
+    token_secret = secret_name(name)
     key = run_key(model_uri)
     labels = {"app.kubernetes.io/name": "persia-kfp", "app.kubernetes.io/component": "train", RUN_KEY_LABEL: key}
     metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
@@ -148,15 +184,19 @@ def jobset_manifests(
         spec = spec[:-2] + ', "index": $(' + INDEX_ENV + ")}}"  # an integer once the kubelet expands it
         env = [
             {"name": INDEX_ENV, "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}},
-            {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
+            {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": token_secret, "key": TOKEN_KEY}}},
             {"name": "CLUSTER_SPEC", "value": spec},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ]
         if nn:
+            # the memory-backed /dev/shm counts against the container's memory: the limit holds both
+            limit = _mebibytes(quantity_bytes(s["nn_memory"]) + quantity_bytes(s["shm_size"]))
             requests = {"cpu": s["nn_cpu"], "memory": s["nn_memory"]}
-            limits: dict[str, Any] = {"memory": s["nn_memory"]}
+            limits: dict[str, Any] = {"memory": limit}
             if s["gpus"]:
                 requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(s["gpus"])
+                env.append({"name": "LD_LIBRARY_PATH", "value": GPU_DRIVER_LIBS})
+                env.append({"name": DEVICE_ENV, "value": "cuda"})  # no silent fallback to the CPU
             pool_name, image = s["nn_node_pool"], s["cuda_image"] or s["image"]
         elif pool == 2:
             requests, limits = {"cpu": s["ps_cpu"], "memory": ps_memory}, {"memory": ps_memory}
@@ -187,10 +227,15 @@ def jobset_manifests(
             "env": env,
             "ports": [{"containerPort": port + j, "protocol": "TCP"} for j in range(listeners)],
             "resources": {"requests": requests, "limits": limits},
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         }
         if mounts:
             container["volumeMounts"] = mounts
-        pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        pod: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "containers": [container],
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        }
         if volumes:
             pod["volumes"] = volumes
         if s["service_account"]:
@@ -236,7 +281,7 @@ def jobset_manifests(
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": dict(metadata, name=secret_name, labels=dict(labels)),
+        "metadata": dict(metadata, name=token_secret, labels=dict(labels)),
         "type": "Opaque",
         "stringData": {TOKEN_KEY: token},
     }

@@ -34,19 +34,19 @@ def train(
 
     from kubernetes import client, config
 
-    from components.jobset import jobset_manifests, jobset_name, run_key
+    from components.jobset import jobset_manifests, jobset_name, require_cloud_storage, run_key
     from components.k8s_job import owner_reference, run_jobset, step_pod
     from persia_core import io
     from persia_core.bad_input import refusing_bad_input
 
+    require_cloud_storage({"dataset": dataset.uri, "shards": shards.uri, "model": model.uri})
     s = json.loads(settings)
     config.load_incluster_config()
     api = client.ApiClient()
-    own_namespace, pod = step_pod()
+    own_namespace, pod, uid = step_pod()
     namespace = s["namespace"] or own_namespace
-    owner = (
-        owner_reference(api, own_namespace, pod) if namespace == own_namespace else None
-    )  # no cross-namespace owners
+    # the step's pod owns the JobSet and its Secret (an owner must be in the same namespace)
+    owner = owner_reference(api, own_namespace, pod, uid) if namespace == own_namespace else None
     with refusing_bad_input(model.uri, "train"):  # exit 2, and a retry of this task fails at once
         manifests = jobset_manifests(
             s,

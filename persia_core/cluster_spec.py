@@ -41,6 +41,9 @@ from typing import Any
 from persia_core.ps.protocol import EW_ADDRESSES_ENV
 
 PRIMARY, NN_WORKER, PARAMETER_SERVER, EMBEDDING_WORKER = "primary", "nn_worker", "parameter_server", "embedding_worker"
+DEVICE_ENV = "PERSIA_NN_DEVICE"
+"""Set to ``cuda`` in a replica or pod that was given GPUs: its NN workers then refuse to train on the CPU (their
+``trainer.device`` ``auto`` would fall back to it silently when the GPU driver is missing)."""
 POOL_ROLES = {0: PRIMARY, 1: NN_WORKER, 2: PARAMETER_SERVER, 3: EMBEDDING_WORKER}
 """Worker-pool index -> role."""
 

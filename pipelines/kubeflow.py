@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,20 @@ QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
 """A Kubernetes resource quantity such as ``500m``, ``8``, ``64Gi``."""
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def parser(type_name: str) -> Callable[[str], Any]:
+    """The parser of a setting's text by its field's type name (``int``, ``bool``, else ``str``)."""
+    parsers: dict[str, Callable[[str], Any]] = {"bool": parse_bool, "int": int}
+    return parsers.get(type_name, str)
+
+
+def parse_bool(text: str) -> bool:
+    """``1``/``true``/``yes`` -> True, ``0``/``false``/``no`` -> False (any case). Raises ``ValueError`` otherwise."""
+    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(text.lower())
+    if value is None:
+        raise ValueError(f"{text!r} is not 0 or 1")
+    return value
 
 
 @dataclass
@@ -120,10 +134,13 @@ class KubeflowSettings:
                 "PERSIA_BASE_IMAGE (e.g. us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG, built and "
                 "pushed with `make image` / cloudbuild.yaml; see docs/kubeflow-gke.md)"
             )
-        for name in ("image", "cuda_image"):
+        for name in ("image", "cuda_image"):  # the cluster's nodes pull it from a registry: a local tag is not there
             value = getattr(self, name)
-            if value and any(c.isspace() for c in value):
-                raise ValueError(f"kubeflow setting {name}={value!r} is not an image reference")
+            if value and ("/" not in value or any(c.isspace() for c in value)):
+                raise ValueError(
+                    f"kubeflow setting {name}={value!r} is not a registry image (e.g. "
+                    f"us-central1-docker.pkg.dev/PROJECT/persia/persia-kfp:TAG): the cluster cannot pull a local tag"
+                )
         for name in ("namespace", "service_account"):
             value = getattr(self, name)
             if value and not DNS_LABEL.match(value):
@@ -141,9 +158,9 @@ class KubeflowSettings:
             raise ValueError(f"kubeflow setting taint_key={self.taint_key!r} (PERSIA_K8S_TAINT_KEY) is not a taint key")
         for name in ("nn_cpu", "nn_memory", "ps_cpu", "ew_cpu", "ew_memory", "shm_size"):
             value = getattr(self, name)
-            if not QUANTITY.match(value):
+            if not QUANTITY.match(value) or not float(re.sub(r"[A-Za-z]+$", "", value)) > 0:
                 raise ValueError(
-                    f"kubeflow setting {name}={value!r} ({self.ENV[name]}) is not a Kubernetes quantity "
+                    f"kubeflow setting {name}={value!r} ({self.ENV[name]}) is not a positive Kubernetes quantity "
                     f"such as 8, 500m or 64Gi"
                 )
         for name in ("shards_per_server", "ranks_per_replica", "embedding_workers_per_replica", "port"):
@@ -154,6 +171,17 @@ class KubeflowSettings:
                 raise ValueError(f"kubeflow setting {name} must be >= 0, got {getattr(self, name)}")
         if self.port > 65535 - 64:
             raise ValueError(f"kubeflow setting port={self.port}: the roles count ports up from it, keep it <= 65471")
+        for name in ("nn_memory", "ew_memory", "shm_size"):  # bytes: 100m would be a tenth of a byte
+            if getattr(self, name).endswith("m"):
+                raise ValueError(
+                    f"kubeflow setting {name}={getattr(self, name)!r} ({self.ENV[name]}) is not a memory size such "
+                    f"as 32Gi"
+                )
+        if self.accelerator and not self.gpus:
+            raise ValueError(
+                f"kubeflow settings: accelerator={self.accelerator!r} (PERSIA_K8S_ACCELERATOR) but no GPUs per NN pod "
+                f"(PERSIA_K8S_GPUS=0)"
+            )
         if self.gpus and self.ranks_per_replica > self.gpus:
             raise ValueError(
                 f"kubeflow settings: {self.ranks_per_replica} ranks per NN pod but {self.gpus} GPU(s) per pod "
@@ -166,23 +194,20 @@ class KubeflowSettings:
         ``PERSIA_BASE_IMAGE``), then ``overrides`` (None values ignored). Raises ``ValueError`` naming the
         variable that does not parse."""
         env: Mapping[str, str] = os.environ if environ is None else environ
+        unknown = sorted(v for v in env if v.startswith("PERSIA_K8S_") and v not in cls.ENV.values())
+        if unknown:  # a misspelt setting would be ignored
+            raise ValueError(f"{', '.join(unknown)}: not a setting of the Kubeflow target ({sorted(cls.ENV.values())})")
         kw: dict[str, Any] = {}
-        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        types = {f.name: getattr(f.type, "__name__", str(f.type)) for f in dataclasses.fields(cls)}
         for name, var in cls.ENV.items():
             raw = env.get(var, "")
             if raw == "":
                 continue
-            kind = types[name]
             try:
-                if kind in (bool, "bool"):
-                    if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                        raise ValueError(raw)
-                    kw[name] = raw.lower() in ("1", "true", "yes")
-                else:
-                    kw[name] = int(raw) if kind in (int, "int") else raw
+                kw[name] = parser(types[name])(raw)
             except ValueError as e:
                 raise ValueError(
-                    f"{var}={raw!r}: expected {'0 or 1' if kind in (bool, 'bool') else 'an integer'}"
+                    f"{var}={raw!r}: expected {'0 or 1' if types[name] == 'bool' else 'an integer'}"
                 ) from e
         kw.update({k: v for k, v in overrides.items() if v is not None})
         kw.setdefault("image", env.get("PERSIA_BASE_IMAGE", ""))

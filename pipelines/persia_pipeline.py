@@ -279,16 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--network", help="VPC network of the CustomJob")
     v.add_argument("--ps-token-secret", help="Secret Manager version of the parameter servers' token")
     v.add_argument("--timeout-s", type=int, help="CustomJob timeout, seconds")
-    k = p.add_argument_group("kubeflow target (defaults: the PERSIA_K8S_* variables, see pipelines/kubeflow.py)")
-    k.add_argument("--k8s-image", help="image of every step and role ($PERSIA_K8S_IMAGE, else $PERSIA_BASE_IMAGE)")
-    k.add_argument("--k8s-cuda-image", help="image of the NN workers ($PERSIA_K8S_CUDA_IMAGE)")
-    k.add_argument("--k8s-namespace", help="namespace of the training JobSet (default: the step's own)")
-    k.add_argument("--k8s-service-account", help="Kubernetes ServiceAccount of the training pods")
-    k.add_argument("--k8s-nn-node-pool", help="GKE node pool of the NN workers")
-    k.add_argument("--k8s-ps-node-pool", help="GKE node pool of the parameter servers")
-    k.add_argument("--k8s-ew-node-pool", help="GKE node pool of the embedding workers")
-    k.add_argument("--k8s-gpus", type=int, help="GPUs per NN pod (0: CPU only)")
-    k.add_argument("--k8s-embedding-workers", type=int, help="embedding workers per NN worker in pods of their own")
+    k = p.add_argument_group("kubeflow target (defaults: the PERSIA_K8S_* variables; see pipelines/kubeflow.py)")
+    for f in dataclasses.fields(kubeflow.KubeflowSettings):
+        var = kubeflow.KubeflowSettings.ENV[f.name]
+        kind = kubeflow.parser(getattr(f.type, "__name__", str(f.type)))
+        k.add_argument(
+            f"--k8s-{f.name.replace('_', '-')}",
+            type=kind,
+            help=f"${var}" + (", else $PERSIA_BASE_IMAGE" if f.name == "image" else ""),
+        )
     args = p.parse_args(argv)
     output = args.output or DEFAULT_OUTPUT[args.target]
     settings: vertex.VertexSettings | kubeflow.KubeflowSettings | None = None
@@ -299,6 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         elif args.target == "kubeflow":
             given = {k[len("k8s_") :]: v for k, v in vars(args).items() if k.startswith("k8s_")}
             settings = kubeflow.KubeflowSettings.from_env(**given)
+
+        def foreign(flag: str) -> bool:  # a setting of another target, which this compile would ignore
+            return args.target == "local" or (args.target == "kubeflow") != flag.startswith("k8s_")
+
+        wrong = [
+            "--" + k.replace("_", "-")
+            for k, v in vars(args).items()
+            if v is not None and k not in ("target", "output") and foreign(k)
+        ]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: not a setting of the {args.target} target")
         print(compile_pipeline(output, args.target, settings))
     except ValueError as e:
         p.error(str(e))

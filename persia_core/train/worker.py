@@ -36,6 +36,7 @@ import torch.distributed as dist
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.allocator import keep_freed_memory
+from persia_core.cluster_spec import DEVICE_ENV
 from persia_core.config import RunConfig, load_config
 from persia_core.data.reader import read_labels, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
@@ -71,11 +72,18 @@ log = logging.getLogger("persia.worker")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> the GPU of this local rank when CUDA is available, else the CPU. Raises ``ValueError`` for
-    ``cuda`` on a machine without CUDA."""
+    """``auto`` -> the GPU of this local rank when CUDA is available, else the CPU; ``$PERSIA_NN_DEVICE=cuda``
+    (``cluster_spec.DEVICE_ENV``, set where the job was given GPUs) makes ``auto`` mean ``cuda``. Raises
+    ``ValueError`` for ``cuda`` on a machine without CUDA."""
+    if name == "auto" and os.environ.get(DEVICE_ENV) == "cuda":
+        name = "cuda"
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("trainer.device is 'cuda' but CUDA is not available on this machine")
+            raise ValueError(
+                f"trainer.device is 'cuda' (or ${DEVICE_ENV}=cuda: GPUs were requested) but CUDA is not available "
+                f"on this machine: is the GPU driver visible to the process (on GKE, LD_LIBRARY_PATH holds "
+                f"/usr/local/nvidia/lib64) and is torch a CUDA build?"
+            )
         idx = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(idx)
         return torch.device("cuda", idx)

@@ -38,9 +38,19 @@ COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-ind
 """The downward-API field of an Indexed Job's pod that holds its index."""
 BASIC_ENV = ("PATH", "HOME", "PYTHONPATH", "LANG", "LC_ALL", "TMPDIR", "USER")
 """Variables of this process a pod's process gets besides its manifest's (and ``OMP_NUM_THREADS=1``)."""
-KNOWN_CONTAINER_FIELDS = {"name", "image", "command", "args", "env", "ports", "resources", "volumeMounts"}
-"""Container fields the emulation knows: ``image``, ``ports`` and ``resources`` are not enforced (this checkout runs
-every pod; nothing is scheduled, limited or firewalled)."""
+KNOWN_CONTAINER_FIELDS = {
+    "name",
+    "image",
+    "command",
+    "args",
+    "env",
+    "ports",
+    "resources",
+    "volumeMounts",
+    "securityContext",
+}
+"""Container fields the emulation knows: ``image``, ``ports``, ``resources`` and ``securityContext`` are not enforced
+(this checkout runs every pod; nothing is scheduled, limited, confined or firewalled)."""
 KNOWN_MOUNTS = {"/dev/shm"}
 """Mount paths the emulation may ignore: a memory-backed ``/dev/shm`` is this machine's own."""
 
@@ -171,7 +181,7 @@ def pods_of(jobset: dict, *secrets: dict) -> list[Pod]:
             raise ManifestError(f"{rjob['name']}: only Indexed Jobs with completions == parallelism are emulated")
         pod_spec = spec["template"]["spec"]
         if set(pod_spec) - {"restartPolicy", "containers", "volumes", "serviceAccountName", "nodeSelector",
-                            "tolerations"} or pod_spec.get("restartPolicy") != "Never":  # fmt: skip
+                            "tolerations", "securityContext"} or pod_spec.get("restartPolicy") != "Never":  # fmt: skip
             raise ManifestError(f"{rjob['name']}: pod spec fields {sorted(pod_spec)} are not all emulated")
         (container,) = pod_spec["containers"]
         if set(container) - KNOWN_CONTAINER_FIELDS:

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from components import custom_job, jobset
-from persia_core.cluster_spec import parse_cluster_spec, placement
+from persia_core.cluster_spec import DEVICE_ENV, parse_cluster_spec, placement
 from pipelines import kubeflow, vertex
 from pipelines.persia_pipeline import compile_pipeline
 from pipelines.persia_pipeline import main as compile_main
@@ -82,6 +82,26 @@ def test_kubeflow_compile_cli_reads_persia_k8s_variables_and_flags(monkeypatch, 
     with pytest.raises(SystemExit):
         compile_main(["--target", "kubeflow", "--output", str(out)])
     assert "PERSIA_K8S_GPUS='two'" in capsys.readouterr().err
+    monkeypatch.delenv("PERSIA_K8S_GPUS")
+    # every setting is a flag; a misspelt variable and another target's flag are refused, not ignored
+    compile_main(["--target", "kubeflow", "--output", str(out), "--k8s-taint-key", "pool", "--k8s-gcs-fuse", "1"])
+    got = json.loads(
+        yaml.safe_load(open(out))["root"]["dag"]["tasks"]["train"]["inputs"]["parameters"]["settings"]["runtimeValue"][
+            "constant"
+        ]
+    )
+    assert (got["taint_key"], got["gcs_fuse"]) == ("pool", True)
+    for argv, says in (
+        (["--target", "kubeflow", "--shards-per-server", "4"], "--shards-per-server: not a setting of the kubeflow"),
+        (["--target", "vertex", "--image", IMAGE, "--k8s-gpus", "2"], "--k8s-gpus: not a setting of the vertex"),
+    ):
+        with pytest.raises(SystemExit):
+            compile_main([*argv, "--output", str(out)])
+        assert says in capsys.readouterr().err
+    monkeypatch.setenv("PERSIA_K8S_GPU", "2")
+    with pytest.raises(SystemExit):
+        compile_main(["--target", "kubeflow", "--output", str(out)])
+    assert "PERSIA_K8S_GPU: not a setting of the Kubeflow target" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -93,6 +113,10 @@ def test_kubeflow_compile_cli_reads_persia_k8s_variables_and_flags(monkeypatch, 
         (dict(gpus=1, ranks_per_replica=2), "one rank per GPU"),
         (dict(shards_per_server=0), "shards_per_server must be >= 1"),
         (dict(taint_key="bad key"), "taint_key"),
+        (dict(image="persia-kfp:local"), "cannot pull a local tag"),
+        (dict(nn_memory="0"), "nn_memory='0'"),
+        (dict(shm_size="100m"), "not a memory size"),
+        (dict(gpus=0, ranks_per_replica=1), "accelerator='nvidia-tesla-a100'"),
     ],
 )
 def test_kubeflow_settings_refuse_values_kubernetes_would_refuse(kw, says):
@@ -198,8 +222,17 @@ def test_jobset_pods_get_their_node_pool_resources_and_volumes(tmp_path):
     nn_c, ps_c = nn["spec"]["containers"][0], ps["spec"]["containers"][0]
     assert nn_c["image"] == CUDA_IMAGE and ps_c["image"] == IMAGE
     assert nn_c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    # 2 shards of a 6 GiB budget each, plus the process's own GiB: the parameter servers' memory from the plan
-    assert ps_c["resources"]["requests"]["memory"] == ps_c["resources"]["limits"]["memory"] == f"{13 * 1024}Mi"
+    # 2 shard processes of a 6 GiB budget and 512 MiB of their own each, plus the pod's entry process's 512 MiB:
+    # the parameter servers' memory from the plan
+    assert ps_c["resources"]["requests"]["memory"] == ps_c["resources"]["limits"]["memory"] == f"{13 * 1024 + 512}Mi"
+    # the NN pods' limit holds their memory-backed /dev/shm (16Gi by default) beside their 32Gi
+    assert nn_c["resources"]["requests"]["memory"] == "32Gi" and nn_c["resources"]["limits"]["memory"] == "49152Mi"
+    env = {e["name"]: e.get("value") for e in nn_c["env"]}
+    assert env["LD_LIBRARY_PATH"] == jobset.GPU_DRIVER_LIBS and env[DEVICE_ENV] == "cuda"
+    assert "LD_LIBRARY_PATH" not in {e["name"] for e in ps_c["env"]}
+    for c, spec in ((nn_c, nn["spec"]), (ps_c, ps["spec"])):  # what Pod Security's baseline asks, and more
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        assert spec["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     assert [p["containerPort"] for p in ps_c["ports"]] == [2222, 2223]
     mounts = {m["mountPath"]: m["name"] for m in nn_c["volumeMounts"]}
     assert set(mounts) == {"/gcs/d", "/gcs/m", "/dev/shm"} and "/dev/shm" not in [
@@ -211,7 +244,13 @@ def test_jobset_pods_get_their_node_pool_resources_and_volumes(tmp_path):
     assert nn["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
     assert nn["spec"]["serviceAccountName"] == "persia-trainer" and nn["spec"]["restartPolicy"] == "Never"
     local = jobset.jobset_manifests(
-        _settings(gcs_fuse=False, gpus=0, ranks_per_replica=1).to_json(), "/d", shards, "/m", "n", "ns", "t"
+        _settings(gcs_fuse=False, gpus=0, ranks_per_replica=1, accelerator="").to_json(),
+        "/d",
+        shards,
+        "/m",
+        "n",
+        "ns",
+        "t",
     )["jobset"]
     local_nn = local["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     assert [v["name"] for v in local_nn["spec"]["volumes"]] == ["dshm"] and "annotations" not in local_nn["metadata"]
@@ -276,4 +315,27 @@ def test_rbac_manifests_validate_and_bind_the_train_steps_role():
     accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
     binding = by_kind["RoleBinding"]
     assert binding["roleRef"]["name"] == by_kind["Role"]["metadata"]["name"]
-    assert {s["name"] for s in binding["subjects"]} <= accounts
+    # bound to the ServiceAccount KFP standalone runs steps with; the training pods' own has no binding
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", "pipeline-runner")]
+    assert accounts == {"persia-trainer"}
+
+
+def test_an_nn_worker_given_gpus_refuses_to_train_on_the_cpu(monkeypatch):
+    import torch
+
+    from persia_core.train.worker import resolve_device
+
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusal needs one without")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv(DEVICE_ENV, "cuda")  # as the JobSet sets it in NN pods that requested GPUs
+    with pytest.raises(ValueError, match="LD_LIBRARY_PATH"):
+        resolve_device("auto")
+    assert resolve_device("cpu") == torch.device("cpu")  # a config that asks for the CPU still gets it
+
+
+def test_the_train_step_refuses_artifacts_off_cloud_storage_naming_the_pipeline_root():
+    jobset.require_cloud_storage({"dataset": "gs://b/root/d", "model": "/gcs/b/root/m"})
+    with pytest.raises(ValueError, match=r"artifact model is at minio://mlpipeline/v2/m.*defaultPipelineRoot"):
+        jobset.require_cloud_storage({"dataset": "gs://b/root/d", "model": "minio://mlpipeline/v2/m"})
