@@ -13,13 +13,14 @@ checkpoint), and declares success when the primary finishes. Kubeflow Trainer's 
 models one trainer role plus initializers: parameter servers and embedding workers fit it only as side cars.
 """
 
-import contextlib
 import dataclasses
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pipelines.compile_target import CompileTarget
 
 QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
 """A Kubernetes resource quantity such as ``500m``, ``8``, ``64Gi``."""
@@ -218,20 +219,8 @@ class KubeflowSettings:
         return dataclasses.asdict(self)
 
 
-_settings: KubeflowSettings | None = None
-
-
-@contextlib.contextmanager
-def compiling_for(settings: KubeflowSettings):
-    """While active, the pipeline body builds the Kubeflow target with ``settings``."""
-    global _settings
-    old, _settings = _settings, settings
-    try:
-        yield settings
-    finally:
-        _settings = old
-
-
-def current_settings() -> KubeflowSettings | None:
-    """The settings of the Kubeflow compile in progress, or None."""
-    return _settings
+_target: CompileTarget[KubeflowSettings] = CompileTarget()
+compiling_for = _target.compiling_for
+"""While active, the pipeline body builds the Kubeflow target with the given settings."""
+current_settings = _target.current
+"""The Kubeflow settings while that target is compiled; None otherwise."""

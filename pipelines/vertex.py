@@ -10,7 +10,6 @@ compiled.
 Under ``kfp.local`` the local target runs the plain ``components.train`` (LocalCluster) instead.
 """
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from persia_core.cluster_spec import Machine, replica_args, worker_pool_specs
+from pipelines.compile_target import CompileTarget
 
 GPU_MACHINE_FAMILIES = (
     ("NVIDIA_TESLA_A100", "a2-"),
@@ -238,20 +238,8 @@ class VertexSettings:
         )
 
 
-_settings: VertexSettings | None = None
-
-
-@contextlib.contextmanager
-def compiling_for(settings: VertexSettings):
-    """While active, the pipeline body builds the Vertex AI target with ``settings``."""
-    global _settings
-    old, _settings = _settings, settings
-    try:
-        yield settings
-    finally:
-        _settings = old
-
-
-def current_settings() -> VertexSettings | None:
-    """The Vertex AI settings while compiling that target; None for the local target."""
-    return _settings
+_target: CompileTarget[VertexSettings] = CompileTarget()
+compiling_for = _target.compiling_for
+"""While active, the pipeline body builds the Vertex AI target with the given settings."""
+current_settings = _target.current
+"""The Vertex AI settings while that target is compiled; None otherwise."""
