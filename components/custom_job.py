@@ -97,6 +97,19 @@ def replica_counts(args: list[str], shards_uri: str) -> tuple[int, int, int, int
     return m, n, m * ew // per, k, g
 
 
+def run_paths(dataset_uri: str, shards_uri: str, model_uri: str) -> tuple[dict[str, str], str]:
+    """The replicas' folders of one run (``PATH_PLACEHOLDERS`` -> a ``/gcs/`` path) and the job's base folder
+    (``<model>_job``, gs:// form; its ``control`` folder holds the done marker)."""
+    base = io.to_uri(model_uri).rstrip("/") + "_job"
+    paths = {
+        "dataset": io.to_fuse(dataset_uri),
+        "shards": io.to_fuse(shards_uri),
+        "model": io.to_fuse(model_uri),
+        "control": io.to_fuse(io.join(base, "control")),
+    }
+    return paths, base
+
+
 def run_flags(
     model_uri: str,
     checkpoint_every_s: float = 0.0,
@@ -151,13 +164,7 @@ def custom_job_request(
     ``<model>/deltas``). Raises ``ValueError`` when the counts do not divide."""
     template = json.loads(template_json)
     m, n, ew_replicas, k, g = replica_counts(template[0]["containerSpec"]["args"], shards_uri)
-    base = io.to_uri(model_uri).rstrip("/") + "_job"
-    paths = {
-        "dataset": io.to_fuse(dataset_uri),
-        "shards": io.to_fuse(shards_uri),
-        "model": io.to_fuse(model_uri),
-        "control": io.to_fuse(io.join(base, "control")),
-    }
+    paths, base = run_paths(dataset_uri, shards_uri, model_uri)
     env = {TOKEN_SECRET_ENV: ps_token_secret} if ps_token_secret else {TOKEN_ENV: secrets.token_hex(16)}
     specs = fill_worker_pool_specs(template, paths, m // g, n // k, env, ew_replicas)
     entry, worker = run_flags(model_uri, checkpoint_every_s, checkpoint_every_steps, delta_dir, delta_every_s)

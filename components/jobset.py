@@ -22,9 +22,9 @@ import json
 import secrets
 from typing import Any
 
-from components.custom_job import replica_counts, run_flags
+from components.custom_job import replica_counts, run_flags, run_paths
 from persia_core import io
-from persia_core.cluster_spec import DEVICE_ENV, ENTRY_COMMAND, PATH_PLACEHOLDERS, replica_args
+from persia_core.cluster_spec import DEVICE_ENV, ENTRY_COMMAND, replica_args
 from persia_core.ps.protocol import TOKEN_ENV
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -148,14 +148,7 @@ def jobset_manifests(
     except FileNotFoundError as e:
         raise ValueError(f"{io.join(shards_uri, 'shard_plan.json')}: no shard plan (init_shards writes it)") from e
     ps_memory = _mebibytes(k * (int(plan["shard_memory_bytes"]) + PS_PROCESS_OVERHEAD) + PS_POD_OVERHEAD)
-    base = io.to_uri(model_uri).rstrip("/") + "_job"
-    paths = {
-        "dataset": io.to_fuse(dataset_uri),
-        "shards": io.to_fuse(shards_uri),
-        "model": io.to_fuse(model_uri),
-        "control": io.to_fuse(io.join(base, "control")),
-    }
-    assert set(paths) == set(PATH_PLACEHOLDERS)
+    paths, _ = run_paths(dataset_uri, shards_uri, model_uri)
     entry, worker = run_flags(model_uri, checkpoint_every_s, checkpoint_every_steps, delta_dir, delta_every_s)
     filled = []
     for a in args + entry + worker:
