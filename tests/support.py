@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import numpy as np
 import pyarrow as pa
@@ -100,3 +101,25 @@ def write_dataset(
     with open(os.path.join(out_dir, S.SCHEMA_FILE), "w") as f:
         json.dump(schema, f)
     return out_dir
+
+
+def free_port_run(k: int) -> int:
+    """A port p such that p .. p+k-1 were free on 127.0.0.1 a moment ago."""
+    for _ in range(100):
+        s0 = socket.socket()
+        s0.bind(("127.0.0.1", 0))
+        p = s0.getsockname()[1]
+        s0.close()
+        socks = []
+        try:
+            for q in range(p, p + k):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")

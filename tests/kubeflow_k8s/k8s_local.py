@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from itertools import count
 from typing import IO, Any
 
 import pytest
+from support import free_port_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -381,26 +381,6 @@ def wait_all(procs: dict[str, subprocess.Popen], timeout_s: float) -> dict[str, 
 
 
 # ---- the same roles on 127.0.0.1 ------------------------------------------------------------------------------
-def free_port_run(k: int) -> int:
-    """A port p such that p .. p+k-1 were free on 127.0.0.1 a moment ago."""
-    for _ in range(100):
-        s0 = socket.socket()
-        s0.bind(("127.0.0.1", 0))
-        p = s0.getsockname()[1]
-        s0.close()
-        socks = []
-        try:
-            for q in range(p, p + k):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def with_flags(argv: list[str], flags: list[str]) -> list[str]:

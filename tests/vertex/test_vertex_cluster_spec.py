@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from support import free_port_run
 
 from persia_core import cluster, cluster_spec
 
@@ -184,25 +185,6 @@ def _free_ports(n):
     return ports
 
 
-def _free_port_run(k):
-    """A port p such that p .. p+k-1 were free a moment ago."""
-    for _ in range(100):
-        (p,) = _free_ports(1)
-        socks = []
-        try:
-            for q in range(p, p + k):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 def _run_replicas(tmp_path, cmd, replicas, base, env, tag="", timeout_s=200) -> dict:
     """Start every replica as Vertex AI would and wait for all; asserts they all exit 0. Returns the logs."""
     procs = {}
@@ -257,12 +239,12 @@ def test_vertex_cluster_replicas_train_a_model_on_localhost(tmp_path, tiny_data,
     out, control = str(tmp_path / "model"), str(tmp_path / "control")
     ports = _free_ports(nn_replicas)
     k = 2 // ps_replicas
-    ps_ports = [_free_port_run(k) for _ in range(ps_replicas)]  # a server replica uses ports p .. p+k-1
+    ps_ports = [free_port_run(k) for _ in range(ps_replicas)]  # a server replica uses ports p .. p+k-1
     cluster_map = {"workerpool0": [f"127.0.0.1:{ports[0]}"], "workerpool2": [f"127.0.0.1:{p}" for p in ps_ports]}
     if nn_replicas > 1:
         cluster_map["workerpool1"] = [f"127.0.0.1:{p}" for p in ports[1:nn_replicas]]
     if ew_replicas:
-        cluster_map["workerpool3"] = [f"127.0.0.1:{_free_port_run(2)}" for _ in range(ew_replicas)]
+        cluster_map["workerpool3"] = [f"127.0.0.1:{free_port_run(2)}" for _ in range(ew_replicas)]
     base = {"cluster": cluster_map, "environment": "cloud"}
     env = dict(os.environ, PERSIA_PS_TOKEN="test-token", OMP_NUM_THREADS="1")
     cmd = [
@@ -352,7 +334,7 @@ def test_vertex_job_restarted_after_a_failure_resumes_from_its_newest_checkpoint
     init_shards(cfg, tiny_data, init)
     out, control, ckpts = str(tmp_path / "model"), str(tmp_path / "control"), str(tmp_path / "ckpt")
     (port,) = _free_ports(1)
-    ps_port = _free_port_run(2)
+    ps_port = free_port_run(2)
     base = {
         "cluster": {"workerpool0": [f"127.0.0.1:{port}"], "workerpool2": [f"127.0.0.1:{ps_port}"]},
         "environment": "cloud",
