@@ -174,6 +174,17 @@ def custom_job_request(
     return specs, base
 
 
+def record_training(manifest: dict, metrics, model) -> None:
+    """Log the Model ``manifest``'s training summary on the step's ``metrics`` artifact (samples/s, max staleness,
+    final loss, wall seconds) and tag the ``model`` artifact (framework, number of shards)."""
+    summary = manifest["summary"]
+    for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
+        if summary.get(key) is not None:
+            metrics.log_metric(key, summary[key])
+    model.metadata["framework"] = "persia-kfp"
+    model.metadata["num_shards"] = manifest["num_shards"]
+
+
 def run_custom_job(
     template_json: str,
     dataset_uri: str,

@@ -34,6 +34,7 @@ def train(
 
     from kubernetes import client, config
 
+    from components.custom_job import record_training
     from components.jobset import jobset_manifests, jobset_name, require_cloud_storage, run_key
     from components.k8s_job import owner_reference, run_jobset, step_pod
     from persia_core import io
@@ -65,9 +66,4 @@ def train(
     run_jobset(api, namespace, manifests)
     os.makedirs(model.path, exist_ok=True)  # the roles wrote the Model at its URI; the launcher uploads this folder
     manifest = json.loads(io.read_text(io.join(io.to_uri(model.uri), "manifest.json")))
-    summary = manifest["summary"]
-    for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
-        if summary.get(key) is not None:
-            metrics.log_metric(key, summary[key])
-    model.metadata["framework"] = "persia-kfp"
-    model.metadata["num_shards"] = manifest["num_shards"]
+    record_training(manifest, metrics, model)

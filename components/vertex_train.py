@@ -31,7 +31,7 @@ def train(
     restarted or retried job resumes from the newest complete one. ``delta_every_s > 0``: the parameter servers also
     write incremental exports to ``delta_dir`` (empty: ``<model>/deltas``). Bad input found before the job starts
     exits 2 and is recorded in the model folder, so that a retry fails at once (``persia_core.bad_input``)."""
-    from components.custom_job import run_custom_job
+    from components.custom_job import record_training, run_custom_job
     from persia_core.bad_input import refusing_bad_input
 
     with refusing_bad_input(model.uri, "train"):  # exit 2, and a retry of this task fails at once
@@ -51,9 +51,4 @@ def train(
             delta_dir=delta_dir,
             delta_every_s=delta_every_s,
         )
-    summary = manifest["summary"]
-    for key in ("samples_per_s", "max_staleness", "final_loss", "wall_seconds"):
-        if summary.get(key) is not None:
-            metrics.log_metric(key, summary[key])
-    model.metadata["framework"] = "persia-kfp"
-    model.metadata["num_shards"] = manifest["num_shards"]
+    record_training(manifest, metrics, model)
