@@ -6,6 +6,7 @@ request and keeps serving when a blessed model cannot be loaded."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -36,26 +37,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class Server:
-    """``python -m persia_core serve ARGS`` in a subprocess, waited for on its health route."""
+    """``python -m persia_core serve ARGS`` in a subprocess, waited for on its health route.
+
+    The port (``port``, also in ``--port`` of ``args`` or ``AIP_HTTP_PORT`` of ``env``) was free a moment before;
+    another test's process may take it meanwhile (parallel workers start gRPC servers): then a reply that is not
+    HTTP/1 means "not up yet", and a server that could not bind is started again on a fresh port (``self.port``)."""
 
     def __init__(self, args: list[str], env: dict[str, str], port: int, health: str, log_path: str):
-        self.port, self.log_path = port, log_path
-        self.log = open(log_path, "wb")
+        self.log_path = log_path
+        for attempt in range(3):
+            self._start(args, env, port)
+            up = self._wait(health)
+            if up:
+                return
+            text = open(log_path, errors="replace").read()
+            self.stop()
+            if "address already in use" not in text.lower() or attempt == 2:
+                raise AssertionError(f"the server did not come up: {text}")
+            port = free_port()  # taken by another test's process: start again elsewhere
+            args = [str(port) if i and args[i - 1] == "--port" else a for i, a in enumerate(args)]
+            env = dict(env, AIP_HTTP_PORT=str(port)) if "AIP_HTTP_PORT" in env else env
+
+    def _start(self, args: list[str], env: dict[str, str], port: int) -> None:
+        self.port = port
+        self.log = open(self.log_path, "wb")
         full_env = {**os.environ, "PYTHONPATH": ROOT, **env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "persia_core", "serve", *args], env=full_env, stdout=self.log, stderr=self.log
         )
+
+    def _wait(self, health: str) -> bool:
         deadline = time.time() + 60
         while True:
             try:
                 status, _, _ = self.get(health)
                 if status == 200:
-                    return
-            except OSError:
+                    return True
+            except (OSError, http.client.HTTPException):  # not listening yet, or another process's listener
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise AssertionError(f"the server did not come up: {open(log_path).read()}")
+                return False
             time.sleep(0.2)
 
     def url(self, route: str) -> str:
