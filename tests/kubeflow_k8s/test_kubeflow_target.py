@@ -163,7 +163,8 @@ def test_jobset_pods_find_their_roles_and_peers_through_the_vertex_cluster_spec(
     assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["metadata"]["namespace"] == "team"
     assert js["metadata"]["ownerReferences"] == secret["metadata"]["ownerReferences"] == [owner]
     assert js["metadata"]["labels"][jobset.RUN_KEY_LABEL] == secret["metadata"]["labels"][jobset.RUN_KEY_LABEL]
-    assert js["spec"]["network"]["enableDNSHostnames"] is True
+    # DNS names from the start, ready or not: the roles look their peers up while those still load their shards
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "publishNotReadyAddresses": True}
     assert js["spec"]["failurePolicy"] == {"maxRestarts": 0}  # a failed pod fails the set; KFP's retry resumes
     assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["primary"]}
     pods = _pods(js)
