@@ -24,7 +24,7 @@ from typing import Any
 
 from components.custom_job import replica_counts, run_flags, run_paths
 from persia_core import io
-from persia_core.cluster_spec import DEVICE_ENV, ENTRY_COMMAND, replica_args
+from persia_core.cluster_spec import DEVICE_ENV, ENTRY_COMMAND, ps_pod_memory_bytes, replica_args
 from persia_core.ps.protocol import TOKEN_ENV
 
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -46,11 +46,6 @@ ACCELERATOR_LABEL = "cloud.google.com/gke-accelerator"
 TOKEN_KEY = "token"
 CONTAINER = "persia"
 GCS_FUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
-PS_PROCESS_OVERHEAD = 512 << 20
-"""Bytes one parameter-server shard process holds beyond its table's budget (interpreter, gRPC buffers), as the
-capacity planner assumes (``PlanInputs.process_overhead_gb``)."""
-PS_POD_OVERHEAD = 512 << 20
-"""Bytes of a parameter-server pod's own entry process (``persia_core.cluster``, which starts the shards)."""
 GPU_DRIVER_LIBS = "/usr/local/nvidia/lib64"
 """Where GKE mounts the NVIDIA driver's libraries into a container that requests GPUs (the container must put it
 on ``LD_LIBRARY_PATH`` itself)."""
@@ -109,7 +104,7 @@ def _buckets(paths: list[str]) -> list[str]:
     for p in paths:
         uri = io.to_uri(p)
         if io.is_gcs(uri):
-            bucket = uri[len("gs://") :].split("/", 1)[0]
+            bucket = io.split_gcs(uri)[0]
             if bucket not in out:
                 out.append(bucket)
     return out
@@ -133,7 +128,7 @@ def jobset_manifests(
 
     ``settings``: ``pipelines.kubeflow.KubeflowSettings`` as JSON. Counts follow the run config in ``shards_uri``
     (``trainer.num_workers``, ``embedding.num_shards``) and each parameter-server pod's memory its shard plan
-    (``shard_memory_bytes`` plus ``PS_PROCESS_OVERHEAD`` per shard, and ``PS_POD_OVERHEAD``); an NN pod's memory
+    (``persia_core.cluster_spec.ps_pod_memory_bytes``); an NN pod's memory
     limit holds its ``/dev/shm`` too. ``owner``: an ``ownerReferences`` entry (the step's pod) put on both objects,
     so that deleting the step's pod deletes them. Checkpoint and delta flags as
     on Vertex AI (``components.custom_job.run_flags``). Raises ``ValueError`` when the counts do not divide or the
@@ -147,7 +142,7 @@ def jobset_manifests(
         plan = json.loads(io.read_text(io.join(shards_uri, "shard_plan.json")))
     except FileNotFoundError as e:
         raise ValueError(f"{io.join(shards_uri, 'shard_plan.json')}: no shard plan (init_shards writes it)") from e
-    ps_memory = _mebibytes(k * (int(plan["shard_memory_bytes"]) + PS_PROCESS_OVERHEAD) + PS_POD_OVERHEAD)
+    ps_memory = _mebibytes(ps_pod_memory_bytes(k, int(plan["shard_memory_bytes"])))
     paths, _ = run_paths(dataset_uri, shards_uri, model_uri)
     entry, worker = run_flags(model_uri, checkpoint_every_s, checkpoint_every_steps, delta_dir, delta_every_s)
     filled = []

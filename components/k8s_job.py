@@ -160,11 +160,17 @@ def _container(statuses: list[dict[str, Any]] | None, name: str) -> dict[str, An
     return next((c for c in statuses or [] if c.get("name") == name), {})
 
 
+def _terminated(pod: dict[str, Any]) -> dict[str, Any]:
+    """The ``terminated`` state of ``pod``'s ``persia`` container (``{}`` while it has not ended)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses")
+    return (_container(statuses, CONTAINER).get("state") or {}).get("terminated") or {}
+
+
 def _failure(pod: dict[str, Any]) -> str:
     """What failed in ``pod`` ("" when nothing did): its phase ``Failed``, or its ``persia`` container
     terminated with a non-zero exit code."""
     status = pod.get("status") or {}
-    term = (_container(status.get("containerStatuses"), CONTAINER).get("state") or {}).get("terminated") or {}
+    term = _terminated(pod)
     code = term.get("exitCode")
     if code not in (None, 0):
         return f"exited with code {code} ({term.get('reason') or 'Error'})"
@@ -177,8 +183,7 @@ def _failure(pod: dict[str, Any]) -> str:
 def _failed_order(pod: dict[str, Any]) -> tuple[bool, str]:
     """Sort key of failed pods, the cause first: not stopped by a signal (exit codes 137, 143) before stopped,
     then by when the ``persia`` container finished (RFC 3339 times sort as text)."""
-    status = pod.get("status") or {}
-    term = (_container(status.get("containerStatuses"), CONTAINER).get("state") or {}).get("terminated") or {}
+    term = _terminated(pod)
     return term.get("exitCode") in (137, 143), term.get("finishedAt") or "~"
 
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from persia_core import memory as M
-from persia_core.cluster_spec import Machine, worker_pool_specs
+from persia_core.cluster_spec import CPU_NN_MACHINE_TYPE, GPU_ONLY_FAMILIES, Machine, worker_pool_specs
+from persia_core.cluster_spec import ps_pod_memory_bytes as ps_pod_memory
 from persia_core.config import OPTIMIZERS
 
 WEIGHT_BYTES = {k: v for k, v in M.STORAGE_BYTES.items()}
@@ -59,10 +60,7 @@ GIB = 1 << 30
 BENCH_FEED_IDS_PER_SAMPLE = 26.0
 """IDs per sample of ``make bench-feed``'s Criteo-shaped set, at which ``ew_cpu_us_per_sample`` is measured."""
 GPU_NN_MACHINE_TYPE = "a2-highgpu-8g"
-CPU_NN_MACHINE_TYPE = "n2-standard-16"
 """The NN workers' default machines: with a GPU (8 x A100), and CPU-only (as the Vertex AI target's)."""
-GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
-"""Machine families that exist only with their GPUs attached."""
 
 
 @dataclass
@@ -225,9 +223,8 @@ class Plan:
     """The pipeline parameters the run must use so that the counts divide by those settings:
     ``num_parameter_servers`` (= total shards) and ``num_nn_workers`` (= NN workers, one per GPU)."""
     ps_pod_memory_bytes: float = 0.0
-    """A parameter-server pod's memory on Kubeflow with ``embedding.shard_memory_bytes`` at the shard budget: k x
-    (budget + 1 GiB) + 1 GiB, at least what the JobSet builder asks (k x (shard memory + process overhead) + pod
-    overhead)."""
+    """A parameter-server pod's memory on Kubeflow with ``embedding.shard_memory_bytes`` at the shard budget: what
+    the JobSet asks for (``cluster_spec.ps_pod_memory_bytes``)."""
     kubeflow_notes: list[str] = field(default_factory=list)
     """What the Kubeflow settings could not derive (a machine type of unknown shape), or what does not fit."""
 
@@ -508,7 +505,7 @@ def plan(inp: PlanInputs) -> Plan:
         ew_machine=Machine(inp.ew_machine_type),
         ew_replicas=ew_vms,
     )
-    ps_pod_bytes = k * (budget + GIB) + GIB  # the JobSet's k x (shard_memory_bytes + overhead) + overhead, or more
+    ps_pod_bytes = ps_pod_memory(k, budget)  # what the JobSet asks for at this shard budget
     resources, notes = kubeflow_resources(inp.gpu_machine_type, inp.ps_machine_type, inp.ew_machine_type, ps_pod_bytes)
     return Plan(
         inputs=inp,

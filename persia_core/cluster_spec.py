@@ -170,6 +170,23 @@ class Placement:
 
 ENTRY_COMMAND = ["python", "-m", "persia_core.cluster"]
 """The container command of every pool (the role comes from CLUSTER_SPEC)."""
+GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
+"""Machine families that exist only with their GPUs attached (Vertex AI and GKE refuse them without one)."""
+CPU_NN_MACHINE_TYPE = "n2-standard-16"
+"""The NN workers' machine where they run without GPUs."""
+PS_PROCESS_OVERHEAD_BYTES = 512 << 20
+"""Bytes one parameter-server shard process holds beyond its table's budget (interpreter, gRPC buffers)."""
+PS_POD_OVERHEAD_BYTES = 512 << 20
+"""Bytes of a parameter-server replica's own entry process (``persia_core.cluster``, which starts the shards)."""
+
+
+def ps_pod_memory_bytes(shards: int, shard_memory_bytes: int) -> int:
+    """Memory of a parameter-server replica (a Kubernetes pod) of ``shards`` shard processes, each with a table
+    budget of ``shard_memory_bytes`` (``embedding.shard_memory_bytes``): what the Kubeflow target's JobSet asks
+    for and the capacity planner checks against the machine."""
+    return shards * (shard_memory_bytes + PS_PROCESS_OVERHEAD_BYTES) + PS_POD_OVERHEAD_BYTES
+
+
 PATH_PLACEHOLDERS = ("dataset", "shards", "model", "control")
 """``{{name}}`` placeholders of ``replica_args``, filled with a run's folders when the job is submitted."""
 

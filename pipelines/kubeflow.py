@@ -20,18 +20,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from components.jobset import quantity_bytes
 from pipelines.compile_target import CompileTarget
 
-QUANTITY = re.compile(r"^\d+(\.\d+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$")
-"""A Kubernetes resource quantity such as ``500m``, ``8``, ``64Gi``."""
+CPU_QUANTITY = re.compile(r"^\d+(\.\d+)?m?$")
+"""A Kubernetes CPU quantity such as ``8``, ``0.5`` or ``500m``."""
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
-def parser(type_name: str) -> Callable[[str], Any]:
-    """The parser of a setting's text by its field's type name (``int``, ``bool``, else ``str``)."""
+def parser(kind: Any) -> Callable[[str], Any]:
+    """The parser of a setting's text by its field's type (``int``, ``bool``, else ``str``; or their names)."""
     parsers: dict[str, Callable[[str], Any]] = {"bool": parse_bool, "int": int}
-    return parsers.get(type_name, str)
+    return parsers.get(getattr(kind, "__name__", str(kind)), str)
 
 
 def parse_bool(text: str) -> bool:
@@ -157,12 +158,22 @@ class KubeflowSettings:
             r"([a-z0-9.-]+/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", self.taint_key
         ):
             raise ValueError(f"kubeflow setting taint_key={self.taint_key!r} (PERSIA_K8S_TAINT_KEY) is not a taint key")
-        for name in ("nn_cpu", "nn_memory", "ps_cpu", "ew_cpu", "ew_memory", "shm_size"):
+        for name in ("nn_cpu", "ps_cpu", "ew_cpu"):
             value = getattr(self, name)
-            if not QUANTITY.match(value) or not float(re.sub(r"[A-Za-z]+$", "", value)) > 0:
+            if not CPU_QUANTITY.match(value) or not float(value.removesuffix("m")) > 0:
                 raise ValueError(
-                    f"kubeflow setting {name}={value!r} ({self.ENV[name]}) is not a positive Kubernetes quantity "
-                    f"such as 8, 500m or 64Gi"
+                    f"kubeflow setting {name}={value!r} ({self.ENV[name]}) is not a positive CPU quantity such as 8 "
+                    f"or 500m"
+                )
+        for name in ("nn_memory", "ew_memory", "shm_size"):
+            value = getattr(self, name)
+            try:
+                size = quantity_bytes(value)
+            except ValueError:
+                size = 0
+            if size < 1:  # 100m would be a tenth of a byte
+                raise ValueError(
+                    f"kubeflow setting {name}={value!r} ({self.ENV[name]}) is not a memory size such as 32Gi"
                 )
         for name in ("shards_per_server", "ranks_per_replica", "embedding_workers_per_replica", "port"):
             if getattr(self, name) < 1:
@@ -172,12 +183,6 @@ class KubeflowSettings:
                 raise ValueError(f"kubeflow setting {name} must be >= 0, got {getattr(self, name)}")
         if self.port > 65535 - 64:
             raise ValueError(f"kubeflow setting port={self.port}: the roles count ports up from it, keep it <= 65471")
-        for name in ("nn_memory", "ew_memory", "shm_size"):  # bytes: 100m would be a tenth of a byte
-            if getattr(self, name).endswith("m"):
-                raise ValueError(
-                    f"kubeflow setting {name}={getattr(self, name)!r} ({self.ENV[name]}) is not a memory size such "
-                    f"as 32Gi"
-                )
         if self.accelerator and not self.gpus:
             raise ValueError(
                 f"kubeflow settings: accelerator={self.accelerator!r} (PERSIA_K8S_ACCELERATOR) but no GPUs per NN pod "
@@ -199,7 +204,7 @@ class KubeflowSettings:
         if unknown:  # a misspelt setting would be ignored
             raise ValueError(f"{', '.join(unknown)}: not a setting of the Kubeflow target ({sorted(cls.ENV.values())})")
         kw: dict[str, Any] = {}
-        types = {f.name: getattr(f.type, "__name__", str(f.type)) for f in dataclasses.fields(cls)}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
         for name, var in cls.ENV.items():
             raw = env.get(var, "")
             if raw == "":
@@ -208,7 +213,7 @@ class KubeflowSettings:
                 kw[name] = parser(types[name])(raw)
             except ValueError as e:
                 raise ValueError(
-                    f"{var}={raw!r}: expected {'0 or 1' if types[name] == 'bool' else 'an integer'}"
+                    f"{var}={raw!r}: expected {'0 or 1' if parser(types[name]) is parse_bool else 'an integer'}"
                 ) from e
         kw.update({k: v for k, v in overrides.items() if v is not None})
         kw.setdefault("image", env.get("PERSIA_BASE_IMAGE", ""))

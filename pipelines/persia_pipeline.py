@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     k = p.add_argument_group("kubeflow target (defaults: the PERSIA_K8S_* variables; see pipelines/kubeflow.py)")
     for f in dataclasses.fields(kubeflow.KubeflowSettings):
         var = kubeflow.KubeflowSettings.ENV[f.name]
-        kind = kubeflow.parser(getattr(f.type, "__name__", str(f.type)))
+        kind = kubeflow.parser(f.type)
         k.add_argument(
             f"--k8s-{f.name.replace('_', '-')}",
             type=kind,
@@ -292,12 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or DEFAULT_OUTPUT[args.target]
     settings: vertex.VertexSettings | kubeflow.KubeflowSettings | None = None
     try:
-        if args.target == "vertex":
-            names = [f.name for f in dataclasses.fields(vertex.VertexSettings)]
-            settings = vertex.VertexSettings.from_env(**{k: v for k, v in vars(args).items() if k in names})
-        elif args.target == "kubeflow":
-            given = {k[len("k8s_") :]: v for k, v in vars(args).items() if k.startswith("k8s_")}
-            settings = kubeflow.KubeflowSettings.from_env(**given)
 
         def foreign(flag: str) -> bool:  # a setting of another target, which this compile would ignore
             return args.target == "local" or (args.target == "kubeflow") != flag.startswith("k8s_")
@@ -309,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if wrong:
             raise ValueError(f"{', '.join(wrong)}: not a setting of the {args.target} target")
+        if args.target == "vertex":
+            names = [f.name for f in dataclasses.fields(vertex.VertexSettings)]
+            settings = vertex.VertexSettings.from_env(**{k: v for k, v in vars(args).items() if k in names})
+        elif args.target == "kubeflow":
+            given = {k[len("k8s_") :]: v for k, v in vars(args).items() if k.startswith("k8s_")}
+            settings = kubeflow.KubeflowSettings.from_env(**given)
         print(compile_pipeline(output, args.target, settings))
     except ValueError as e:
         p.error(str(e))

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from persia_core.cluster_spec import Machine, replica_args, worker_pool_specs
+from persia_core.cluster_spec import CPU_NN_MACHINE_TYPE, GPU_ONLY_FAMILIES, Machine, replica_args, worker_pool_specs
 from pipelines.compile_target import CompileTarget
 
 GPU_MACHINE_FAMILIES = (
@@ -34,11 +34,8 @@ GPU_MACHINE_FAMILIES = (
     ("NVIDIA_B200", "a4-"),
 )
 """GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
-GPU_ONLY_FAMILIES = ("a2-", "a3-", "a4-", "g2-")
-"""Machine families that exist only with their GPUs attached (Vertex AI refuses them without an accelerator)."""
 GPU_NN_MACHINE_TYPE = "a2-highgpu-1g"
-CPU_NN_MACHINE_TYPE = "n2-standard-16"
-"""The NN pools' default machines: with the default GPU (one A100), and CPU-only."""
+"""The NN pools' default machine with the default GPU (one A100); CPU-only: ``CPU_NN_MACHINE_TYPE``."""
 
 
 @dataclass
