@@ -17,9 +17,12 @@ the SplitMix64 finalizer), so that the shard does not share bits with the tables
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
 import xxhash
+
+from persia_core.embedding.kernels import prefixed_xxh3
 
 SLOT_SEP = b"\x1f"
 CROSS_SEP = "\x1e"
@@ -35,6 +38,40 @@ def feature_ids(slot: str, values: Iterable[str]) -> list[int]:
     prefix = slot.encode("utf-8") + SLOT_SEP
     h = xxhash.xxh3_64_intdigest
     return [h(prefix + v.encode("utf-8")) for v in values]
+
+
+def feature_ids_of_slots(slots: Sequence[str], values: Sequence[Sequence[str]]) -> list[np.ndarray]:
+    """Per slot k, ``feature_ids(slots[k], values[k])`` as ``uint64[len(values[k])]``: every key of every slot
+    hashed in one compiled call (``embedding.kernels.xxh3``; a key over its 240 bytes by ``xxhash``), for the
+    batches of a request where a call per value would dominate. Raises ``UnicodeEncodeError`` as ``feature_id``
+    does (a lone surrogate)."""
+    flat = list(chain.from_iterable(values))
+    counts = np.fromiter(map(len, values), np.int64, len(values))
+    joined = "".join(flat)
+    buf = joined.encode("utf-8")
+    if len(buf) == len(joined):  # ASCII: a value's characters are its bytes
+        lengths = np.fromiter(map(len, flat), np.int64, len(flat))
+    else:
+        encoded = [v.encode("utf-8") for v in flat]
+        lengths = np.fromiter(map(len, encoded), np.int64, len(flat))
+    value_bounds = np.zeros(len(flat) + 1, np.int64)
+    np.cumsum(lengths, out=value_bounds[1:])
+    prefixes = [s.encode("utf-8") + SLOT_SEP for s in slots]
+    prefix_bounds = np.zeros(len(slots) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, prefixes), np.int64, len(slots)), out=prefix_bounds[1:])
+    prefix_of = np.repeat(np.arange(len(slots), dtype=np.int64), counts)
+    out = np.empty(len(flat), np.uint64)
+    long_keys = prefixed_xxh3(
+        np.frombuffer(b"".join(prefixes), np.uint8),
+        prefix_bounds,
+        np.frombuffer(buf, np.uint8),
+        value_bounds,
+        prefix_of,
+        out,
+    )
+    for i in long_keys.tolist():  # rare: keys over 240 bytes
+        out[i] = xxhash.xxh3_64_intdigest(prefixes[prefix_of[i]] + flat[i].encode("utf-8"))
+    return np.split(out, np.cumsum(counts)[:-1]) if len(slots) else []
 
 
 def cross_values(parts: Sequence[Sequence[str]]) -> list[str]:

@@ -10,6 +10,7 @@ module         holds
 ``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
 ``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
 ``bags``       sum pooling of bags into ``[B, S, D]`` and its backward to one gradient row per unique ID
+``xxh3``       feature IDs of many keys at once: XXH3-64 of slot prefix + value (``hashing.feature_ids_of_slots``)
 ``cache``      numba's on-disk cache checked against every file of the package, so that an edit of any module
                recompiles the kernels of the others, which hold compiled copies of its code; imported first
 ============== ==============================================================================================
@@ -28,6 +29,7 @@ from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
 from persia_core.embedding.kernels.recency import first_live, list_order, queue_from_order, queue_order, queue_size
 from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup
+from persia_core.embedding.kernels.xxh3 import prefixed_xxh3
 
 __all__ = [
     "apply_adagrad",
@@ -44,6 +46,7 @@ __all__ = [
     "init_rows",
     "list_order",
     "lookup",
+    "prefixed_xxh3",
     "pool_into",
     "queue_from_order",
     "queue_order",
