@@ -45,23 +45,47 @@ def source_key(source: str) -> int:
 def slot_ids(fields: Mapping[str, Sequence], specs: list[tuple[str, list[str], bool]], n: int, single: bool = False):
     """The feature IDs of ``n`` examples' slots: ``fields[name][i]`` is example i's values of a layout field
     (``[]`` = missing), or with ``single`` its one text (``""`` = missing: a delimited layout's columns). Per slot
-    of ``specs`` (``slot_specs``), ``(ids: list[int], lengths: list[int])``: the examples' IDs one after the
-    other, and how many each has: ``hashing.feature_ids(slot, values)`` of the source field, or of
-    ``hashing.cross_values`` of the crossed fields' values (one ID per combination; none when any crossed field is
-    empty). One hashing call per slot, whatever ``n`` (``encode_row`` is ``n = 1``)."""
+    of ``specs`` (``slot_specs``), ``(ids, lengths)``: the examples' IDs one after the other, and how many each
+    has: ``hashing.feature_ids(slot, values)`` of the source field, or of ``hashing.cross_values`` of the crossed
+    fields' values (one ID per combination; none when any crossed field is empty). Without ``single`` (a row at a
+    time: ``encode_row`` is ``n = 1``) lists of ints, one hashing call per slot; with ``single`` (a request's
+    batch) ``uint64[N]`` and ``int64[n]`` arrays, the uncrossed slots' IDs hashed in one compiled call
+    (``hashing.feature_ids_of_slots``)."""
+    if single:
+        return _single_slot_ids(fields, specs, n)
     out = []
     for name, names, is_cross in specs:
-        if single and not is_cross:
-            texts = fields[names[0]]
-            if all(texts):
-                out.append((hashing.feature_ids(name, texts), [1] * n))
-            else:
-                out.append((hashing.feature_ids(name, [t for t in texts if t]), [1 if t else 0 for t in texts]))
-            continue
-        cols = [fields[f] if not single else [[t] if t else [] for t in fields[f]] for f in names]
+        cols = [fields[f] for f in names]
         per_row = [hashing.cross_values([c[i] for c in cols]) for i in range(n)] if is_cross else cols[0]
         flat = per_row[0] if n == 1 else [v for values in per_row for v in values]
         out.append((hashing.feature_ids(name, flat), [len(values) for values in per_row]))
+    return out
+
+
+def _single_slot_ids(fields: Mapping[str, Sequence], specs: list[tuple[str, list[str], bool]], n: int) -> list:
+    plain, plain_lengths = [], []
+    for _, names, is_cross in specs:
+        if is_cross:
+            continue
+        texts = fields[names[0]]
+        if all(texts):
+            plain.append(texts)
+            plain_lengths.append(np.ones(n, np.int64))
+        else:
+            plain.append([t for t in texts if t])
+            plain_lengths.append(np.fromiter(map(bool, texts), np.int64, n))
+    hashed = iter(hashing.feature_ids_of_slots([name for name, _, c in specs if not c], plain))
+    lengths = iter(plain_lengths)
+    out = []
+    for name, names, is_cross in specs:
+        if not is_cross:
+            out.append((next(hashed), next(lengths)))
+            continue
+        cols = [[[t] if t else [] for t in fields[f]] for f in names]
+        per_row = [hashing.cross_values([c[i] for c in cols]) for i in range(n)]
+        flat = [v for values in per_row for v in values]
+        ids = np.array(hashing.feature_ids(name, flat), dtype=np.uint64)
+        out.append((ids, np.fromiter(map(len, per_row), np.int64, n)))
     return out
 
 

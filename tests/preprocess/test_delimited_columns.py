@@ -75,5 +75,5 @@ def test_a_batch_parses_and_hashes_as_its_lines_one_by_one(rows):
     ids = slot_ids(batch.fields, specs, len(rows), single=True)
     for s, (values, lengths) in enumerate(ids):
         per_row = [np.frombuffer(e[2][s], np.uint64).tolist() for e in encoded]
-        assert lengths == [len(v) for v in per_row]
-        assert values == [v for row in per_row for v in row]
+        assert lengths.dtype == np.int64 and lengths.tolist() == [len(v) for v in per_row]
+        assert values.dtype == np.uint64 and values.tolist() == [v for row in per_row for v in row]
