@@ -69,8 +69,10 @@ class InstanceEncoder:
         if self.layout.kind == "delimited":
             self.columns = list(self.layout.columns)
             self.known = set(self.columns)
-            self.every_column = operator.itemgetter(*self.columns) if len(self.columns) > 1 else None
             self.optional = {self.layout.label_column, self.layout.timestamp_column} - {None, ""}
+            # the columns every instance must carry (the features), read with one C call per instance
+            self.required = [c for c in self.columns if c not in self.optional]
+            self.every_required = operator.itemgetter(*self.required) if len(self.required) > 1 else None
 
     def batch(self, instances: Any) -> Batch:
         """``instances`` (the request's ``"instances"``: a non-empty JSON array) -> ``Batch`` of B rows (labels 0).
@@ -89,13 +91,13 @@ class InstanceEncoder:
             if not inst.keys() <= known:
                 unknown = next(k for k in inst if k not in known)
                 raise InstanceError(i, unknown, f"not a column of the model's layout {self.columns}")
-        table: list[Sequence[Any]]
-        try:  # every instance has every column (the usual case): one C call per instance, then transposed
-            if self.every_column is None:
-                raise KeyError
-            table = list(zip(*map(self.every_column, instances), strict=True))
-        except KeyError:
-            table = [[inst.get(c) for inst in instances] for c in self.columns]
+        got: dict[str, Sequence[Any]] = {}
+        if self.every_required is not None:
+            try:  # every instance has every feature column (the usual case): transposed in C
+                got = dict(zip(self.required, zip(*map(self.every_required, instances), strict=True), strict=True))
+            except KeyError:  # some feature field is absent (missing): column by column
+                pass
+        table = [got[c] if c in got else [inst.get(c) for inst in instances] for c in self.columns]
         columns: dict[str, list[str]] = {}
         for c, raw in zip(self.columns, table, strict=True):  # column by column: a few calls per column
             types = set(map(type, raw))
@@ -115,9 +117,8 @@ class InstanceEncoder:
         b = len(instances)
         ids = slot_ids(parsed.fields, self.specs, b, single=True)
         dense = parsed.dense.astype(np.float32)  # as preprocess stores them
-        lengths = [np.array(ids[s][1], dtype=np.int64) for s in self.spec_of_slot]
-        flat = np.array([v for s in self.spec_of_slot for v in ids[s][0]], dtype=np.uint64)
-        return self._assemble(dense, lengths, flat)
+        lengths = [ids[s][1] for s in self.spec_of_slot]
+        return self._assemble(dense, lengths, np.concatenate([ids[s][0] for s in self.spec_of_slot]))
 
     def features_batch(self, instances: list) -> Batch:
         """Preprocessed feature rows (``slot_<name>`` feature IDs, ``dense`` values; the form of layouts that
