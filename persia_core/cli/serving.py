@@ -113,5 +113,6 @@ def add_commands(add: AddCommand) -> None:
         "--threads",
         type=int_at_least(0),
         default=0,
-        help="requests scored at once, one torch thread each (default 0: the machine's cores, at most 4)",
+        help="requests whose dense network runs at once, one torch thread each (default 0: the machine's cores, "
+        "at most 4)",
     )

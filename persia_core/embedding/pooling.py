@@ -43,6 +43,31 @@ def pool(rows: torch.Tensor, prep: PreparedIds, num_slots: int, batch_size: int)
     )
 
 
+def readonly_inputs(
+    backend: EmbeddingBackend,
+    layouts: list[TableLayout],
+    wide: TableLayout | None,
+    batch,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the dense model takes for ``batch`` (a ``Batch`` in the layouts' slot order), every row read with
+    ``backend.lookup_readonly`` (an unseen ID reads the zero row, nothing is created): ``(emb: float32[B, S, D],
+    dense: float32[B, F], wide: float32[B] or None)``, ``wide`` the wide table's term of the logit when ``wide``
+    is given. Call under ``torch.no_grad()``."""
+    prepared = prepare_ids(batch.ids, layouts)
+    pooled = []
+    for t in layouts:
+        rows = torch.from_numpy(backend.lookup_readonly(t.name, prepared[t.name].uniq))
+        pooled.append(pool(rows, prepared[t.name], len(t.slots), batch.size))
+    emb = (torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]).to(device)
+    term = None
+    if wide is not None:
+        p = prepare_wide(batch.ids, wide, prepared)
+        rows = torch.from_numpy(backend.lookup_readonly(WIDE_TABLE, p.uniq))
+        term = wide_logit(pool(rows, p, len(wide.slots), batch.size).to(device))
+    return emb, torch.from_numpy(batch.dense).to(device), term
+
+
 def readonly_logits(
     dense: torch.nn.Module,
     backend: EmbeddingBackend,
@@ -52,17 +77,7 @@ def readonly_logits(
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
     """Logits ``float32[B]`` of ``batch`` (a ``Batch`` in the layouts' slot order) by the dense model ``dense``, plus
-    the wide table's term when ``wide`` is given; every row is read with ``backend.lookup_readonly`` (an unseen
-    ID reads the zero row, nothing is created). Call under ``torch.no_grad()``."""
-    prepared = prepare_ids(batch.ids, layouts)
-    pooled = []
-    for t in layouts:
-        rows = torch.from_numpy(backend.lookup_readonly(t.name, prepared[t.name].uniq))
-        pooled.append(pool(rows, prepared[t.name], len(t.slots), batch.size))
-    emb = (torch.cat(pooled, dim=1) if len(pooled) > 1 else pooled[0]).to(device)
-    logits = dense(emb, torch.from_numpy(batch.dense).to(device))
-    if wide is not None:
-        p = prepare_wide(batch.ids, wide, prepared)
-        rows = torch.from_numpy(backend.lookup_readonly(WIDE_TABLE, p.uniq))
-        logits = logits + wide_logit(pool(rows, p, len(wide.slots), batch.size).to(device))
-    return logits
+    the wide table's term when ``wide`` is given, from ``readonly_inputs``. Call under ``torch.no_grad()``."""
+    emb, values, term = readonly_inputs(backend, layouts, wide, batch, device)
+    logits = dense(emb, values)
+    return logits if term is None else logits + term
