@@ -14,8 +14,10 @@ not hidden by it: no coordinated omission). The load generator is aiohttp's clie
 closed loop of users would slow down with the server instead). Phases of ``--phase-seconds`` each:
 
 1. 100-row requests at rising rates (x1.25 from ``--start-rate`` requests/s) until one is not sustained (an
-   error, or a p99 latency above ``--max-p99-ms``, or requests still unanswered 5 s after the phase): the last
-   sustained rate is ``rows_per_s_100``, its p50 ``p50_ms_100``;
+   error, or a p99 latency above ``--max-p99-ms``, or requests still unanswered 5 s after the phase), then
+   ``--bisect`` phases at the geometric middle of the highest sustained rate and the lowest one that was not (the
+   search's resolution goes from 25% to about 6%): the highest sustained rate is ``rows_per_s_100``, its p50
+   ``p50_ms_100``; after a phase that was not sustained, the next waits for the server's requests in flight;
 2. 100-row requests at half that rate: ``p99_ms_100_half_load``;
 3. 1-row requests at 200/s: ``p99_ms_1``.
 
@@ -29,7 +31,8 @@ run that warm-started from the new model (trained before the load phases, on the
 from their arrival to the first reply from the rows with every delta applied, ``deltas`` their number. With
 ``--model`` (no training data here) no deltas arrive.
 
-Last line: one JSON object with those figures, ``errors`` (over every phase but the one that failed the search)
+Last line: one JSON object with those figures, ``errors`` (failed or unanswered requests of the phases 2 and 3;
+the search's sustained rates had none by definition, and those of the rates that were not are in its details)
 and the phases' details.
 """
 
@@ -243,6 +246,56 @@ def phase(url: str, rows: Rows, rate: float, per_request: int, seconds: float, d
     return r
 
 
+def sustained(r: dict, max_p99_ms: float) -> bool:
+    """Whether a phase's rate was sustained: no error, every request answered, p99 within ``max_p99_ms``."""
+    return not r["errors"] and not r["unanswered"] and r["p99_ms"] <= max_p99_ms
+
+
+def settle(port: int, timeout_s: float = 30.0) -> None:
+    """Wait until the server has no prediction request in flight (its ``/metrics`` gauge), after a phase it did
+    not keep up with, so that the next phase does not start behind."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            text = ""
+        line = next((x for x in text.splitlines() if x.startswith("persia_serve_requests_in_flight ")), "")
+        if line and float(line.split()[1]) == 0.0:
+            return
+        time.sleep(0.5)
+
+
+def search_rate(url: str, rows: Rows, port: int, args, phases: list[dict]) -> tuple[dict | None, dict | None]:
+    """The highest sustained rate of 100-row requests: rates rising x1.25 from ``args.start_rate`` until one is
+    not sustained, then ``args.bisect`` phases at the geometric middle of the highest sustained rate and the lowest
+    one that was not. Appends every phase to ``phases``; returns the best sustained phase and the first that was
+    not (either None)."""
+    best = failed = None
+    rate = args.start_rate
+    while True:
+        r = phase(url, rows, rate, 100, args.phase_seconds)
+        phases.append(r)
+        if not sustained(r, args.max_p99_ms):
+            failed = r
+            break
+        best = r
+        rate *= 1.25
+    low, high = (best["rate"] if best else 0.0), failed["rate"]
+    for _ in range(args.bisect if best else 0):
+        settle(port)
+        rate = round((low * high) ** 0.5, 1)
+        r = phase(url, rows, rate, 100, args.phase_seconds)
+        phases.append(r)
+        if sustained(r, args.max_p99_ms):
+            best, low = r, rate
+        else:
+            high = rate
+    settle(port)
+    return best, failed
+
+
 def other_model(model: str, out: str) -> str:
     """A copy of ``model`` whose dense weights are scaled by 0.9: another model, same tables, to bless mid-run."""
     import torch
@@ -261,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase-seconds", type=float_in(1.0), default=30.0, help="length of each load phase")
     p.add_argument("--start-rate", type=float_in(1.0), default=80.0, help="first rate of 100-row requests per s")
     p.add_argument("--max-p99-ms", type=float_in(1.0), default=100.0, help="a rate with a higher p99 is not sustained")
+    p.add_argument(
+        "--bisect", type=int_at_least(0), default=2, help="phases between the last sustained rate and the next"
+    )
     p.add_argument("--threads", type=int_at_least(0), default=0, help="persia serve --threads (default: its own)")
     p.add_argument("--model", default="", help="serve this Model instead of training one")
     p.add_argument("--work", default="", help="working folder (default: temporary, removed)")
@@ -294,16 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         gc.freeze()  # the 1M instances and torch's objects live to the end: no collection need scan them again
         phase(url, rows, 20.0, 100, min(5.0, args.phase_seconds))  # warm-up, not counted
-        phases, best, errors = [], None, 0
-        rate = args.start_rate
-        while True:
-            r = phase(url, rows, rate, 100, args.phase_seconds)
-            phases.append(r)
-            if r["errors"] or r["unanswered"] or r["p99_ms"] > args.max_p99_ms:
-                break
-            best = r
-            rate *= 1.25
-        errors += sum(x["errors"] for x in phases[:-1])
+        phases: list[dict] = []
+        best, _ = search_rate(url, rows, port, args, phases)
+        errors = 0  # a sustained rate had none; those of the rates that were not are in their phases' details
         half = one = None
         swap: dict = {}
 
