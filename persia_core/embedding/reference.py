@@ -16,7 +16,22 @@ import numpy as np
 from persia_core.config import EmbeddingConfig
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.routing import part_size, shard_parts
-from persia_core.embedding.shard_tables import load_shard_file, make_tables, write_shard_file
+from persia_core.embedding.shard_file import read_shard_file
+from persia_core.embedding.shard_tables import (
+    check_shard_contents,
+    load_shard_file,
+    make_tables,
+    restore_shard_contents,
+    write_shard_file,
+)
+from persia_core.embedding.table import EmbeddingTable
+
+
+def sized_tables(config: EmbeddingConfig, rows: dict[str, int], seed: int = 0) -> dict[str, EmbeddingTable]:
+    """One shard's tables (``make_tables``), each with room for exactly ``rows[name]`` rows (at least 1; a table
+    ``rows`` does not name: 1), for tables that only serve lookups."""
+    capacities = {t.name: max(1, int(rows.get(t.name, 0))) for t in config.tables}
+    return make_tables(config.tables, config.shard_memory_bytes, seed, capacities, storage=config.storage)
 
 
 def _done(value: int) -> Future[int]:
@@ -37,14 +52,51 @@ class LocalEmbedding:
     Pushes are applied at once, in the caller's thread: the returned future is already done, and a push that
     is refused (shapes, non-finite gradients) raises ``ValueError`` from ``push`` itself."""
 
-    def __init__(self, config: EmbeddingConfig, num_shards: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        config: EmbeddingConfig,
+        num_shards: int | None = None,
+        seed: int = 0,
+        shards: list[dict[str, EmbeddingTable]] | None = None,
+    ):
         self.config = config
         self.num_shards = num_shards or config.num_shards
-        self.shards = [
-            make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
-            for _ in range(self.num_shards)
-        ]
+        self.shards = (
+            shards
+            if shards is not None
+            else [
+                make_tables(config.tables, config.shard_memory_bytes, seed, storage=config.storage)
+                for _ in range(self.num_shards)
+            ]
+        )
+        if len(self.shards) != self.num_shards:
+            raise ValueError(f"{len(self.shards)} shards' tables for {self.num_shards} shards")
         self.dims = {t.name: t.dim for t in config.tables}
+
+    @classmethod
+    def from_shard_files(
+        cls,
+        config: EmbeddingConfig,
+        paths: list[str],
+        expected: Sequence[tuple[int | None, int | None]] | None = None,
+        seed: int = 0,
+    ) -> LocalEmbedding:
+        """One shard per file of ``paths``, each checked against ``expected[i]`` as ``load`` does, every table
+        sized to the rows its file holds (``sized_tables``) instead of the shard's memory budget: for read-only use
+        (evaluation, serving), where the budget's spare rows would only cost memory, and time to fill and free.
+        Raises as ``load``."""
+        if expected is not None and len(expected) != len(paths):
+            raise ValueError(f"{len(expected)} expected (bytes, CRC-32C) for {len(paths)} shard files")
+        shards = []
+        for s, p in enumerate(paths):
+            size, crc = expected[s] if expected is not None else (None, None)
+            contents = read_shard_file(p, size, crc)
+            rows = {name: len(ta.arrays["keys"]) for name, ta in contents.tables.items()}
+            tables = sized_tables(config, rows, seed)
+            check_shard_contents(contents, tables, p)
+            restore_shard_contents(contents, tables, p)
+            shards.append(tables)
+        return cls(config, len(paths), seed, shards=shards)
 
     def load(self, paths: list[str], expected: Sequence[tuple[int | None, int | None]] | None = None) -> None:
         """Load one shard file per shard (``paths[i]`` into shard i), each checked against ``expected[i]``

@@ -68,11 +68,17 @@ class LoadedModel:
         self.layouts = table_layouts(self.config)
         self.slots = model_slot_order(self.config)
         self.wide = wide_layout(self.config)
-        self.embedding = LocalEmbedding(self.config.embedding, self.manifest.num_shards, self.config.trainer.seed)
         crcs = self.manifest.shard_crc32c
-        self.embedding.load(  # the resolved folder; each whole file checked against its CRC-32C where recorded
-            [io.join(model_dir, f) for f in self.manifest.shard_files],
+        if len(self.manifest.shard_files) != self.manifest.num_shards:
+            raise ValueError(
+                f"{model_dir}: the manifest lists {len(self.manifest.shard_files)} shard files for "
+                f"{self.manifest.num_shards} shards"
+            )
+        self.embedding = LocalEmbedding.from_shard_files(  # read-only: every table sized to the rows it holds
+            self.config.embedding,
+            [io.join(model_dir, f) for f in self.manifest.shard_files],  # each checked against its CRC-32C
             [(None, int(c)) for c in crcs] if crcs else None,
+            self.config.trainer.seed,
         )
         self.dense = build_model(
             self.config.model,

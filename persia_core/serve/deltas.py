@@ -16,10 +16,10 @@ the deltas numbered after the last one it applied, shard by shard in order:
   checkpoint), the deltas are applied again from the served model's own rows.
 
 The rows are absolute values, so the result equals ``embedding.delta.load_with_deltas`` of the served model's shard
-files. The embedding tables of each shard with new deltas are rebuilt beside the served ones, one shard's rows
-copied at a time (a shard without new deltas keeps its tables), and swapped in between two requests (a request keeps
-the model it started with); the dense network is shared. These rows have not been through the evaluate step's gate:
-serving them trades that for freshness, as PERSIA's online update does.
+files. The embedding tables of each shard with new deltas are rebuilt beside the served ones (sized to the rows they
+then hold), one shard's rows copied at a time (a shard without new deltas keeps its tables), and swapped in between
+two requests (a request keeps the model it started with); the dense network is shared. These rows have not been
+through the evaluate step's gate: serving them trades that for freshness, as PERSIA's online update does.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from typing import Any
 
 from persia_core import io
 from persia_core.embedding.delta import apply_deltas, list_deltas, superseded_deltas
-from persia_core.embedding.reference import LocalEmbedding
+from persia_core.embedding.reference import LocalEmbedding, sized_tables
 from persia_core.embedding.shard_file import ShardContents, read_shard_file
-from persia_core.embedding.shard_tables import make_tables
 from persia_core.model_store import manifest_digest
 
 log = logging.getLogger("persia.serve")
@@ -148,24 +147,19 @@ class DeltaFeed:
         return todo, gone, "; ".join(waiting)
 
     def _apply(self, served, todo: list[list[tuple[int, str, ShardContents]]], a: _Applied, in_place: bool = False):
-        """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied (into new tables, or
-        into ``served``'s own with ``in_place``: a model no request uses yet); updates ``a``."""
+        """A ``Served`` whose tables are ``served``'s with the deltas of ``todo`` applied (new tables in a copy of
+        its embedding, or with ``in_place`` in ``served``'s own: a model no request uses yet); updates ``a``."""
         old: LocalEmbedding = served.model.embedding
         emb = old if in_place else copy.copy(old)  # a shard without new deltas keeps its tables (read-only)
         emb.shards = list(old.shards)
-        cfg = old.config
         for s, deltas in enumerate(todo):
             if not deltas:
                 continue
             state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
             state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
-            tables = (
-                old.shards[s]
-                if in_place
-                else make_tables(
-                    cfg.tables, cfg.shard_memory_bytes, served.model.config.trainer.seed, storage=cfg.storage
-                )
-            )
+            # sized to the rows they now hold, as the served model's own (LocalEmbedding.from_shard_files)
+            rows = {name: len(sd["keys"]) for name, sd in state.items()}
+            tables = sized_tables(old.config, rows, served.model.config.trainer.seed)
             for name, t in tables.items():
                 if name in state:
                     t.load_state_dict(state[name])
