@@ -53,6 +53,7 @@ from persia_core.embedding import kernels as K
 from persia_core.embedding.shard_file import ShardContents, TableArrays, read_shard_file, write_shard_arrays
 from persia_core.embedding.shard_tables import lru_state_dict
 from persia_core.embedding.table import EmbeddingTable
+from persia_core.memory import index_slots
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
 SUPERSEDED_FILE = "superseded.json"
@@ -347,6 +348,18 @@ class DeltaExporter:
             self._thread.join(timeout=10)
 
 
+def member(keys: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """``bool[N]``: whether each of ``keys: uint64[N]`` is among ``of: uint64[M]``, by a hash index of ``of`` and
+    one compiled lookup that release the GIL (``np.isin`` sorts both arrays holding it: a server applying deltas
+    in a thread would stall its requests meanwhile)."""
+    of = np.ascontiguousarray(of, dtype=np.uint64)
+    if not len(of) or not len(keys):
+        return np.zeros(len(keys), dtype=bool)
+    index = np.empty(index_slots(len(of)), dtype=np.int32)
+    K.rebuild_index(index, of, K.shift_of(index), len(of))
+    return K.find_rows(np.ascontiguousarray(keys, dtype=np.uint64), index, of) >= 0
+
+
 def apply_deltas(
     base: dict[str, dict[str, np.ndarray]], paths: list[str], contents: list[ShardContents] | None = None
 ) -> dict[str, dict[str, np.ndarray]]:
@@ -369,13 +382,27 @@ def apply_deltas(
                 cur = {k: v[:0] for k, v in d.items()}
             if set(cur) != set(d):
                 raise ValueError(f"{path}: table {name!r} arrays {sorted(d)} do not match the base {sorted(cur)}")
-            keep = ~np.isin(cur["keys"], d["keys"])
+            keep = ~member(cur["keys"], d["keys"])
             if evicted is not None and len(evicted):
-                keep &= ~np.isin(cur["keys"], evicted)
+                keep &= ~member(cur["keys"], evicted)
             if live is not None:
-                keep &= np.isin(cur["keys"], live)
+                keep &= member(cur["keys"], live)
             order = np.argsort(-d["last_used"].astype(np.int64), kind="stable")
-            out[name] = {k: np.concatenate([d[k][order], cur[k][keep]]) for k in d}
+            kept = np.flatnonzero(keep)
+            out[name] = {k: stacked(d[k], order, cur[k], kept) for k in d}
+    return out
+
+
+def stacked(a: np.ndarray, a_rows: np.ndarray, b: np.ndarray, b_rows: np.ndarray) -> np.ndarray:
+    """``np.concatenate([a[a_rows], b[b_rows]])`` of two arrays of one dtype and row shape by a compiled take that
+    releases the GIL (numpy's indexing and concatenation hold it for the whole copy)."""
+    if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
+        return np.concatenate([a[a_rows], b[b_rows]])
+    width = int(np.prod(a.shape[1:], dtype=np.int64))
+    out = np.empty((len(a_rows) + len(b_rows), *a.shape[1:]), dtype=a.dtype)
+    flat = out.reshape(len(out), width)
+    K.take_rows(np.ascontiguousarray(a).reshape(len(a), width), a_rows.astype(np.int64), flat[: len(a_rows)])
+    K.take_rows(np.ascontiguousarray(b).reshape(len(b), width), b_rows.astype(np.int64), flat[len(a_rows) :])
     return out
 
 

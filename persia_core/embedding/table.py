@@ -41,6 +41,16 @@ def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
     )
 
 
+def take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]``, a new array, by a compiled take that releases the GIL (numpy's fancy indexing holds it for the
+    whole copy: a table's state taken beside serving would stall its requests)."""
+    width = int(np.prod(a.shape[1:], dtype=np.int64))
+    out = np.empty((len(rows), *a.shape[1:]), dtype=a.dtype)
+    src = np.ascontiguousarray(a).reshape(len(a), width)
+    K.take_rows(src, np.ascontiguousarray(rows, dtype=np.int64), out.reshape(len(rows), width))
+    return out
+
+
 class EmbeddingTable:
     """Feature ID -> embedding row and optimizer state, in contiguous arrays, with LRU eviction at capacity.
 
@@ -365,13 +375,10 @@ class EmbeddingTable:
         with self.lock:
             size = self.size
             order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)[::-1]
-            out = {
-                "keys": self.keys[order].copy(),
-                "weights": self.weights[order].copy(),
-                "last_used": self.last_used[order].copy(),
-            }
+            out = {"keys": take(self.keys, order), "weights": take(self.weights, order)}
+            out["last_used"] = take(self.last_used, order)
             for name, arr in self.state.items():
-                out[name] = arr[order].copy()
+                out[name] = take(arr, order)
             return out
 
     def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:

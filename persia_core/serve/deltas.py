@@ -31,13 +31,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from persia_core import io
-from persia_core.embedding.delta import apply_deltas, list_deltas, superseded_deltas
+from persia_core.embedding.delta import apply_deltas, list_deltas, member, stacked, superseded_deltas
 from persia_core.embedding.reference import LocalEmbedding, sized_tables
 from persia_core.embedding.shard_file import ShardContents, read_shard_file
 from persia_core.model_store import manifest_digest
 
 log = logging.getLogger("persia.serve")
+
+
+def warm_kernels(model) -> None:
+    """Load now the compiled kernels that applying a delta to ``model``'s tables runs (from numba's cache, tens of
+    ms each, holding the GIL), on empty tables of its config: not beside requests at the first delta."""
+    cfg = model.embedding.config
+    for t in sized_tables(cfg, {}, model.config.trainer.seed).values():
+        state = t.state_dict()
+        rows = np.zeros(0, dtype=np.int64)
+        state = {k: stacked(v, rows, v, rows) for k, v in state.items()}
+        member(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))
+        t.load_state_dict(state)
 
 
 @dataclass
@@ -63,6 +77,7 @@ class DeltaFeed:
     def __init__(self, delta_dir: str, state: dict, load: Callable[[str], Any]):
         self.delta_dir, self.state, self.load = delta_dir, state, load
         self._restart(state["served"])
+        warm_kernels(state["served"].model)
         self.total = 0  # delta files applied since start (a counter: never goes back, a restart included)
 
     def _restart(self, served) -> None:

@@ -6,7 +6,7 @@ module         holds
 ``intrinsics`` software prefetch, 64-byte non-temporal stores, store fence; the prefetch distances
 ``index``      the hash index, feature ID -> row: probe, batched find, insert, backward-shift delete, rebuild
 ``recency``    the recency queue behind LRU eviction: enqueue, compaction, least recent row, orderings
-``rows``       lookup-or-create with eviction and admission, row gathers, initial rows, expiry, row moves
+``rows``       lookup-or-create with eviction and admission, row gathers, initial rows, expiry, row moves, takes
 ``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
 ``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
 ``bags``       sum pooling of bags into ``[B, S, D]`` and its backward to one gradient row per unique ID
@@ -28,7 +28,7 @@ from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
 from persia_core.embedding.kernels.recency import first_live, list_order, queue_from_order, queue_order, queue_size
-from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup
+from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup, take_rows
 from persia_core.embedding.kernels.xxh3 import prefixed_xxh3
 
 __all__ = [
@@ -55,4 +55,5 @@ __all__ = [
     "route",
     "segment_sum",
     "shift_of",
+    "take_rows",
 ]

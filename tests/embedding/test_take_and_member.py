@@ -1,0 +1,50 @@
+"""The GIL-free helpers of delta application equal the numpy operations they replace: ``member`` is ``np.isin``,
+``take`` is fancy indexing, ``stacked`` is the concatenation of two takes, for every dtype a table holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from persia_core.embedding.delta import member, stacked
+from persia_core.embedding.table import take
+
+
+def test_member_equals_isin_with_duplicates_extremes_and_empty_sides():
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 2**64 - 1, 50_000, dtype=np.uint64, endpoint=True)
+    keys[:3] = np.array([0, 2**64 - 1, 7], dtype=np.uint64)
+    extremes = np.array([0, 2**64 - 1], dtype=np.uint64)
+    of = np.concatenate([keys[::5], keys[::5], rng.integers(0, 2**64 - 1, 2_000, dtype=np.uint64), extremes])
+    assert of.dtype == np.uint64
+    np.testing.assert_array_equal(member(keys, of), np.isin(keys, of))
+    assert member(keys, np.zeros(0, np.uint64)).tolist() == [False] * len(keys)
+    assert member(np.zeros(0, np.uint64), of).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.uint64, ()), (np.float32, (16,)), (np.uint16, (8,)), (np.int32, ()), (np.float32, (2, 3))],
+)
+def test_take_and_stacked_equal_numpy_indexing_and_concatenation(dtype, shape):
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 1000, (40, *shape)).astype(dtype)
+    b = rng.integers(0, 1000, (25, *shape)).astype(dtype)
+    a_rows, b_rows = rng.integers(0, 40, 60), np.flatnonzero(rng.random(25) < 0.5)
+    reversed_rows = np.arange(40, dtype=np.int32)[::-1]  # a strided int32 order, as a recency queue gives
+    np.testing.assert_array_equal(take(a, reversed_rows), a[reversed_rows])
+    np.testing.assert_array_equal(take(a, a_rows), a[a_rows])
+    got = stacked(a, a_rows, b, b_rows)
+    want = np.concatenate([a[a_rows], b[b_rows]])
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    empty = np.zeros(0, np.int64)
+    np.testing.assert_array_equal(stacked(a, empty, b[:0], empty), np.concatenate([a[:0], b[:0]]))
+
+
+def test_stacked_of_two_dtypes_promotes_as_concatenate_does():
+    a, b = np.arange(6, dtype=np.int32).reshape(3, 2), np.arange(4, dtype=np.float32).reshape(2, 2)
+    got = stacked(a, np.array([2, 0]), b, np.array([1]))
+    want = np.concatenate([a[[2, 0]], b[[1]]])
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
