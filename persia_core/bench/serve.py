@@ -189,7 +189,6 @@ async def _phase(url: str, bodies: list[bytes], rate: float, rows: int) -> dict:
 
         async def one(i: int, body: bytes) -> None:
             due = t0 + i / rate
-            await asyncio.sleep(max(0.0, due - loop.time()))
             try:
                 async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
                     payload = await r.read()
@@ -206,7 +205,10 @@ async def _phase(url: str, bodies: list[bytes], rate: float, rows: int) -> dict:
                 return
             latencies.append(loop.time() - due)
 
-        tasks = [asyncio.ensure_future(one(i, b)) for i, b in enumerate(bodies)]
+        tasks: list[asyncio.Task] = []
+        for i, b in enumerate(bodies):  # each request started at its time (not thousands of tasks made up front)
+            await asyncio.sleep(max(0.0, t0 + i / rate - loop.time()))
+            tasks.append(asyncio.ensure_future(one(i, b)))
         end = t0 + len(bodies) / rate + 5.0
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, end - loop.time()))
         for t in pending:
