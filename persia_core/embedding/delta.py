@@ -369,40 +369,71 @@ def apply_deltas(
     ``lru_state_dict`` of a shard file's tables). Each delta replaces or adds its rows (placed most recent first,
     by their ``last_used``) after dropping its ``evicted_keys`` and, when it carries ``live_keys``, the rows not
     among them. ``contents``: the files of ``paths`` already read (``read_shard_file``), else they are read here.
-    Returns the new state per table. Raises ``ShardFileError`` for a corrupt delta file."""
+    The deltas of a table are applied in one pass, newest first (each row copied once, not once per delta), unless
+    one carries ``live_keys`` (the older format: then one after the other).
+    Returns the new state per table. Raises ``ShardFileError`` for a corrupt delta file, ``ValueError`` for a
+    delta whose arrays do not match the base's."""
     out = {n: dict(sd) for n, sd in base.items()}
-    for i, path in enumerate(paths):
-        delta = contents[i] if contents is not None else read_shard_file(path, build_index=False)
-        for name, ta in delta.tables.items():
-            d = dict(ta.arrays)
-            live = d.pop("live_keys", None)
-            evicted = d.pop("evicted_keys", None)
-            cur = out.get(name)
-            if cur is None:
-                cur = {k: v[:0] for k, v in d.items()}
+    files = [
+        contents[i] if contents is not None else read_shard_file(p, build_index=False) for i, p in enumerate(paths)
+    ]
+    for name in dict.fromkeys(n for f in files for n in f.tables):
+        parts = []
+        for path, f in zip(paths, files, strict=True):
+            if name in f.tables:
+                d = dict(f.tables[name].arrays)
+                parts.append((path, d, d.pop("live_keys", None), d.pop("evicted_keys", None)))
+        cur = out.get(name)
+        if cur is None:
+            cur = {k: v[:0] for k, v in parts[0][1].items()}
+        for path, d, _, _ in parts:
             if set(cur) != set(d):
                 raise ValueError(f"{path}: table {name!r} arrays {sorted(d)} do not match the base {sorted(cur)}")
-            keep = ~member(cur["keys"], d["keys"])
-            if evicted is not None and len(evicted):
-                keep &= ~member(cur["keys"], evicted)
-            if live is not None:
-                keep &= member(cur["keys"], live)
-            order = np.argsort(-d["last_used"].astype(np.int64), kind="stable")
-            kept = np.flatnonzero(keep)
-            out[name] = {k: stacked(d[k], order, cur[k], kept) for k in d}
+        if any(live is not None for _, _, live, _ in parts):
+            for _, d, live, evicted in parts:
+                cur = _newest_first([(d, evicted)], cur, live)
+            out[name] = cur
+        else:
+            out[name] = _newest_first([(d, evicted) for _, d, _, evicted in parts], cur)
     return out
 
 
-def stacked(a: np.ndarray, a_rows: np.ndarray, b: np.ndarray, b_rows: np.ndarray) -> np.ndarray:
-    """``np.concatenate([a[a_rows], b[b_rows]])`` of two arrays of one dtype and row shape by a compiled take that
-    releases the GIL (numpy's indexing and concatenation hold it for the whole copy)."""
-    if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
-        return np.concatenate([a[a_rows], b[b_rows]])
-    width = int(np.prod(a.shape[1:], dtype=np.int64))
-    out = np.empty((len(a_rows) + len(b_rows), *a.shape[1:]), dtype=a.dtype)
+def _newest_first(deltas: list[tuple[dict, np.ndarray | None]], cur: dict, live: np.ndarray | None = None) -> dict:
+    """``cur`` with ``deltas`` (oldest first: rows, evicted keys) applied: each delta's rows most recent first,
+    those of a later delta first, each kept unless a later delta holds or evicted its key; then ``cur``'s rows
+    that no delta holds or evicted (and, with ``live`` for one delta, that ``live`` holds)."""
+    pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in deltas[-1][0]}
+    later: list[np.ndarray] = []  # keys that a newer delta holds or evicted
+    for d, evicted in reversed(deltas):
+        order = np.argsort(-d["last_used"].astype(np.int64), kind="stable")
+        if later:
+            order = order[~member(d["keys"], np.concatenate(later))[order]]
+        for k in pieces:
+            pieces[k].append((d[k], order))
+        later.append(d["keys"])
+        if evicted is not None and len(evicted):
+            later.append(evicted)
+    keep = ~member(cur["keys"], np.concatenate(later))
+    if live is not None:
+        keep &= member(cur["keys"], live)
+    kept = np.flatnonzero(keep)
+    return {k: stacked(pieces[k] + [(cur[k], kept)]) for k in pieces}
+
+
+def stacked(pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """``np.concatenate([a[rows] for a, rows in pieces])``: arrays of one dtype and row shape copied by a compiled
+    take that releases the GIL (numpy's indexing and concatenation hold it for the whole copy)."""
+    first = pieces[0][0]
+    if any(a.dtype != first.dtype or a.shape[1:] != first.shape[1:] for a, _ in pieces):
+        return np.concatenate([a[rows] for a, rows in pieces])
+    width = int(np.prod(first.shape[1:], dtype=np.int64))
+    out = np.empty((sum(len(rows) for _, rows in pieces), *first.shape[1:]), dtype=first.dtype)
     flat = out.reshape(len(out), width)
-    K.take_rows(np.ascontiguousarray(a).reshape(len(a), width), a_rows.astype(np.int64), flat[: len(a_rows)])
-    K.take_rows(np.ascontiguousarray(b).reshape(len(b), width), b_rows.astype(np.int64), flat[len(a_rows) :])
+    at = 0
+    for a, rows in pieces:
+        src = np.ascontiguousarray(a).reshape(len(a), width)
+        K.take_rows(src, np.ascontiguousarray(rows, dtype=np.int64), flat[at : at + len(rows)])
+        at += len(rows)
     return out
 
 

@@ -49,7 +49,7 @@ def warm_kernels(model) -> None:
     for t in sized_tables(cfg, {}, model.config.trainer.seed).values():
         state = t.state_dict()
         rows = np.zeros(0, dtype=np.int64)
-        state = {k: stacked(v, rows, v, rows) for k, v in state.items()}
+        state = {k: stacked([(v, rows), (v, rows)]) for k, v in state.items()}
         member(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))
         t.load_state_dict(state)
 

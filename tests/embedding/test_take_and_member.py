@@ -34,17 +34,50 @@ def test_take_and_stacked_equal_numpy_indexing_and_concatenation(dtype, shape):
     reversed_rows = np.arange(40, dtype=np.int32)[::-1]  # a strided int32 order, as a recency queue gives
     np.testing.assert_array_equal(take(a, reversed_rows), a[reversed_rows])
     np.testing.assert_array_equal(take(a, a_rows), a[a_rows])
-    got = stacked(a, a_rows, b, b_rows)
+    got = stacked([(a, a_rows), (b, b_rows)])
     want = np.concatenate([a[a_rows], b[b_rows]])
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
     empty = np.zeros(0, np.int64)
-    np.testing.assert_array_equal(stacked(a, empty, b[:0], empty), np.concatenate([a[:0], b[:0]]))
+    np.testing.assert_array_equal(stacked([(a, empty), (b[:0], empty)]), np.concatenate([a[:0], b[:0]]))
+    np.testing.assert_array_equal(
+        stacked([(a, a_rows), (b, b_rows), (a, a_rows[:3])]), np.concatenate([want, a[a_rows[:3]]])
+    )
 
 
 def test_stacked_of_two_dtypes_promotes_as_concatenate_does():
     a, b = np.arange(6, dtype=np.int32).reshape(3, 2), np.arange(4, dtype=np.float32).reshape(2, 2)
-    got = stacked(a, np.array([2, 0]), b, np.array([1]))
+    got = stacked([(a, np.array([2, 0])), (b, np.array([1]))])
     want = np.concatenate([a[[2, 0]], b[[1]]])
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(got, want)
+
+
+def test_deltas_applied_in_one_pass_equal_the_deltas_applied_one_after_the_other():
+    from persia_core.embedding.delta import _newest_first
+
+    rng = np.random.default_rng(2)
+
+    def state(keys: np.ndarray) -> dict:
+        n = len(keys)
+        return {
+            "keys": keys.astype(np.uint64),
+            "weights": rng.normal(size=(n, 4)).astype(np.float32),
+            "last_used": rng.integers(0, 50, n).astype(np.int32),  # ties: the stable order must hold
+            "acc": rng.random(n).astype(np.float32),
+        }
+
+    cur = state(rng.permutation(np.arange(1, 400)))
+    deltas = []
+    for _ in range(5):  # rows changed or added, keys evicted (some of them changed again later, some re-added)
+        keys = rng.choice(np.arange(1, 600), 80, replace=False)
+        evicted = rng.choice(np.arange(1, 600), 30, replace=False).astype(np.uint64)
+        deltas.append((state(keys), evicted))
+    one_pass = _newest_first(deltas, cur)
+    one_by_one = cur
+    for d, evicted in deltas:
+        one_by_one = _newest_first([(d, evicted)], one_by_one)
+    assert one_pass.keys() == one_by_one.keys()
+    for k in one_pass:
+        np.testing.assert_array_equal(one_pass[k], one_by_one[k])
+    assert len(np.unique(one_pass["keys"])) == len(one_pass["keys"])
