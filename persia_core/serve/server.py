@@ -312,7 +312,11 @@ def make_app(
     metrics = Metrics()
     metrics.serving(served)
     state = {"served": served}
-    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="persia-serve-score")
+    # one torch thread in each worker: torch.set_num_threads holds for the thread that calls it (OpenMP), and a
+    # new thread would otherwise run every operator on as many threads as cores, its helpers spinning between them
+    pool = ThreadPoolExecutor(
+        max(1, threads), thread_name_prefix="persia-serve-score", initializer=torch.set_num_threads, initargs=(1,)
+    )
 
     def prepare(body: bytes) -> tuple[int, Any]:
         """A body -> ``(0, (model, its dense network's inputs))``, or ``(400, error)``."""
