@@ -13,12 +13,12 @@ Routes (Vertex AI: https://cloud.google.com/vertex-ai/docs/predictions/custom-co
   requests in flight, request latency, the served model's version, load time and age, and with ``--deltas`` the
   deltas applied and the age of the newest one (its freshness).
 
-The server is aiohttp (``aiohttp.web``): one asyncio event loop parses each request's body and instances and
-looks its rows up (Python work that holds the GIL: threads would only add hand-offs of it), then runs its dense
-network in one of ``threads`` worker threads (the traced network releases the GIL for its whole forward:
-``traced_dense``), so that one request's dense step runs beside the next one's parsing, and a health check waits
-at most for one request's parsing. SIGTERM and SIGINT stop accepting connections and
-let the requests in flight finish (up to ``drain_s``) before exiting.
+The server is aiohttp (``aiohttp.web``): one asyncio event loop parses each request's body and instances and looks
+its rows up (Python work that holds the GIL: threads would only add hand-offs of it), then runs its dense network in
+one of ``threads`` worker threads (the traced network releases the GIL for its whole forward: ``traced_dense``), so
+that one request's dense step runs beside the next one's parsing, and a health check waits at most for one request's
+parsing; a request of up to ``INLINE_ROWS`` instances runs it on the loop, faster than the hand-off. SIGTERM and
+SIGINT stop accepting connections and let the requests in flight finish (up to ``drain_s``) before exiting.
 Embedding lookups are read-only and in-process (``LoadedModel``); the model must fit twice in memory
 (``check_memory``) so that a new one can be loaded beside it. Follow mode (``Follower``) swaps to each model newly
 blessed at a blessed-model location; ``--deltas`` applies a training run's delta files to the served model
@@ -58,6 +58,9 @@ log = logging.getLogger("persia.serve")
 DEFAULT_PREDICT_ROUTE = "/predict"
 DEFAULT_HEALTH_ROUTE = "/health"
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+INLINE_ROWS = 8
+"""Requests of at most this many instances run their dense network on the event loop: it takes less than handing
+it to a worker thread and back."""
 
 
 class ModelTooLargeError(MemoryError):
@@ -356,7 +359,10 @@ def make_app(
             status, payload = prepare(body)  # on the event loop: see the module docstring
             if not status:
                 current, inputs = payload
-                text = await asyncio.get_running_loop().run_in_executor(pool, forward, current, inputs)
+                if len(inputs[0]) <= INLINE_ROWS:  # a forward shorter than the hand-off to a worker and back
+                    text = forward(current, inputs)
+                else:
+                    text = await asyncio.get_running_loop().run_in_executor(pool, forward, current, inputs)
                 status, payload = 200, (text, current.version)
         metrics.requests.labels("predict", str(status)).inc()
         if status == 200:

@@ -29,7 +29,7 @@ from persia_core.evaluate.run import LoadedModel
 from persia_core.hashing import feature_ids
 from persia_core.model_store import latest_blessed_model
 from persia_core.serve.instances import InstanceEncoder
-from persia_core.serve.server import ModelTooLargeError, check_memory, model_bytes, model_version
+from persia_core.serve.server import INLINE_ROWS, ModelTooLargeError, check_memory, model_bytes, model_version
 from persia_core.train.processes import free_port
 
 pytestmark = pytest.mark.processes
@@ -150,12 +150,15 @@ def test_served_predictions_equal_persia_predict_on_the_same_rows(server, traine
     raw.write_text("".join("\t".join(r) + "\n" for r in ROWS))
     expected = predict(model, str(raw), str(tmp_path / "p.csv"))["probability"]
 
-    status, headers, body = s.post(env["AIP_PREDICT_ROUTE"], json.dumps({"instances": _as_instances(ROWS)}).encode())
-    assert status == 200, body
-    got = np.array(body["predictions"], dtype=np.float64)
-    assert got.shape == (len(ROWS),)
-    np.testing.assert_allclose(got, expected.astype(np.float64), rtol=0, atol=1e-6)
-    assert body["model_version"] == headers["X-Model-Version"] == model_version(model)
+    assert len(ROWS) <= INLINE_ROWS < 3 * len(ROWS)
+    for copies in (1, 3):  # 5 instances: the dense step on the event loop; 15: in a worker thread
+        instances = _as_instances(ROWS) * copies
+        status, headers, body = s.post(env["AIP_PREDICT_ROUTE"], json.dumps({"instances": instances}).encode())
+        assert status == 200, body
+        got = np.array(body["predictions"], dtype=np.float64)
+        assert got.shape == (len(ROWS) * copies,)
+        np.testing.assert_allclose(got, np.tile(expected.astype(np.float64), copies), rtol=0, atol=1e-6)
+        assert body["model_version"] == headers["X-Model-Version"] == model_version(model)
 
     status, _, raw_health = s.get(env["AIP_HEALTH_ROUTE"])
     assert status == 200 and json.loads(raw_health) == {"status": "ok", "model_version": model_version(model)}
