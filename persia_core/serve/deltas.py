@@ -24,6 +24,7 @@ through the evaluate step's gate: serving them trades that for freshness, as PER
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -74,11 +75,19 @@ class DeltaFeed:
     last call, or None when none applies. A delta that cannot be read or applied leaves the served model as it
     was; ``status()["error"]`` says why, and it is tried again at the next check."""
 
-    def __init__(self, delta_dir: str, state: dict, load: Callable[[str], Any]):
-        self.delta_dir, self.state, self.load = delta_dir, state, load
+    def __init__(self, delta_dir: str, state: dict, load: Callable[[str], Any], pace: float = 1.0):
+        self.delta_dir, self.state, self.load, self.pace = delta_dir, state, load, pace
         self._restart(state["served"])
         warm_kernels(state["served"].model)
         self.total = 0  # delta files applied since start (a counter: never goes back, a restart included)
+
+    @contextlib.contextmanager
+    def _paced(self):
+        """After a step of applying deltas, sleep ``pace`` times as long as it took (at most 1 s): the work then
+        takes at most ``1 / (1 + pace)`` of a core, and the requests served beside it keep the rest."""
+        t0 = time.perf_counter()
+        yield
+        time.sleep(min(1.0, self.pace * (time.perf_counter() - t0)))
 
     def _restart(self, served) -> None:
         """Start over on ``served`` (as loaded, without deltas). Only its folder and version are kept, not its
@@ -150,7 +159,8 @@ class DeltaFeed:
                 expect += 1
                 if seq in superseded:
                     continue
-                contents = read_shard_file(path, build_index=False)  # read once: its header here, its rows later
+                with self._paced():
+                    contents = read_shard_file(path, build_index=False)  # read once: its header here, its rows later
                 header = (contents.server or {}).get("delta", {})
                 base = str(header.get("base_model", ""))
                 if base != a.digest:
@@ -170,14 +180,17 @@ class DeltaFeed:
         for s, deltas in enumerate(todo):
             if not deltas:
                 continue
-            state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
-            state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
-            # sized to the rows they now hold, as the served model's own (LocalEmbedding.from_shard_files)
-            rows = {name: len(sd["keys"]) for name, sd in state.items()}
-            tables = sized_tables(old.config, rows, served.model.config.trainer.seed)
-            for name, t in tables.items():
-                if name in state:
-                    t.load_state_dict(state[name])
+            with self._paced():
+                state = {name: t.state_dict() for name, t in old.shards[s].items()}  # one shard's rows at a time
+            with self._paced():
+                state = apply_deltas(state, [p for _, p, _ in deltas], [c for _, _, c in deltas])
+            with self._paced():
+                # sized to the rows they now hold, as the served model's own (LocalEmbedding.from_shard_files)
+                rows = {name: len(sd["keys"]) for name, sd in state.items()}
+                tables = sized_tables(old.config, rows, served.model.config.trainer.seed)
+                for name, t in tables.items():
+                    if name in state:
+                        t.load_state_dict(state[name])
             emb.shards[s] = tables
             del state
         for s, deltas in enumerate(todo):
