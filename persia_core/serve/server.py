@@ -340,7 +340,7 @@ def make_app(
 
     @torch.no_grad()
     def forward(current: Served, inputs) -> bytes:
-        """The response body of a request's prepared inputs (in a worker thread)."""
+        """The response body of a request's prepared inputs (in a worker thread, or on the loop: ``INLINE_ROWS``)."""
         emb, values, term = inputs
         logits = current.model.dense(emb, values)
         probs = torch.sigmoid(logits if term is None else logits + term).numpy()
