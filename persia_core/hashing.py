@@ -22,8 +22,6 @@ from itertools import chain
 import numpy as np
 import xxhash
 
-from persia_core.embedding.kernels import prefixed_xxh3
-
 SLOT_SEP = b"\x1f"
 CROSS_SEP = "\x1e"
 
@@ -45,6 +43,9 @@ def feature_ids_of_slots(slots: Sequence[str], values: Sequence[Sequence[str]]) 
     hashed in one compiled call (``embedding.kernels.xxh3``; a key over its 240 bytes by ``xxhash``), for the
     batches of a request where a call per value would dominate. Raises ``UnicodeEncodeError`` as ``feature_id``
     does (a lone surrogate)."""
+    # lazy: numba, which the tfrecord environment (its own venv) does not install; it hashes with feature_ids
+    from persia_core.embedding.kernels import prefixed_xxh3
+
     flat = list(chain.from_iterable(values))
     counts = np.fromiter(map(len, values), np.int64, len(values))
     joined = "".join(flat)
