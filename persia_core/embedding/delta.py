@@ -52,7 +52,7 @@ from persia_core.config.trainer import check_delta_period
 from persia_core.embedding import kernels as K
 from persia_core.embedding.shard_file import ShardContents, TableArrays, read_shard_file, write_shard_arrays
 from persia_core.embedding.shard_tables import lru_state_dict
-from persia_core.embedding.table import EmbeddingTable
+from persia_core.embedding.table import EmbeddingTable, stacked
 from persia_core.memory import index_slots
 
 DELTA_NAME = re.compile(r"^delta-(\d{8})\.npz$")
@@ -418,23 +418,6 @@ def _newest_first(deltas: list[tuple[dict, np.ndarray | None]], cur: dict, live:
         keep &= member(cur["keys"], live)
     kept = np.flatnonzero(keep)
     return {k: stacked(pieces[k] + [(cur[k], kept)]) for k in pieces}
-
-
-def stacked(pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """``np.concatenate([a[rows] for a, rows in pieces])``: arrays of one dtype and row shape copied by a compiled
-    take that releases the GIL (numpy's indexing and concatenation hold it for the whole copy)."""
-    first = pieces[0][0]
-    if any(a.dtype != first.dtype or a.shape[1:] != first.shape[1:] for a, _ in pieces):
-        return np.concatenate([a[rows] for a, rows in pieces])
-    width = int(np.prod(first.shape[1:], dtype=np.int64))
-    out = np.empty((sum(len(rows) for _, rows in pieces), *first.shape[1:]), dtype=first.dtype)
-    flat = out.reshape(len(out), width)
-    at = 0
-    for a, rows in pieces:
-        src = np.ascontiguousarray(a).reshape(len(a), width)
-        K.take_rows(src, np.ascontiguousarray(rows, dtype=np.int64), flat[at : at + len(rows)])
-        at += len(rows)
-    return out
 
 
 def load_with_deltas(shard_file: str, delta_dir: str, shard: int) -> dict[str, dict[str, np.ndarray]]:

@@ -42,12 +42,25 @@ def _streamable(out: np.ndarray, weights: np.ndarray) -> bool:
 
 
 def take(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``a[rows]``, a new array, by a compiled take that releases the GIL (numpy's fancy indexing holds it for the
-    whole copy: a table's state taken beside serving would stall its requests)."""
-    width = int(np.prod(a.shape[1:], dtype=np.int64))
-    out = np.empty((len(rows), *a.shape[1:]), dtype=a.dtype)
-    src = np.ascontiguousarray(a).reshape(len(a), width)
-    K.take_rows(src, np.ascontiguousarray(rows, dtype=np.int64), out.reshape(len(rows), width))
+    """``a[rows]``, a new array, by ``stacked`` (a compiled take that releases the GIL: a table's state taken beside
+    serving would otherwise stall its requests)."""
+    return stacked([(a, rows)])
+
+
+def stacked(pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """``np.concatenate([a[rows] for a, rows in pieces])``: arrays of one dtype and row shape copied by a compiled
+    take that releases the GIL (numpy's indexing and concatenation hold it for the whole copy)."""
+    first = pieces[0][0]
+    if any(a.dtype != first.dtype or a.shape[1:] != first.shape[1:] for a, _ in pieces):
+        return np.concatenate([a[rows] for a, rows in pieces])
+    width = int(np.prod(first.shape[1:], dtype=np.int64))
+    out = np.empty((sum(len(rows) for _, rows in pieces), *first.shape[1:]), dtype=first.dtype)
+    flat = out.reshape(len(out), width)
+    at = 0
+    for a, rows in pieces:
+        src = np.ascontiguousarray(a).reshape(len(a), width)
+        K.take_rows(src, np.ascontiguousarray(rows, dtype=np.int64), flat[at : at + len(rows)])
+        at += len(rows)
     return out
 
 
