@@ -84,7 +84,8 @@ class LocalEmbedding:
         """One shard per file of ``paths``, each checked against ``expected[i]`` as ``load`` does, every table
         sized to the rows its file holds (``sized_tables``) instead of the shard's memory budget: for read-only use
         (evaluation, serving), where the budget's spare rows would only cost memory, and time to fill and free.
-        Raises as ``load``."""
+        The tables are frozen (``EmbeddingTable.freeze``): lookups that would create rows raise. Raises as
+        ``load``."""
         if expected is not None and len(expected) != len(paths):
             raise ValueError(f"{len(expected)} expected (bytes, CRC-32C) for {len(paths)} shard files")
         shards = []
@@ -95,6 +96,8 @@ class LocalEmbedding:
             tables = sized_tables(config, rows, seed)
             check_shard_contents(contents, tables, p)
             restore_shard_contents(contents, tables, p)
+            for t in tables.values():
+                t.freeze()
             shards.append(tables)
         return cls(config, len(paths), seed, shards=shards)
 

@@ -172,6 +172,7 @@ def restore_table(t: EmbeddingTable, ta: TableArrays, where: str = "", name: str
     table's size, else rebuilt. Otherwise the rows go in through ``load_state_dict`` in
     recency order; rows beyond the table's capacity (least recently used first) are dropped with a warning.
     Raises ``ShardFileError`` naming the table when the dim or the optimizer state do not match."""
+    t.writable(f"{where}: restoring table {name!r}")
     a, label = ta.arrays, f"{where}: table {name!r}"
     n = len(a["keys"])
     _check_table_arrays(t, ta, label)

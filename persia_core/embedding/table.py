@@ -15,6 +15,7 @@ stays fp32.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -122,6 +123,7 @@ class EmbeddingTable:
         self.refused = np.zeros(1, dtype=np.int64)
         self.expired = 0
         self.lock = threading.Lock()
+        self.frozen = False  # read-only for good (``freeze``): readers then take no lock
         self._outputs = OutputPool()
         self._alloc(self.capacity)
         self.counters = np.zeros(4, dtype=np.int64)  # size, evictions, inserts, misses
@@ -157,6 +159,22 @@ class EmbeddingTable:
         """Rows held now."""
         return int(self.counters[0])
 
+    def freeze(self) -> None:
+        """Make the table read-only for good (a served model's): reads (``lookup_readonly``, ``contains``,
+        ``state_dict``, ``stats``) no longer take the lock, so a long read, such as the state a server copies to
+        apply deltas, does not hold up the lookups of requests. Changes raise ``RuntimeError`` from then on."""
+        with self.lock:
+            self.frozen = True
+
+    def writable(self, what: str) -> None:
+        """Raise ``RuntimeError`` naming ``what`` when the table is frozen."""
+        if self.frozen:
+            raise RuntimeError(f"{what}: the embedding table is frozen (read-only)")
+
+    def _reading(self):
+        """The lock, or nothing to hold for a frozen table (its arrays never change)."""
+        return contextlib.nullcontext() if self.frozen else self.lock
+
     def lookup(self, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``ids: uint64[N]`` as ``float32[N, D]``, creating unseen IDs (deterministic init); written into
         ``out`` (C-contiguous ``float32[N, D]``: a server's shared-memory reply, say) when given, and returned.
@@ -164,6 +182,7 @@ class EmbeddingTable:
         Duplicates are fine (each gets the row). At capacity, least recently used rows are evicted. Raises
         ``ValueError`` when ``out`` does not fit.
         """
+        self.writable("lookup")
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = self._output(len(ids), out)
         with self.lock:
@@ -233,6 +252,7 @@ class EmbeddingTable:
     def log_evictions(self) -> None:
         """Start logging the keys of the rows evicted (at capacity) or expired, for ``take_evicted``: a delta's
         tombstones (``embedding.delta``). Costs 8 bytes per row removed between two takes."""
+        self.writable("log_evictions")
         with self.lock:
             if not len(self._evicted):
                 self._evicted = np.zeros(4096, dtype=np.uint64)
@@ -256,6 +276,7 @@ class EmbeddingTable:
 
     def expire(self, older_than_steps: int) -> int:
         """Remove rows not looked up in the last ``older_than_steps`` lookup batches. Returns how many."""
+        self.writable("expire")
         with self.lock:
             return self._expire(self.step - older_than_steps)
 
@@ -275,7 +296,7 @@ class EmbeddingTable:
         Does not change recency either (evaluation must not perturb the table)."""
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         out = self._output(len(ids), out)
-        with self.lock:
+        with self._reading():
             rows = K.find_rows(ids, self.index, self.keys)
             self._gather(rows, out)
         return out
@@ -290,7 +311,7 @@ class EmbeddingTable:
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """``bool[N]``: whether each ID has a row."""
-        with self.lock:
+        with self._reading():
             return K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), self.index, self.keys) >= 0
 
     def apply_gradients(self, ids: np.ndarray, grads: np.ndarray, step_fraction: float = 1.0) -> int:
@@ -305,6 +326,7 @@ class EmbeddingTable:
         that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
         Raises ``ValueError`` on mismatched shapes or non-finite gradients.
         """
+        self.writable("apply_gradients")
         ids = np.ascontiguousarray(ids, dtype=np.uint64)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if grads.shape != (len(ids), self.dim):
@@ -358,7 +380,7 @@ class EmbeddingTable:
 
     def stats(self) -> dict:
         """Rows, capacity, evictions, inserts, read-only misses, dropped gradients, bytes allocated."""
-        with self.lock:
+        with self._reading():
             allocated = (
                 self.keys.nbytes
                 + self.weights.nbytes
@@ -385,7 +407,7 @@ class EmbeddingTable:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Rows and optimizer state, most recently used first: ``keys uint64[R]``, ``weights float32[R, D]``,
         ``last_used int32[R]`` and one array per optimizer state (``acc``, ``m``, ``v``, ``steps``)."""
-        with self.lock:
+        with self._reading():
             size = self.size
             order = K.queue_order(self.qrow, self.qstep, self.qht, self.last_used, size)[::-1]
             out = {"keys": take(self.keys, order), "weights": take(self.weights, order)}
@@ -397,7 +419,9 @@ class EmbeddingTable:
     def load_state_dict(self, sd: dict[str, np.ndarray]) -> None:
         """Replace the contents with a ``state_dict()`` (rows in recency order, most recent first).
 
-        Raises ``ValueError`` when dims, optimizer state or row count do not fit this table."""
+        Raises ``ValueError`` when dims, optimizer state or row count do not fit this table, ``RuntimeError`` when
+        it is frozen."""
+        self.writable("load_state_dict")
         keys = np.asarray(sd["keys"], dtype=np.uint64)
         n = len(keys)
         if n > self.capacity:

@@ -191,6 +191,7 @@ class DeltaFeed:
                 for name, t in tables.items():
                     if name in state:
                         t.load_state_dict(state[name])
+                    t.freeze()  # as the served model's own: the next deltas read its state without the lock
             emb.shards[s] = tables
             del state
         for s, deltas in enumerate(todo):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from persia_core.data.reader import ParquetExamples
+from persia_core.embedding.reference import LocalEmbedding
 from persia_core.evaluate.gate import bless
 from persia_core.evaluate.predict import predict
 from persia_core.evaluate.run import LoadedModel
@@ -436,7 +437,8 @@ def test_deltas_of_a_run_warm_started_from_the_served_model_are_applied_and_othe
 
     reference = LoadedModel(served)  # the served dense network on the warm run's final rows, from its Model files
     folder, manifest = read_manifest(warm)
-    reference.embedding.load([os.path.join(folder, f) for f in manifest.shard_files])
+    paths = [os.path.join(folder, f) for f in manifest.shard_files]
+    reference.embedding = LocalEmbedding.from_shard_files(reference.config.embedding, paths)
     expected = reference.predict(InstanceEncoder(reference.config, reference.slots, 1).batch(instances))
     assert after["model_version"] == headers["X-Model-Version"] == f"{base_version}+deltas-{last[0]}.{last[1]}"
     np.testing.assert_allclose(after["predictions"], expected.astype(np.float64), rtol=0, atol=1e-6)
