@@ -227,7 +227,7 @@ def _read_exact(f, mv: memoryview, where: str) -> None:
 def build_key_index(keys: np.ndarray) -> np.ndarray:
     """A fresh hash index of ``keys: uint64[R]`` whose row of key i is i: ``int32[memory.index_slots(R)]``,
     64-byte aligned, -1 in empty slots."""
-    index = aligned_array(index_slots(len(keys)), np.int32, -1)
+    index = aligned_array(index_slots(len(keys)), np.int32)  # the kernel empties it, releasing the GIL
     K.rebuild_index(index, keys, K.shift_of(index), len(keys))
     return index
 

@@ -146,7 +146,8 @@ class EmbeddingTable:
             name: aligned_array((rows, *shape), dt, 0)
             for name, (shape, dt) in state_shapes(self.optimizer.name, self.dim).items()
         }
-        self.index = aligned_array(index_slots(rows), np.int32, -1)
+        self.index = aligned_array(index_slots(rows), np.int32)
+        K.rebuild_index(self.index, self.keys, K.shift_of(self.index), 0)  # all empty (-1), without the GIL
 
     def _reset_state(self, rows: np.ndarray) -> None:
         if len(rows):
