@@ -405,7 +405,7 @@ def _newest_first(deltas: list[tuple[dict, np.ndarray | None]], cur: dict, live:
     pieces: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in deltas[-1][0]}
     later: list[np.ndarray] = []  # keys that a newer delta holds or evicted
     for d, evicted in reversed(deltas):
-        order = np.argsort(-d["last_used"].astype(np.int64), kind="stable")
+        order = K.newest_first(np.ascontiguousarray(d["last_used"]))
         if later:
             order = order[~member(d["keys"], np.concatenate(later))[order]]
         for k in pieces:

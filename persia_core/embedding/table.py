@@ -65,6 +65,17 @@ def stacked(pieces: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
     return out
 
 
+def copy_into(dst: np.ndarray, src: np.ndarray, n: int) -> None:
+    """``dst[:n] = src`` for ``src: T[n, ...]`` rows of ``dst``'s shape (``dst`` C-contiguous), by a compiled copy
+    that releases the GIL (numpy's assignment holds it for the whole copy). Raises ``ValueError`` when ``src``
+    is not ``n`` such rows."""
+    src = np.asarray(src)
+    if src.shape != (n, *dst.shape[1:]) or n > len(dst):
+        raise ValueError(f"an array of shape {src.shape} where {(n, *dst.shape[1:])} fits")
+    width = int(np.prod(dst.shape[1:], dtype=np.int64))
+    K.copy_rows(np.ascontiguousarray(src, dtype=dst.dtype).reshape(n, width), dst[:n].reshape(n, width))
+
+
 class EmbeddingTable:
     """Feature ID -> embedding row and optimizer state, in contiguous arrays, with LRU eviction at capacity.
 
@@ -440,15 +451,20 @@ class EmbeddingTable:
             raise ValueError(
                 f"optimizer state arrays {sorted(present)} do not match {self.optimizer.name}: {sorted(expected)}"
             )
+        shapes = {name: (n, *shape) for name, (shape, _) in state_shapes(self.optimizer.name, self.dim).items()}
+        shapes["last_used"] = (n,)
+        for name, shape in shapes.items():
+            if name in sd and np.shape(sd[name]) != shape:
+                raise ValueError(f"state {name} has shape {np.shape(sd[name])}, expected {shape}")
         if n > 1 and len(K.dedup(np.ascontiguousarray(keys))[0]) != n:  # checked before anything is replaced
             raise ValueError("state has duplicate keys")
         with self.lock:
             self._alloc(self.capacity)
-            self.keys[:n] = keys
-            self.weights[:n] = sd["weights"]
-            self.last_used[:n] = sd.get("last_used", np.zeros(n, np.int32))
+            copy_into(self.keys, keys, n)
+            copy_into(self.weights, sd["weights"], n)
+            copy_into(self.last_used, sd.get("last_used", np.zeros(n, np.int32)), n)
             for name in expected:
-                self.state[name][:n] = sd[name]
+                copy_into(self.state[name], sd[name], n)
             K.queue_from_order(
                 np.arange(n - 1, -1, -1, dtype=np.int32), self.last_used, self.qrow, self.qstep, self.qht
             )

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from persia_core import io
+from persia_core.embedding import kernels as K
 from persia_core.embedding.delta import apply_deltas, list_deltas, member, stacked, superseded_deltas
 from persia_core.embedding.reference import LocalEmbedding, sized_tables
 from persia_core.embedding.shard_file import ShardContents, read_shard_file
@@ -52,6 +53,7 @@ def warm_kernels(model) -> None:
         rows = np.zeros(0, dtype=np.int64)
         state = {k: stacked([(v, rows), (v, rows)]) for k, v in state.items()}
         member(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))
+        K.newest_first(np.zeros(0, dtype=state["last_used"].dtype))
         t.load_state_dict(state)
 
 

@@ -1,13 +1,16 @@
 """The GIL-free helpers of delta application equal the numpy operations they replace: ``member`` is ``np.isin``,
-``take`` is fancy indexing, ``stacked`` is the concatenation of two takes, for every dtype a table holds."""
+``take`` is fancy indexing, ``stacked`` is the concatenation of two takes, ``copy_into`` is slice assignment, for
+every dtype a table holds; ``newest_first`` is a stable argsort; a table loads a state through them."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from persia_core.config import OptimizerConfig
+from persia_core.embedding import kernels as K
 from persia_core.embedding.delta import member, stacked
-from persia_core.embedding.table import take
+from persia_core.embedding.table import EmbeddingTable, copy_into, take
 
 
 def test_member_equals_isin_with_duplicates_extremes_and_empty_sides():
@@ -81,3 +84,41 @@ def test_deltas_applied_in_one_pass_equal_the_deltas_applied_one_after_the_other
     for k in one_pass:
         np.testing.assert_array_equal(one_pass[k], one_by_one[k])
     assert len(np.unique(one_pass["keys"])) == len(one_pass["keys"])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"),
+    [(np.uint64, ()), (np.float32, (16,)), (np.uint16, (8,)), (np.int32, ()), (np.float32, (2, 3))],
+)
+def test_copy_into_equals_slice_assignment_and_refuses_rows_of_another_shape(dtype, shape):
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 1000, (777, *shape)).astype(dtype)
+    dst = np.full((1000, *shape), 5, dtype=dtype)
+    want = dst.copy()
+    want[:777] = src
+    copy_into(dst, src, 777)
+    np.testing.assert_array_equal(dst, want)
+    with pytest.raises(ValueError, match="where"):
+        copy_into(dst, src, 700)
+    with pytest.raises(ValueError, match="where"):
+        copy_into(dst[:10], src[:20], 20)
+
+
+def test_newest_first_is_a_stable_descending_argsort():
+    steps = np.random.default_rng(3).integers(0, 50, 20_000).astype(np.int32)  # many ties
+    np.testing.assert_array_equal(K.newest_first(steps), np.argsort(-steps.astype(np.int64), kind="stable"))
+    assert K.newest_first(np.zeros(0, np.int32)).shape == (0,)
+
+
+def test_a_state_that_does_not_fit_is_refused_before_the_table_changes():
+    t = EmbeddingTable(4, OptimizerConfig(name="adagrad"), capacity=100)
+    ids = np.arange(1, 51, dtype=np.uint64)
+    before = t.lookup(ids).copy()
+    sd = t.state_dict()
+    bad = dict(sd, acc=sd["acc"][:-1])
+    with pytest.raises(ValueError, match="state acc has shape"):
+        t.load_state_dict(bad)
+    np.testing.assert_array_equal(t.lookup_readonly(ids), before)
+    t.load_state_dict(sd)  # the good one loads through the compiled copies
+    np.testing.assert_array_equal(t.lookup_readonly(ids), before)
+    assert {k: v.tolist() for k, v in t.state_dict().items()} == {k: v.tolist() for k, v in sd.items()}

@@ -27,8 +27,23 @@ from persia_core.embedding.kernels.bags import bag_grads, pool_into
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
 from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
-from persia_core.embedding.kernels.recency import first_live, list_order, queue_from_order, queue_order, queue_size
-from persia_core.embedding.kernels.rows import apply_moves, expire, gather_rows, init_rows, lookup, take_rows
+from persia_core.embedding.kernels.recency import (
+    first_live,
+    list_order,
+    newest_first,
+    queue_from_order,
+    queue_order,
+    queue_size,
+)
+from persia_core.embedding.kernels.rows import (
+    apply_moves,
+    copy_rows,
+    expire,
+    gather_rows,
+    init_rows,
+    lookup,
+    take_rows,
+)
 from persia_core.embedding.kernels.xxh3 import prefixed_xxh3
 
 __all__ = [
@@ -38,6 +53,7 @@ __all__ = [
     "apply_rowwise_adagrad",
     "apply_sgd",
     "bag_grads",
+    "copy_rows",
     "dedup",
     "expire",
     "find_rows",
@@ -46,6 +62,7 @@ __all__ = [
     "init_rows",
     "list_order",
     "lookup",
+    "newest_first",
     "prefixed_xxh3",
     "pool_into",
     "queue_from_order",

@@ -134,3 +134,10 @@ def list_order(head, nxt, size):
         r = nxt[r]
         i += 1
     return order[:i]
+
+
+@njit(nogil=True, cache=True)
+def newest_first(last_used):
+    """``int64[N]``: the rows of ``last_used: int[N]`` (steps) most recent first, ties in row order (a stable sort,
+    ``np.argsort(-last_used, kind="stable")``) without holding the GIL."""
+    return np.argsort(-last_used.astype(np.int64), kind="mergesort")

@@ -362,3 +362,13 @@ def take_rows(src, rows, dst):
         r = rows[t]
         for j in range(w):
             dst[t, j] = src[r, j]
+
+
+@njit(nogil=True, cache=True)
+def copy_rows(src, dst):
+    """``dst[t] = src[t]`` for ``src, dst: T[N, W]``, any dtype T: a copy without holding the GIL (numpy's
+    assignment holds it; a server builds tables beside its requests)."""
+    w = src.shape[1]
+    for t in range(src.shape[0]):
+        for j in range(w):
+            dst[t, j] = src[t, j]
