@@ -194,7 +194,9 @@ def _previous_models_first_batch_loss(previous: str, data: str, cfg) -> float:
     batch = examples.batch(rows)
     with torch.no_grad():
         prep = prepare_ids(batch.ids, prev.layouts)
-        rows_of = torch.from_numpy(prev.embedding.lookup("default", prep["default"].uniq))
+        uniq = prep["default"].uniq
+        assert prev.embedding.contains("default", uniq).all()  # every ID of the batch has a row: no init involved
+        rows_of = torch.from_numpy(prev.embedding.lookup_readonly("default", uniq))
         emb = pool(rows_of, prep["default"], 3, batch.size)
         logits = prev.dense(emb, torch.from_numpy(batch.dense))
         return float(F.binary_cross_entropy_with_logits(logits, torch.from_numpy(batch.labels)))
