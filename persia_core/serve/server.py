@@ -138,7 +138,9 @@ def traced_dense(model: LoadedModel) -> None:
     time another thread runs Python: a request's parsing, a model being loaded). Checked on random inputs of 1 and
     37 rows; a model that does not trace, or whose trace differs by more than 1e-6, stays as it is (a log line).
     torch 2.x deprecates tracing for ``torch.export``, whose CPU path (AOTInductor) compiles C++ at every load: the
-    warning is silenced, and a torch without ``torch.jit.trace`` serves the module."""
+    warning is silenced, and a torch without ``torch.jit.trace`` serves the module. ``serve`` runs the traces under
+    ``torch.jit.optimized_execution(False)``: the profiling executor's plans (compiled on a trace's first calls and
+    for each new row count) would cost requests time after every swap, and fuse nothing a dense CPU step gains by."""
     gen = torch.Generator().manual_seed(0)
     dim, slots, num_dense = model.layouts[0].dim, len(model.slots), len(model.manifest.dense)
 
@@ -460,21 +462,24 @@ def serve(
     if deltas and io.exists(deltas) and not io.isdir(deltas):
         raise ValueError(f"--deltas {deltas}: not a folder (a training run's delta_dir)")
     need = check_memory(model_dir)
-    served = load_served(model_dir)
-    gc.collect()
-    gc.freeze()  # what start-up made lives as long as the server: the collector need not scan it on every pass
-    log.info(
-        "serving %s (%s, %d bytes) on http://%s:%d: POST %s, GET %s, GET /metrics",
-        served.folder,
-        served.version,
-        need,
-        host,
-        port,
-        predict_route,
-        health_route,
-    )
-    app = make_app(
-        served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s, deltas
-    )
-    web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
+    # without the profiling executor (``traced_dense``): it would compile each traced network's plan on its first
+    # calls and again for new row counts, after a swap on requests' time; the plain interpreter runs the same ops
+    with torch.jit.optimized_execution(False):
+        served = load_served(model_dir)
+        gc.collect()
+        gc.freeze()  # what start-up made lives as long as the server: the collector need not scan it on every pass
+        log.info(
+            "serving %s (%s, %d bytes) on http://%s:%d: POST %s, GET %s, GET /metrics",
+            served.folder,
+            served.version,
+            need,
+            host,
+            port,
+            predict_route,
+            health_route,
+        )
+        app = make_app(
+            served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s, deltas
+        )
+        web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
     log.info("stopped: requests in flight drained")

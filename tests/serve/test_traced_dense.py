@@ -40,14 +40,16 @@ def _holder(dense: torch.nn.Module, num_dense: int) -> SimpleNamespace:
     ],
     ids=["dnn", "dnn-no-dense", "dlrm", "dcnv2-stacked", "dcnv2-parallel-low-rank", "deepfm", "lr"],
 )
-def test_the_traced_network_equals_the_module_at_every_batch_size(config, num_dense):
+@pytest.mark.parametrize("optimize", [False, True], ids=["as-served", "profiling-executor"])
+def test_the_traced_network_equals_the_module_at_every_batch_size(config, num_dense, optimize):
     torch.manual_seed(0)
     module = build_model(config, SLOTS, DIM, num_dense, [0.5] * num_dense, [2.0] * num_dense).eval()
     holder = _holder(module, num_dense)
-    traced_dense(holder)  # type: ignore[arg-type]
-    assert isinstance(holder.dense, torch.jit.ScriptModule)
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
+    # serve runs the traces without the profiling executor's optimizations; both must compute the module's logits
+    with torch.jit.optimized_execution(optimize), torch.no_grad():
+        traced_dense(holder)  # type: ignore[arg-type]
+        assert isinstance(holder.dense, torch.jit.ScriptModule)
         for b in (1, 2, 100, 1000):
             emb, dense = torch.randn(b, SLOTS, DIM, generator=gen), torch.randn(b, num_dense, generator=gen)
             got, want = holder.dense(emb, dense), module(emb, dense)
