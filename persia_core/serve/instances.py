@@ -74,6 +74,13 @@ class InstanceEncoder:
             self.required = [c for c in self.columns if c not in self.optional]
             self.every_required = operator.itemgetter(*self.required) if len(self.required) > 1 else None
 
+    def example(self) -> dict[str, Any]:
+        """A made-up valid instance: every feature column ``"1"`` (a delimited layout), or one feature ID per slot
+        and zero dense values (feature rows)."""
+        if self.layout.kind == "delimited":
+            return {c: "1" for c in self.required}
+        return {S.slot_column(s): [1] for s in self.model_slots} | {S.DENSE: [0.0] * self.num_dense}
+
     def batch(self, instances: Any) -> Batch:
         """``instances`` (the request's ``"instances"``: a non-empty JSON array) -> ``Batch`` of B rows (labels 0).
         Raises ``InstanceError`` for the first bad instance."""

@@ -169,7 +169,20 @@ def load_served(model_dir: str) -> Served:
     model = LoadedModel(model_dir)
     traced_dense(model)
     encoder = InstanceEncoder(model.config, model.slots, len(model.manifest.dense))
-    return Served(model, encoder, model_version(model.model_dir), time.time(), model.model_dir)
+    served = Served(model, encoder, model_version(model.model_dir), time.time(), model.model_dir)
+    warm_up(served)
+    return served
+
+
+def warm_up(served: Served) -> None:
+    """Score one made-up instance the way a request is scored (``InstanceEncoder.batch``, ``readonly_inputs``, the
+    dense network), so that the compiled kernels a request runs (hashing, lookups, pooling: from numba's cache, or
+    compiled where it has none, seconds) are loaded at start-up or by the thread loading a new model, not on a
+    request's time (``InstanceEncoder.example``)."""
+    enc, m = served.encoder, served.model
+    with torch.no_grad():
+        emb, values, _ = readonly_inputs(m.embedding, m.layouts, m.wide, enc.batch([enc.example()]))
+        m.dense(emb, values)
 
 
 class Metrics:
