@@ -10,7 +10,8 @@ Two forms, by the model's layout:
   request's instances at once).
 - ``movielens`` (which needs joins and the user's history): an instance is the preprocessed feature row, keyed as
   the Parquet columns of ``persia_core.data.schema``: ``slot_<name>`` a list of feature IDs (``uint64``) for every
-  slot of the model, and ``dense`` a list of the model's dense features (standardized inside the model).
+  slot of the model (``null``, ``[]`` or absent: no ID), and ``dense`` a list of the model's F dense features
+  (standardized inside the model; within float32 range); a row's ``label`` and ``ts`` may be sent and are ignored.
 
 A bad instance raises ``InstanceError`` naming its index and field.
 """
@@ -134,7 +135,7 @@ class InstanceEncoder:
         dense = np.zeros((b, f), np.float32)
         per_slot: list[list[np.ndarray]] = [[] for _ in self.model_slots]
         columns = [S.slot_column(s) for s in self.model_slots]
-        want = {S.DENSE, *columns}
+        want = {S.DENSE, S.LABEL, S.TS, *columns}  # a Parquet row as it is: its label and timestamp are ignored
         for i, inst in enumerate(instances):
             if not isinstance(inst, dict):
                 raise InstanceError(i, None, f"expected a JSON object of the preprocessed columns, got {type(inst)}")
@@ -143,10 +144,14 @@ class InstanceEncoder:
                 raise InstanceError(i, unknown, f"not a column of the model's preprocessed rows {sorted(want)}")
             d = np.asarray(inst.get(S.DENSE, []))
             if d.shape != (f,) or (f and (d.dtype.kind not in "iuf" or not np.isfinite(d).all())):
-                raise InstanceError(i, S.DENSE, f"expected a list of {f} numbers")
+                raise InstanceError(i, S.DENSE, f"expected a list of {f} finite numbers")
+            big = np.abs(d) > layouts.FLOAT32_MAX  # stored as float32: it would become inf, the prediction NaN
+            if f and big.any():
+                raise InstanceError(i, S.DENSE, f"a value beyond float32 range: {d[big][0]}")
             dense[i] = d
             for j, col in enumerate(columns):
-                ids = inst.get(col, [])
+                ids = inst.get(col)
+                ids = [] if ids is None else ids  # null or absent: the slot has no ID
                 try:  # integers only (the type check is one C-level pass; numpy refuses < 0 and >= 2^64)
                     if type(ids) is not list or not set(map(type, ids)) <= {int}:
                         raise TypeError
