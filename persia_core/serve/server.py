@@ -252,7 +252,8 @@ class Follower:
     names that is not the one served is loaded in a thread of its own (refused when it does not fit in the memory
     left: ``ModelTooLargeError``), then replaces the served one between two requests: a request keeps the model it
     started with, none fails. A model that cannot be loaded leaves the old one serving; ``error`` (health, and a log
-    line) says why, and it is not tried again until the marker changes."""
+    line) says why, and it is not tried again until the marker changes; a marker naming the served model again (a
+    rollback) clears it."""
 
     def __init__(self, location: str, state: dict, metrics: Metrics):
         self.location, self.state, self.metrics = location, state, metrics
@@ -279,7 +280,10 @@ class Follower:
         if marker is None:
             return False
         folder = io.join(self.location, marker["model"])
-        if folder == self.state["served"].folder or folder == self.failed:
+        if folder == self.state["served"].folder:  # the marker names the served model again: no error is current
+            self.error = self.failed = None
+            return False
+        if folder == self.failed:
             return False
         t0 = time.time()
         try:

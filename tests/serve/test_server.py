@@ -28,7 +28,7 @@ from persia_core.evaluate.gate import bless
 from persia_core.evaluate.predict import predict
 from persia_core.evaluate.run import LoadedModel
 from persia_core.hashing import feature_ids
-from persia_core.model_store import latest_blessed_model
+from persia_core.model_store import BLESSED_MARKER, latest_blessed_model
 from persia_core.serve.instances import InstanceEncoder
 from persia_core.serve.server import INLINE_ROWS, ModelTooLargeError, check_memory, model_bytes, model_version
 from persia_core.train.processes import free_port
@@ -346,7 +346,8 @@ def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(tr
             time.sleep(0.05)
         other = _variant(model, str(tmp_path / "other"), 0.5)
         bless(other, {"auc": 0.6}, blessed)
-        second = model_version(latest_blessed_model(blessed))
+        served_folder = latest_blessed_model(blessed)
+        second = model_version(served_folder)
         deadline = time.time() + 10
         while not replies or replies[-1][1] != second:
             assert time.time() < deadline, f"still serving {replies[-1][1]}: {open(tmp_path / 'serve.log').read()}"
@@ -366,6 +367,12 @@ def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(tr
         n = len(replies)
         while len(replies) < n + 20:
             time.sleep(0.05)
+        # the marker rolled back to the served model: the broken one is no longer blessed, so no error is current
+        marker = os.path.join(blessed, BLESSED_MARKER)
+        with open(marker + ".tmp", "w") as f:
+            json.dump({**json.load(open(marker)), "model": os.path.relpath(served_folder, blessed)}, f)
+        os.replace(marker + ".tmp", marker)
+        cleared = _wait_health(s, lambda h: h["follow"]["error"] is None, "the error of the rolled-back model")
         swaps = (
             _metric(s, 'persia_serve_model_swaps_total{result="ok"}'),
             _metric(s, 'persia_serve_model_swaps_total{result="failed"}'),
@@ -387,6 +394,7 @@ def test_follow_mode_swaps_to_a_newly_blessed_model_without_failing_a_request(tr
     assert expected[first] != expected[second]
     assert all(abs(p - expected[v]) <= 1e-6 for _, v, p in replies)
     assert health["model_version"] == second and bad in health["follow"]["error"]
+    assert cleared["model_version"] == second  # no swap back and forth: the served model was named again
     assert swaps == (1, 1)
 
 
