@@ -369,9 +369,14 @@ def make_app(
 
     async def predict(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        # refused on its Content-Length when it declares one, not after waiting for a body it may never send
+        too_large = (request.content_length or 0) > max_request_bytes
+        if not too_large:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                too_large = True
+        if too_large:
             metrics.requests.labels("predict", "413").inc()
             return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")
         with metrics.in_flight.track_inprogress():

@@ -224,6 +224,22 @@ def test_bad_requests_get_400_or_413_naming_the_instance_and_field_and_crash_not
     assert s.proc.poll() is None
 
 
+def test_a_declared_oversized_body_gets_413_without_waiting_for_it(server):
+    s, env = server
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    try:
+        conn.putrequest("POST", env["AIP_PREDICT_ROUTE"])
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", "9000000")
+        conn.endheaders(b'{"instances": [')  # the rest never comes: the reply must not wait for it
+        r = conn.getresponse()
+        assert r.status == 413 and "exceeds 4096 bytes" in json.loads(r.read())["error"]
+    finally:
+        conn.close()
+    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
+    assert ok == 200 and len(good["predictions"]) == 1
+
+
 def _metrics(s: Server) -> dict[str, float]:
     """The server's /metrics as ``{sample name with labels: value}`` (Prometheus text format)."""
     status, headers, text = s.get("/metrics")
