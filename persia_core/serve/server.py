@@ -491,7 +491,7 @@ def serve(
         gc.collect()
         gc.freeze()  # what start-up made lives as long as the server: the collector need not scan it on every pass
         log.info(
-            "serving %s (%s, %d bytes) on http://%s:%d: POST %s, GET %s, GET /metrics",
+            "loaded %s (%s, %d bytes); starting on http://%s:%d: POST %s, GET %s, GET /metrics",
             served.folder,
             served.version,
             need,
@@ -504,4 +504,4 @@ def serve(
             served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s, deltas
         )
         web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
-    log.info("stopped: requests in flight drained")
+    log.info("stopped: requests in flight answered, or cut %.0f s after the signal (drain_s)", drain_s)
