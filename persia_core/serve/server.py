@@ -376,6 +376,9 @@ def make_app(
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 too_large = True
+            except ConnectionResetError:  # the client left mid-body: nobody to answer, no server error to log
+                metrics.requests.labels("predict", "499").inc()
+                return web.Response(status=499)
         if too_large:
             metrics.requests.labels("predict", "413").inc()
             return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -236,6 +237,24 @@ def test_a_declared_oversized_body_gets_413_without_waiting_for_it(server):
         assert r.status == 413 and "exceeds 4096 bytes" in json.loads(r.read())["error"]
     finally:
         conn.close()
+    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
+    assert ok == 200 and len(good["predictions"]) == 1
+
+
+def test_a_client_that_leaves_mid_body_is_counted_not_logged_as_a_server_error(server):
+    s, env = server
+    start = os.path.getsize(s.log_path)  # the module's server: its log holds earlier tests' lines
+    with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+        head = f"POST {env['AIP_PREDICT_ROUTE']} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        sock.sendall(head.encode() + b'{"instances": [')
+    deadline = time.time() + 10
+    while _metrics(s).get('persia_serve_requests_total{route="predict",status="499"}', 0.0) < 1:
+        assert time.time() < deadline, "the request left mid-body was not counted"
+        time.sleep(0.1)
+    with open(s.log_path, errors="replace") as f:
+        f.seek(start)
+        log_text = f.read()
+    assert "Traceback" not in log_text and "Error handling request" not in log_text, log_text[-2000:]
     ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
     assert ok == 200 and len(good["predictions"]) == 1
 
