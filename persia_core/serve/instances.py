@@ -34,8 +34,9 @@ from persia_core.sparse import Batch, IdBatch
 class InstanceError(ValueError):
     """A request instance that cannot be scored; the message names the instance index and the field."""
 
-    def __init__(self, index: int, field: str | None, reason: str):
-        where = f"instance {index}" + (f", field {field!r}" if field is not None else "")
+    def __init__(self, index: int | None, field: str | None, reason: str):
+        where = f"instance {index}" if index is not None else "instances"  # None: the array itself, no instance
+        where += f", field {field!r}" if field is not None else ""
         super().__init__(f"{where}: {reason}")
         self.index, self.field, self.reason = index, field, reason
 
@@ -86,7 +87,7 @@ class InstanceEncoder:
         """``instances`` (the request's ``"instances"``: a non-empty JSON array) -> ``Batch`` of B rows (labels 0).
         Raises ``InstanceError`` for the first bad instance."""
         if not isinstance(instances, list) or not instances:
-            raise InstanceError(0, None, "'instances' must be a non-empty JSON array")
+            raise InstanceError(None, None, "'instances' must be a non-empty JSON array")
         if self.layout.kind == "delimited":
             return self._delimited(instances)
         return self.features_batch(instances)

@@ -204,7 +204,8 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
     [
         (b"not json", 400, "not JSON"),
         (b'{"rows": []}', 400, '"instances"'),
-        (b'{"instances": []}', 400, "non-empty JSON array"),
+        (b'{"instances": []}', 400, "instances: 'instances' must be a non-empty JSON array"),
+        (b'{"instances": {"x": 1}}', 400, "instances: 'instances' must be a non-empty JSON array"),
         (b'{"instances": [{"x": 1}, 7]}', 400, "instance 1: expected a JSON object"),
         (b'{"instances": [{"x": 1}, {"a": "3", "zz": 1}]}', 400, "instance 1, field 'zz': not a column"),
         (b'{"instances": [{"x": "abc"}]}', 400, "instance 0, field 'x': unparsable number"),
