@@ -367,21 +367,21 @@ def make_app(
         # float32 printed in the fewest digits that read back as the same float32 (orjson's numpy support)
         return orjson.dumps({"predictions": probs, "model_version": current.version}, option=orjson.OPT_SERIALIZE_NUMPY)
 
+    def too_large() -> web.Response:
+        metrics.requests.labels("predict", "413").inc()
+        return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")
+
     async def predict(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
-        # refused on its Content-Length when it declares one, not after waiting for a body it may never send
-        too_large = (request.content_length or 0) > max_request_bytes
-        if not too_large:
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                too_large = True
-            except ConnectionResetError:  # the client left mid-body: nobody to answer, no server error to log
-                metrics.requests.labels("predict", "499").inc()
-                return web.Response(status=499)
-        if too_large:
-            metrics.requests.labels("predict", "413").inc()
-            return _error(413, f"the request body exceeds {max_request_bytes} bytes; send fewer instances per request")
+        if (request.content_length or 0) > max_request_bytes:  # declared: refused without waiting for the body
+            return too_large()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return too_large()
+        except ConnectionResetError:  # the client left mid-body: nobody to answer, no server error to log
+            metrics.requests.labels("predict", "499").inc()
+            return web.Response(status=499)
         with metrics.in_flight.track_inprogress():
             status, payload = prepare(body)  # on the event loop: see the module docstring
             if not status:
@@ -487,9 +487,7 @@ def serve(
     if deltas and io.exists(deltas) and not io.isdir(deltas):
         raise ValueError(f"--deltas {deltas}: not a folder (a training run's delta_dir)")
     need = check_memory(model_dir)
-    # without the profiling executor (``traced_dense``): it would compile each traced network's plan on its first
-    # calls and again for new row counts, after a swap on requests' time; the plain interpreter runs the same ops
-    with torch.jit.optimized_execution(False):
+    with torch.jit.optimized_execution(False):  # the traces without the profiling executor: see ``traced_dense``
         served = load_served(model_dir)
         gc.collect()
         gc.freeze()  # what start-up made lives as long as the server: the collector need not scan it on every pass
