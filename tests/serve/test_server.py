@@ -199,6 +199,13 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
             enc.features_batch([instances[0], {**instances[1], "dense": [big]}])
 
 
+def _still_answers(s: Server, env: dict[str, str]) -> None:
+    """The server is alive and scores a good request after what a test sent it."""
+    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
+    assert ok == 200 and len(good["predictions"]) == 1
+    assert s.proc.poll() is None
+
+
 @pytest.mark.parametrize(
     "body,status,match",
     [
@@ -221,9 +228,7 @@ def test_bad_requests_get_400_or_413_naming_the_instance_and_field_and_crash_not
     got, _, payload = s.post(env["AIP_PREDICT_ROUTE"], body)
     assert got == status, payload
     assert match in payload["error"], payload
-    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
-    assert ok == 200 and len(good["predictions"]) == 1
-    assert s.proc.poll() is None
+    _still_answers(s, env)
 
 
 def test_a_declared_oversized_body_gets_413_without_waiting_for_it(server):
@@ -238,8 +243,7 @@ def test_a_declared_oversized_body_gets_413_without_waiting_for_it(server):
         assert r.status == 413 and "exceeds 4096 bytes" in json.loads(r.read())["error"]
     finally:
         conn.close()
-    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
-    assert ok == 200 and len(good["predictions"]) == 1
+    _still_answers(s, env)
 
 
 def test_a_client_that_leaves_mid_body_is_counted_not_logged_as_a_server_error(server):
@@ -256,8 +260,7 @@ def test_a_client_that_leaves_mid_body_is_counted_not_logged_as_a_server_error(s
         f.seek(start)
         log_text = f.read()
     assert "Traceback" not in log_text and "Error handling request" not in log_text, log_text[-2000:]
-    ok, _, good = s.post(env["AIP_PREDICT_ROUTE"], b'{"instances": [{"a": "3"}]}')
-    assert ok == 200 and len(good["predictions"]) == 1
+    _still_answers(s, env)
 
 
 def _metrics(s: Server) -> dict[str, float]:
