@@ -8,7 +8,7 @@ Memory per row (``bytes_per_row``), everything included::
     key uint64 (8) + last-used step int32 (4) + recency queue (row, step) int32 pairs (8 x 1.25 entries per row)
     + hash index int32 slots (4 / load)
     + weights (4 * D; 2 * D with fp16 or bf16 storage) + optimizer state (fp32: rowwise_adagrad 4,
-    adagrad 4 * D, adam 8 * D + 4, sgd 0)
+    adagrad 4 * D, ftrl 8 * D, adam 8 * D + 4, sgd 0)
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def state_shapes(optimizer: str, dim: int) -> dict[str, tuple[tuple[int, ...], t
         return {"acc": ((), np.float32)}
     if optimizer == "adagrad":
         return {"acc": ((dim,), np.float32)}
+    if optimizer == "ftrl":
+        return {"acc": ((dim,), np.float32), "z": ((dim,), np.float32)}
     if optimizer == "adam":
         return {"m": ((dim,), np.float32), "v": ((dim,), np.float32), "steps": ((), np.int32)}
     raise ValueError(f"unknown optimizer {optimizer!r}")

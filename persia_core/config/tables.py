@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from persia_core.config.errors import config_error
 from persia_core.memory import bytes_per_row, min_budget_bytes
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl")
 WIDE_TABLE = "wide"
 """The name of the wide table (``model.wide``): one 1-dim row per feature ID of every slot, the model's first-order
 (logistic-regression) term. The name is reserved for it."""
@@ -20,22 +20,29 @@ class OptimizerConfig:
     ``sgd``: w -= lr * g. ``adagrad``: element-wise, ``torch.optim.Adagrad`` semantics.
     ``rowwise_adagrad``: one accumulator per row, s += mean(g^2); w -= lr * g / (sqrt(s) + eps) (FBGEMM).
     ``adam``: ``torch.optim.Adam`` semantics with a per-row step count for bias correction.
+    ``ftrl``: FTRL-Proximal per coordinate (McMahan et al., KDD 2013), the wide (logistic-regression) part's optimizer
+    in Wide & Deep (Cheng et al., 2016): rate ``lr / (eps + sqrt(n))``, L1 ``l1`` (exact zeros) and L2 ``l2``.
     """
 
     name: str = "rowwise_adagrad"
-    """One of ``OPTIMIZERS``: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``."""
+    """One of ``OPTIMIZERS``: ``sgd``, ``adagrad``, ``rowwise_adagrad``, ``adam`` or ``ftrl``."""
     lr: float = 0.05
     """Learning rate of the embedding rows."""
     eps: float = 1e-8
-    """adagrad / rowwise_adagrad / adam: added to the denominator's square root."""
+    """adagrad / rowwise_adagrad / adam: added to the denominator's square root; ftrl: its beta."""
     initial_accumulator: float = 0.0
-    """adagrad / rowwise_adagrad: starting value of the accumulator."""
+    """adagrad / rowwise_adagrad / ftrl: starting value of the accumulator of squared gradients."""
     beta1: float = 0.9
     """adam: decay of the first-moment estimate."""
     beta2: float = 0.999
     """adam: decay of the second-moment estimate."""
     weight_decay: float = 0.0
     """L2 penalty added to each gradient (``torch.optim`` semantics); 0 = none."""
+    l1: float = 0.0
+    """ftrl: L1 strength (lambda_1), in units of the step's mean-loss gradient; rows whose accumulated gradient
+    stays within it are exactly 0."""
+    l2: float = 0.0
+    """ftrl: L2 strength (lambda_2) of the proximal solution, same units."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -48,6 +55,10 @@ class OptimizerConfig:
             raise config_error("optimizer.beta1/beta2", "must be in [0, 1)")
         if self.weight_decay < 0:
             raise config_error("optimizer.weight_decay", "must be >= 0")
+        if self.l1 < 0 or self.l2 < 0:
+            raise config_error("optimizer.l1/l2", "must be >= 0")
+        if (self.l1 or self.l2) and self.name != "ftrl":
+            raise config_error("optimizer.l1/l2", f"are FTRL's; optimizer {self.name!r} takes weight_decay")
         if self.initial_accumulator < 0:
             raise config_error("optimizer.initial_accumulator", "must be >= 0")
 

@@ -332,7 +332,8 @@ class EmbeddingTable:
         ``step_fraction``: the share of a training step this push carries (1/M for each of M asynchronous
         workers' pushes). The scale-invariant optimizers (Adagrad, row-wise Adagrad, Adam) normalize a
         gradient's size away, so they scale their step size by it, and M pushes of a step move a row about as far
-        as one synchronous update; SGD needs no scaling (the gradient itself is 1/M of the step's).
+        as one synchronous update; SGD needs no scaling (the gradient itself is 1/M of the step's); FTRL adds the
+        push's squared gradient divided by it to its accumulator, so that M pushes add what one update adds.
 
         Gradients of an ID repeated in ``ids`` are summed first and applied in one update. A gradient for an ID
         that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
@@ -348,29 +349,32 @@ class EmbeddingTable:
         uniq, summed, finite = K.segment_sum(ids, grads)
         if not finite:
             raise ValueError("gradient push contains inf or NaN; refused")
-        o = self.optimizer
         with self.lock:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
-            lr = o.lr if o.name == "sgd" else o.lr * float(step_fraction)
             if self.storage == "fp32":
-                self._step(rows, summed, self.weights, self.state, lr)
+                self._step(rows, summed, self.weights, self.state, float(step_fraction))
             else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
                 have = rows >= 0
                 r = rows[have]
                 w = decode(self.weights[r], self.storage).copy()
                 st = {k: v[r] for k, v in self.state.items()}
-                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, lr)
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, float(step_fraction))
                 self.weights[r] = encode(w, self.storage)
                 for k, v in st.items():
                     self.state[k][r] = v
         return dropped
 
-    def _step(self, rows, grads, weights, state, lr: float) -> None:
+    def _step(self, rows, grads, weights, state, fraction: float) -> None:
         o = self.optimizer
+        lr = o.lr * fraction  # scale-invariant optimizers take `fraction` of a step (apply_gradients)
         if o.name == "sgd":
-            K.apply_sgd(rows, grads, weights, lr, o.weight_decay)
+            K.apply_sgd(rows, grads, weights, o.lr, o.weight_decay)
+        elif o.name == "ftrl":
+            K.apply_ftrl(
+                rows, grads, weights, state["acc"], state["z"], o.lr, o.eps, o.l1, o.l2, o.weight_decay, fraction
+            )
         elif o.name == "rowwise_adagrad":
             K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)
         elif o.name == "adagrad":

@@ -65,6 +65,40 @@ def test_rowwise_adagrad_matches_float64_recomputation():
     np.testing.assert_allclose(t.lookup_readonly(ids), w, atol=1e-6, rtol=0)
 
 
+def _ftrl_float64(o: OptimizerConfig, w, z, n, g, fraction=1.0):
+    """McMahan et al. (KDD 2013), Algorithm 1, per coordinate, in float64; ``fraction`` as in ``apply_ftrl``."""
+    g = g.astype(np.float64) + o.weight_decay * w
+    n_new = n + g * g / fraction
+    z = z + g - (np.sqrt(n_new) - np.sqrt(n)) / o.lr * w
+    w = np.where(np.abs(z) <= o.l1, 0.0, -(z - np.sign(z) * o.l1) / ((o.eps + np.sqrt(n_new)) / o.lr + o.l2))
+    return w, z, n_new
+
+
+def test_ftrl_matches_float64_recomputation_with_exact_zeros_from_l1():
+    cfg = OptimizerConfig(name="ftrl", lr=0.1, eps=1.0, initial_accumulator=0.2, l1=0.6, l2=0.3, weight_decay=0.01)
+    t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)
+    ids = _ids(1, 2, 2**64 - 1)
+    w = t.lookup(ids).astype(np.float64)
+    z, n = np.zeros_like(w), np.full_like(w, 0.2)
+    rng = np.random.default_rng(2)
+    for step in range(8):
+        g = rng.normal(size=w.shape).astype(np.float32)
+        fraction = 0.5 if step % 2 else 1.0
+        t.apply_gradients(ids, g, step_fraction=fraction)
+        w, z, n = _ftrl_float64(cfg, w, z, n, g, fraction)
+    got = t.lookup_readonly(ids)
+    np.testing.assert_allclose(got, w, atol=1e-6, rtol=0)
+    assert 0 < (w == 0).sum() < w.size  # L1 zeroes some coordinates, not all
+    np.testing.assert_array_equal(got == 0, w == 0)
+
+
+def test_optimizer_fields_of_another_optimizer_are_refused():
+    with pytest.raises(ValueError, match="l1/l2.*FTRL"):
+        OptimizerConfig(name="adagrad", l1=0.1)
+    with pytest.raises(ValueError, match="l1/l2.*>= 0"):
+        OptimizerConfig(name="ftrl", l2=-1.0)
+
+
 def test_duplicate_ids_in_batch_accumulate_before_one_adagrad_update():
     cfg = OptimizerConfig(name="adagrad", lr=0.1)
     t = EmbeddingTable(D, cfg, capacity=4096, init_scale=0.5)

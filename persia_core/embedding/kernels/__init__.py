@@ -26,7 +26,13 @@ from persia_core.embedding.kernels import cache as cache
 from persia_core.embedding.kernels.bags import bag_grads, pool_into
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
-from persia_core.embedding.kernels.optimizers import apply_adagrad, apply_adam, apply_rowwise_adagrad, apply_sgd
+from persia_core.embedding.kernels.optimizers import (
+    apply_adagrad,
+    apply_adam,
+    apply_ftrl,
+    apply_rowwise_adagrad,
+    apply_sgd,
+)
 from persia_core.embedding.kernels.recency import (
     first_live,
     list_order,
@@ -49,6 +55,7 @@ from persia_core.embedding.kernels.xxh3 import prefixed_xxh3
 __all__ = [
     "apply_adagrad",
     "apply_adam",
+    "apply_ftrl",
     "apply_moves",
     "apply_rowwise_adagrad",
     "apply_sgd",

@@ -1,4 +1,4 @@
-"""Sparse optimizer steps on a table's rows (numba kernels): SGD, Adagrad, row-wise Adagrad, Adam.
+"""Sparse optimizer steps on a table's rows (numba kernels): SGD, Adagrad, row-wise Adagrad, Adam, FTRL-Proximal.
 
 Each updates ``weights: float32[R, D]`` and its optimizer state in place for ``rows: int32[N]`` (-1: skipped)
 with ``grads: float32[N, D]``, one gradient row per distinct row (the caller sums repeated IDs first,
@@ -102,3 +102,40 @@ def apply_adam(rows, grads, weights, m, v, steps, lr, beta1, beta2, eps, wd):
             vr[j] = np.float32(vr[j] * np.float32(beta2) + g * g * np.float32(1.0 - beta2))
             den = np.float32(np.float32(np.sqrt(vr[j])) / np.float32(bc2_sqrt)) + np.float32(eps)
             w[j] = np.float32(w[j] - np.float32(step_size) * (mr[j] / den))
+
+
+@njit(nogil=True, cache=True)
+def apply_ftrl(rows, grads, weights, n_acc, z, lr, beta, l1, l2, wd, fraction):
+    """FTRL-Proximal, per coordinate (McMahan et al., KDD 2013, Algorithm 1), with ``n_acc`` and ``z`` of shape
+    ``float32[R, D]``: g += wd * w; sigma = (sqrt(n + g^2 / fraction) - sqrt(n)) / lr; z += g - sigma * w;
+    n += g^2 / fraction; w = 0 if |z| <= l1 else -(z - sign(z) * l1) / ((beta + sqrt(n)) / lr + l2).
+
+    ``fraction`` in (0, 1] is the share of a step one push carries: M pushes of 1/M of a gradient add the
+    step's gradient to ``z`` and its square to ``n``, as one synchronous update does."""
+    n = rows.shape[0]
+    inv_f = 1.0 / fraction
+    for t in range(n):
+        if t + PR < n and rows[t + PR] >= 0:
+            q = rows[t + PR]
+            prefetch(weights, q)
+            prefetch(n_acc, q)
+            prefetch(z, q)
+        r = rows[t]
+        if r < 0:
+            continue
+        w = weights[r]
+        nr = n_acc[r]
+        zr = z[r]
+        for j in range(w.shape[0]):
+            g = grads[t, j] + wd * w[j]
+            n_old = np.float64(nr[j])
+            n_new = n_old + g * g * inv_f
+            sigma = (np.sqrt(n_new) - np.sqrt(n_old)) / lr
+            zj = np.float64(zr[j]) + g - sigma * w[j]
+            zr[j] = np.float32(zj)
+            nr[j] = np.float32(n_new)
+            if abs(zj) <= l1:
+                w[j] = np.float32(0.0)
+            else:
+                sgn = 1.0 if zj > 0 else -1.0
+                w[j] = np.float32(-(zj - sgn * l1) / ((beta + np.sqrt(n_new)) / lr + l2))
