@@ -349,18 +349,19 @@ class EmbeddingTable:
         uniq, summed, finite = K.segment_sum(ids, grads)
         if not finite:
             raise ValueError("gradient push contains inf or NaN; refused")
+        fraction = float(step_fraction)
         with self.lock:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
             if self.storage == "fp32":
-                self._step(rows, summed, self.weights, self.state, float(step_fraction))
+                self._step(rows, summed, self.weights, self.state, fraction)
             else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
                 have = rows >= 0
                 r = rows[have]
                 w = decode(self.weights[r], self.storage).copy()
                 st = {k: v[r] for k, v in self.state.items()}
-                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, float(step_fraction))
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, fraction)
                 self.weights[r] = encode(w, self.storage)
                 for k, v in st.items():
                     self.state[k][r] = v

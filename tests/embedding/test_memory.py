@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from persia_core import memory
-from persia_core.config import OptimizerConfig
+from persia_core.config import OPTIMIZERS, OptimizerConfig
 from persia_core.embedding import kernels
 from persia_core.embedding.table import EmbeddingTable
 
@@ -18,7 +18,7 @@ def test_queue_fixed_bytes_match_the_kernels_recency_queue():
         assert kernels.queue_size(rows) == rows + rows // 4 + memory.QUEUE_FIXED_ENTRIES
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_a_full_table_allocates_what_bytes_per_row_counts(optimizer):
     cap = memory.capacity_for_budget(4 << 20, optimizer, 16)
     t = EmbeddingTable(16, OptimizerConfig(name=optimizer), capacity=cap)

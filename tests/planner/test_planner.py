@@ -7,6 +7,7 @@ import math
 import pytest
 
 from persia_core import capacity_plan, memory, planner
+from persia_core.config import OPTIMIZERS
 
 SEED_ARGS = [
     "--params",
@@ -24,7 +25,7 @@ SEED_ARGS = [
 ]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("budget", [1 << 20, 10**9, 3 * 10**10 + 7])
 def test_planner_fp32_capacity_equals_the_tables_own_capacity_for_budget(optimizer, budget):
     cap, slots = memory.capacity_and_slots(budget, optimizer, 32, max_rows=capacity_plan.MAX_ROWS_PER_SHARD)
