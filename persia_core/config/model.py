@@ -43,8 +43,9 @@ class ModelConfig:
     wide: bool = False
     """A first-order (wide) term for every model: the wide table (``embedding.tables`` ``wide``, added with dim 1,
     rows starting at 0 and the first table's optimizer settings, unless declared) holds one weight per feature ID
-    of every slot, and the sum of a sample's
-    weights is added to the logit (Cheng et al., "Wide & Deep", 2016; DeepFM's first-order term)."""
+    of every slot, and the sum of a sample's weights is added to the logit (Cheng et al., "Wide & Deep", 2016;
+    DeepFM's first-order term). A DNN, DLRM or DCNv2 with dense features also gets a linear term of them (starting
+    at 0, trained at ``trainer.wide_dense_lr``), as LR and DeepFM have."""
 
     def __post_init__(self) -> None:
         kinds = ("dnn", "dlrm", "dcnv2", "deepfm", "lr")

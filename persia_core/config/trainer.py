@@ -47,6 +47,10 @@ class TrainerConfig:
     """NN workers (torch DDP ranks, gloo on CPU)."""
     dense_lr: float = 1e-3
     """Adam learning rate of the dense network."""
+    wide_dense_lr: float = 1e-2
+    """Adam learning rate of the linear term of the dense features in the logit with ``model.wide`` (the wide
+    part's; LR's and DeepFM's own linear term; never decayed): a linear weight must move far in few steps on a
+    small sample, which the deep part's rate would not let it."""
     dense_weight_decay: float = 0.0
     """Decoupled weight decay of the dense network's weight matrices (AdamW, Loshchilov & Hutter 2019; biases
     are not decayed): each step multiplies them by ``1 - dense_lr * dense_weight_decay``. 0: plain Adam."""
@@ -113,6 +117,8 @@ class TrainerConfig:
             raise config_error("trainer.seed", "must be >= 0")
         if self.dense_lr <= 0:
             raise config_error("trainer.dense_lr", "must be > 0")
+        if self.wide_dense_lr <= 0:
+            raise config_error("trainer.wide_dense_lr", "must be > 0")
         if not 0 <= self.dense_weight_decay * self.dense_lr < 1:
             raise config_error(
                 "trainer.dense_weight_decay",

@@ -88,8 +88,9 @@ def check_warm_start_location(warm_start_from: str, blessed_dir: str) -> None:
 def warm_start_differences(old: dict, old_dense: list, config: RunConfig, dense: list) -> list[str]:
     """What the previous model's state depends on and this run changed (``key: before -> now``). A table added
     since (the wide table of ``model.wide``, or one no slot used before) is not a difference: it starts cold;
-    ``model.wide`` itself adds no dense weight, so turning it on is none either, nor are ``model.dropout`` and
-    ``model.bias_init`` (no weight either, and a model saved before the keys existed had none)."""
+    turning ``model.wide`` on is none either (its linear term of the dense features starts at 0 too:
+    ``load_dense_weights``), nor are ``model.dropout`` and ``model.bias_init`` (no weight, and a model saved
+    before the keys existed had none)."""
     out = []
     old_tables = {t["name"]: t for t in old["embedding"]["tables"]}
     for t in config.embedding.tables:

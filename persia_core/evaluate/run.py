@@ -31,7 +31,7 @@ from persia_core.evaluate.lr_reference import lr_reference as fit_reference
 from persia_core.evaluate.metrics import StreamingMetrics, group_auc, id_coverage, roc_points, subset_metrics
 from persia_core.logging_utils import progress
 from persia_core.model_store import METRICS_FILE, read_manifest
-from persia_core.models import build_model
+from persia_core.models import build_model, load_dense_weights
 
 log = logging.getLogger("persia.evaluate")
 
@@ -88,7 +88,8 @@ class LoadedModel:
             self.manifest.dense_mean,
             self.manifest.dense_std,
         )
-        self.dense.load_state_dict(io.read_state_dict(io.join(model_dir, self.manifest.dense_file)))
+        dense_path = io.join(model_dir, self.manifest.dense_file)
+        load_dense_weights(self.dense, io.read_state_dict(dense_path), dense_path)
         self.dense.eval()
 
     @torch.no_grad()

@@ -2,7 +2,18 @@
 picks one; ``wide_logit`` is the wide table's term) and their optimizer (``dense_optimizer``)."""
 
 from persia_core.models.cross import DCNv2, DeepFM, build_model
-from persia_core.models.dense import DLRM, DNN, LR, wide_logit
+from persia_core.models.dense import DLRM, DNN, LR, load_dense_weights, wide_logit, with_wide_dense
 from persia_core.models.optim import dense_optimizer
 
-__all__ = ["DNN", "DLRM", "LR", "DCNv2", "DeepFM", "build_model", "dense_optimizer", "wide_logit"]
+__all__ = [
+    "DNN",
+    "DLRM",
+    "LR",
+    "DCNv2",
+    "DeepFM",
+    "build_model",
+    "dense_optimizer",
+    "load_dense_weights",
+    "wide_logit",
+    "with_wide_dense",
+]

@@ -8,7 +8,17 @@ import torch
 from torch import nn
 
 from persia_core.config import ModelConfig
-from persia_core.models.dense import DLRM, DNN, LR, ModelBase, bottom_mlp, init_output_bias, last_linear, mlp
+from persia_core.models.dense import (
+    DLRM,
+    DNN,
+    LR,
+    ModelBase,
+    bottom_mlp,
+    init_output_bias,
+    last_linear,
+    mlp,
+    with_wide_dense,
+)
 
 
 class CrossLayer(nn.Module):
@@ -70,14 +80,17 @@ class DCNv2(ModelBase):
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x0 = emb.flatten(1)
-        if dense.shape[1]:
-            x0 = torch.cat([x0, self.bottom(self.normalize(dense))], dim=1)
+        z = self.normalize(dense) if dense.shape[1] else None
+        if z is not None:
+            x0 = torch.cat([x0, self.bottom(z)], dim=1)
         x = x0
         for layer in self.cross:
             x = layer(x0, x)
         if self.structure == "stacked":
-            return self.head(self.deep(x)).squeeze(1)
-        return self.head(torch.cat([x, self.deep(x0)], dim=1)).squeeze(1)
+            out = self.head(self.deep(x)).squeeze(1)
+        else:
+            out = self.head(torch.cat([x, self.deep(x0)], dim=1)).squeeze(1)
+        return out if z is None else self.add_wide_dense(out, z)
 
 
 class DeepFM(ModelBase):
@@ -109,6 +122,9 @@ class DeepFM(ModelBase):
     def output_bias(self) -> torch.Tensor:
         return last_linear(self.deep).bias
 
+    def first_order_dense(self) -> list[torch.Tensor]:
+        return [] if self.linear is None else [self.linear.weight]
+
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         s = emb.sum(dim=1)
         fm = 0.5 * (s * s - (emb * emb).sum(dim=1)).sum(dim=1)
@@ -125,8 +141,9 @@ class DeepFM(ModelBase):
 def build_model(
     config: ModelConfig, num_slots: int, dim: int, num_dense: int, dense_mean=None, dense_std=None, base_rate=None
 ) -> ModelBase:
-    """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``, ``lr``; a wide table's
-    term, ``model.wide``, is added to its logits by the caller: ``dense.wide_logit``), its logit's bias at the
+    """The dense model named by ``config.kind`` (``dnn``, ``dlrm``, ``dcnv2``, ``deepfm``, ``lr``; with
+    ``model.wide``, the wide table's term is added to its logits by the caller, ``dense.wide_logit``, and a DNN,
+    DLRM or DCNv2 gets a linear term of the dense features, ``dense.with_wide_dense``), its logit's bias at the
     log-odds of ``base_rate`` (the train split's fraction of positives) when given and ``config.bias_init`` is
     ``base_rate``. Raises ``ValueError`` for an unusable combination (``ModelConfig.check_fits``)."""
     config.check_fits(num_slots, dim, num_dense)
@@ -137,6 +154,8 @@ def build_model(
     else:
         cls = {"dnn": DNN, "dlrm": DLRM, "deepfm": DeepFM, "lr": LR}[config.kind]
         model = cls(*args, dropout=config.dropout)
+    if config.wide and config.kind in ("dnn", "dlrm", "dcnv2"):  # LR and DeepFM have their linear term already
+        with_wide_dense(model, num_dense)
     if base_rate is not None and config.bias_init == "base_rate":
         init_output_bias(model, base_rate)
     return model

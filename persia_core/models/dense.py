@@ -45,10 +45,12 @@ def bottom_mlp(num_dense: int, bottom: list[int]) -> tuple[nn.Module, int]:
 
 
 class ModelBase(nn.Module):
-    """The dense features' standardization (train-split mean and std, kept as buffers) that every model shares."""
+    """The dense features' standardization (train-split mean and std, kept as buffers) that every model shares,
+    and the wide part's linear term of them (``wide_dense``, added by ``add_wide_dense`` where a model has one)."""
 
     dense_mean: torch.Tensor  # buffers (register_buffer), typed for mypy
     dense_std: torch.Tensor
+    wide_dense: nn.Linear | None
 
     def __init__(self, num_dense: int, dense_mean=None, dense_std=None):
         super().__init__()
@@ -56,14 +58,55 @@ class ModelBase(nn.Module):
         std = torch.as_tensor(dense_std if dense_std is not None else [1.0] * num_dense, dtype=torch.float32)
         self.register_buffer("dense_mean", mean)
         self.register_buffer("dense_std", std)
+        self.wide_dense = None
 
     def normalize(self, dense: torch.Tensor) -> torch.Tensor:
         return (dense - self.dense_mean) / self.dense_std
+
+    def add_wide_dense(self, logit: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``logit: float32[B]`` plus the wide part's linear term of the standardized dense features ``z:
+        float32[B, F]`` where the model has one (``with_wide_dense``), else ``logit`` itself."""
+        if self.wide_dense is None:
+            return logit
+        return logit + self.wide_dense(z).squeeze(1)
+
+    def first_order_dense(self) -> list[torch.Tensor]:
+        """The weights of the linear term of the dense features in the logit (the wide part's, trained at
+        ``trainer.wide_dense_lr``): ``wide_dense``'s where the model has one, else none. LR and DeepFM override
+        this with their own linear term's."""
+        return [] if self.wide_dense is None else [self.wide_dense.weight]
 
     def output_bias(self) -> torch.Tensor:
         """The bias of the logit (``float32[1]``): the last layer's. Every model overrides this; raises
         ``NotImplementedError`` naming a subclass that does not (``init_output_bias`` needs it)."""
         raise NotImplementedError(f"{type(self).__name__} does not name its logit's bias (output_bias)")
+
+
+def with_wide_dense(model: ModelBase, num_dense: int) -> ModelBase:
+    """Give ``model`` the wide part's linear term of its ``num_dense`` standardized dense features (Cheng et al.,
+    "Wide & Deep Learning", DLRS 2016: the wide part is a linear model of the raw and crossed features), a
+    ``float32[1, F]`` weight without bias starting at 0, so the model starts as it would without it. It is made
+    without drawing from torch's random generator (``skip_init``), so every other weight and every later draw
+    are those of the model without it. A model without dense features is returned as it is. Returns ``model``."""
+    if num_dense:
+        model.wide_dense = torch.nn.utils.skip_init(nn.Linear, num_dense, 1, bias=False)
+        with torch.no_grad():
+            model.wide_dense.weight.zero_()
+    return model
+
+
+def load_dense_weights(model: ModelBase, state: dict, source: str) -> None:
+    """Load the dense weights ``state`` (a ``state_dict``) into ``model``; a model saved before it had the wide
+    part's linear term of the dense features (``wide_dense.weight`` absent, or ``model.wide`` off then) loads
+    with that term at 0, i.e. predicts as it did. Anything else missing or unexpected raises ``RuntimeError``
+    naming ``source`` (the file the weights came from)."""
+    state = dict(state)
+    if model.wide_dense is not None and "wide_dense.weight" not in state:
+        state["wide_dense.weight"] = torch.zeros_like(model.wide_dense.weight)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise RuntimeError(f"{source}: the dense weights do not fit this run's model: {e}") from e
 
 
 def init_output_bias(model: ModelBase, base_rate: float) -> None:
@@ -141,6 +184,9 @@ class LR(ModelBase):
         assert self.bias is not None
         return self.bias
 
+    def first_order_dense(self) -> list[torch.Tensor]:
+        return [] if self.linear is None else [self.linear.weight]
+
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         if self.linear is not None:
             return self.linear(self.normalize(dense)).squeeze(1)
@@ -186,11 +232,12 @@ class DNN(ModelBase):
             y = F.linear(emb.flatten(1), first.weight[:, :n], first.bias)
         else:
             y = _FirstLinear.apply(emb.flatten(1), first.weight[:, :n], first.bias, dst)
-        if dense.shape[1]:
-            y = y + F.linear(self.bottom(self.normalize(dense)), first.weight[:, n:])
+        z = self.normalize(dense) if dense.shape[1] else None
+        if z is not None:
+            y = y + F.linear(self.bottom(z), first.weight[:, n:])
         for layer in list(self.top)[1:]:
             y = layer(y)
-        return y.squeeze(1)
+        return y.squeeze(1) if z is None else self.add_wide_dense(y.squeeze(1), z)
 
 
 class DLRM(ModelBase):
@@ -226,7 +273,8 @@ class DLRM(ModelBase):
         return last_linear(self.top).bias
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        x = self.bottom(self.normalize(dense))
+        z = self.normalize(dense)
+        x = self.bottom(z)
         t = torch.cat([x.unsqueeze(1), emb], dim=1)  # [B, S+1, D]
-        z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self._iu_flat)
-        return self.top(torch.cat([x, z], dim=1)).squeeze(1)
+        dots = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self._iu_flat)
+        return self.add_wide_dense(self.top(torch.cat([x, dots], dim=1)).squeeze(1), z)

@@ -42,7 +42,8 @@ from persia_core.data.reader import read_labels, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts, wide_layout
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
-from persia_core.models import build_model, dense_optimizer
+from persia_core.models import build_model, dense_optimizer, load_dense_weights
+from persia_core.models.dense import ModelBase
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
 from persia_core.ps.protocol import EW_ADDRESSES_ENV, TOKEN_HEADER
@@ -90,7 +91,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def build_dense(config: RunConfig, schema: dict, base_rate: float | None = None) -> torch.nn.Module:
+def build_dense(config: RunConfig, schema: dict, base_rate: float | None = None) -> ModelBase:
     """The dense model for a run, seeded by ``trainer.seed`` (identical on every rank); its logit's bias at the
     log-odds of ``base_rate`` (the train rows' fraction of positives) where given (``model.bias_init``)."""
     torch.manual_seed(config.trainer.seed)
@@ -147,7 +148,8 @@ def run_worker(
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema, base_rate).to(device)
     torch.manual_seed(tc.seed * 100_003 + rank)  # the dropout masks (model.dropout): distinct per rank, seeded
-    opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True)  # one kernel for all parameters
+    first_order_lr = tc.wide_dense_lr if config.model.wide else None  # the wide part's linear dense term's rate
+    opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True, first_order_lr=first_order_lr)
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None
@@ -170,7 +172,7 @@ def run_worker(
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
     samples0 = samples
     if resume is None and init_dense:
-        model.load_state_dict(io.read_state_dict(init_dense))
+        load_dense_weights(model, io.read_state_dict(init_dense), init_dense)
         log.info("dense weights warm-started from %s", init_dense)
     net: torch.nn.Module = model
     if world > 1:

@@ -143,3 +143,92 @@ def test_the_output_bias_shifts_every_logit_by_itself_and_starts_at_the_base_rat
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="model.bias_init"):
         ModelConfig(bias_init="mean")
+
+
+@pytest.mark.parametrize("kind", ["dnn", "dlrm", "dcnv2"])
+def test_model_wide_adds_a_zero_started_linear_dense_term_recomputed_in_float64(kind):
+    # the wide part's linear term (Wide & Deep): logit(wide) = logit(no wide) + z @ w, z the standardized dense
+    # features; it starts at 0 and is made without a random draw, so every other weight is the same as without it
+    mean, std = [0.5, -1.0], [2.0, 0.25]
+
+    def build(wide: bool):
+        torch.manual_seed(0)
+        cfg = ModelConfig(kind=kind, hidden=[32, 16], bottom=[8], wide=wide)
+        return build_model(cfg, 3, 4, 2, mean, std).double()
+
+    plain, wide = build(False), build(True)
+    assert torch.equal(wide.wide_dense.weight, torch.zeros(1, 2, dtype=torch.float64))
+    assert [p for p in wide.first_order_dense()] == [wide.wide_dense.weight]
+    plain_sd = plain.state_dict()
+    assert set(wide.state_dict()) - set(plain_sd) == {"wide_dense.weight"}
+    for k, v in plain_sd.items():
+        assert torch.equal(wide.state_dict()[k], v), k
+    torch.manual_seed(2)
+    emb, dense = torch.randn(6, 3, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    torch.testing.assert_close(wide(emb, dense), plain(emb, dense), rtol=0, atol=0)
+    w = torch.tensor([[0.3, -1.7]], dtype=torch.float64)
+    with torch.no_grad():
+        wide.wide_dense.weight.copy_(w)
+    z = (dense - torch.tensor(mean, dtype=torch.float64)) / torch.tensor(std, dtype=torch.float64)
+    expected = plain(emb, dense) + (z * w).sum(1)
+    torch.testing.assert_close(wide(emb, dense), expected, rtol=0, atol=1e-12)
+    # no dense features: no term; LR and DeepFM keep their own linear term as the first-order one
+    torch.manual_seed(0)
+    assert build_model(ModelConfig(kind="dnn", hidden=[8], bottom=[], wide=True), 3, 4, 0).wide_dense is None
+    for other in ("lr", "deepfm"):
+        m = build_model(ModelConfig(kind=other, hidden=[8], bottom=[], wide=True), 3, 4, 2)
+        assert m.wide_dense is None and m.first_order_dense() == [m.linear.weight]
+
+
+def test_the_first_order_dense_term_takes_its_own_adam_rate_without_decay():
+    # Adam's first step moves every weight of a nonzero gradient by its group's lr (m_hat / sqrt(v_hat) = sign(g));
+    # the linear dense term's group has first_order_lr and no decay, whatever the others' decay
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="dlrm", hidden=[16], bottom=[8], wide=True), 3, 4, 2).double()
+    lr, first_lr = 1e-3, 0.05
+    opt = dense_optimizer(model, lr, 0.5, first_order_lr=first_lr)
+    assert [(g["lr"], g["weight_decay"]) for g in opt.param_groups] == [(lr, 0.5), (lr, 0.0), (first_lr, 0.0)]
+    assert opt.param_groups[2]["params"] == [model.wide_dense.weight]
+    ids = [{id(p) for p in g["params"]} for g in opt.param_groups]
+    assert sum(len(s) for s in ids) == len(set().union(*ids)) == len(list(model.parameters()))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(1)
+    emb, dense = torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    opt.zero_grad()
+    model(emb, dense).sigmoid().mean().backward()
+    grad = model.wide_dense.weight.grad.detach().clone()
+    assert (grad != 0).all()
+    opt.step()
+    step = model.wide_dense.weight.detach() - before["wide_dense.weight"]
+    torch.testing.assert_close(step, -first_lr * grad.sign(), rtol=1e-6, atol=0)
+    bias = model.output_bias()
+    name = next(n for n, p in model.named_parameters() if p is bias)
+    assert abs(abs(float(bias.detach() - before[name])) - lr) < 1e-6 * lr
+    # without first_order_lr (model.wide off, or no such term) it is the optimizer it was
+    assert type(dense_optimizer(model, lr)) is torch.optim.Adam
+    assert len(dense_optimizer(model, lr, 0.5).param_groups) == 2
+
+
+def test_dense_weights_saved_without_the_wide_dense_term_load_with_it_at_zero(tmp_path):
+    from persia_core.models import load_dense_weights
+
+    torch.manual_seed(0)
+    old = build_model(ModelConfig(kind="dcnv2", hidden=[16], bottom=[8], wide=False), 3, 4, 2)
+    torch.manual_seed(5)
+    new = build_model(ModelConfig(kind="dcnv2", hidden=[16], bottom=[8], wide=True), 3, 4, 2)
+    load_dense_weights(new, old.state_dict(), "yesterday/dense.pt")
+    assert torch.equal(new.wide_dense.weight, torch.zeros(1, 2))
+    emb, dense = torch.randn(4, 3, 4), torch.randn(4, 2)
+    torch.testing.assert_close(new(emb, dense), old(emb, dense), rtol=0, atol=0)
+    # anything else that does not fit is refused, naming the file
+    with pytest.raises(RuntimeError, match="yesterday/dense.pt.*do not fit"):
+        load_dense_weights(old, new.state_dict(), "yesterday/dense.pt")
+    bad = dict(old.state_dict())
+    del bad["head.bias"]
+    with pytest.raises(RuntimeError, match=r"(?s)yesterday/dense.pt.*Missing.*head.bias"):
+        load_dense_weights(new, bad, "yesterday/dense.pt")
+
+
+def test_wide_dense_lr_is_checked_naming_the_field():
+    with pytest.raises(ValueError, match="trainer.wide_dense_lr"):
+        TrainerConfig(wide_dense_lr=0.0)

@@ -97,11 +97,15 @@ def test_the_wide_table_gets_a_share_of_the_shard_holding_as_many_rows_as_the_de
 def _plain_torch_lr(cfg: RunConfig, data: str, steps_rows: list[np.ndarray], global_batch: list[int]):
     """The reference: the same dense LR part (same seed, its bias at the log-odds of the train labels' mean),
     every feature ID's weight a float64 zero-started entry of one tensor, ``torch.optim.Adagrad`` on those, Adam
-    on the dense part; the loss of each step as the trainer scales it."""
+    on the dense part (its linear term at ``wide_dense_lr``); the loss of each step as the trainer scales it."""
     examples = ParquetExamples(shard_files(data, "train"), cfg.slot_names)
     schema = json.load(open(f"{data}/schema.json"))
     dense = build_dense(cfg, schema, float(examples.labels.astype(np.float64).mean())).double()
-    opt = torch.optim.Adam(dense.parameters(), lr=cfg.trainer.dense_lr)
+    linear = [dense.linear.weight]  # the linear dense term: Adam at wide_dense_lr, the bias at dense_lr
+    rest = [p for p in dense.parameters() if p is not dense.linear.weight]
+    opt = torch.optim.Adam(
+        [{"params": rest}, {"params": linear, "lr": cfg.trainer.wide_dense_lr}], lr=cfg.trainer.dense_lr
+    )
     all_ids = np.unique(examples.batch(np.arange(len(examples))).ids.values)
     w = torch.zeros(len(all_ids), dtype=torch.float64, requires_grad=True)
     table_opt = cfg.embedding.table(WIDE_TABLE).optimizer
@@ -130,7 +134,7 @@ def _plain_torch_lr(cfg: RunConfig, data: str, steps_rows: list[np.ndarray], glo
 def lr_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
     data = write_dataset(str(root / "data"), rows=1024, eval_rows=2048, seed=3)
-    cfg = _wide_config(lr=0.3, batch_size=256, epochs=100, dense_lr=0.05, embedding_workers=2, shuffle=True)
+    cfg = _wide_config(lr=0.3, batch_size=256, epochs=100, dense_lr=0.05, wide_dense_lr=0.02, embedding_workers=2, shuffle=True)
     model = str(root / "model")
     manifest = train(cfg, data, model, work_dir=str(root / "work"))
     return {"root": root, "data": data, "cfg": cfg, "model": model, "manifest": manifest}
