@@ -134,7 +134,9 @@ def _plain_torch_lr(cfg: RunConfig, data: str, steps_rows: list[np.ndarray], glo
 def lr_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("wide")
     data = write_dataset(str(root / "data"), rows=1024, eval_rows=2048, seed=3)
-    cfg = _wide_config(lr=0.3, batch_size=256, epochs=100, dense_lr=0.05, wide_dense_lr=0.02, embedding_workers=2, shuffle=True)
+    cfg = _wide_config(
+        lr=0.3, batch_size=256, epochs=100, dense_lr=0.05, wide_dense_lr=0.02, embedding_workers=2, shuffle=True
+    )
     model = str(root / "model")
     manifest = train(cfg, data, model, work_dir=str(root / "work"))
     return {"root": root, "data": data, "cfg": cfg, "model": model, "manifest": manifest}
