@@ -254,7 +254,7 @@ def run_plain_torch(
     dense = build_model(config.model, len(data.slots), table.dim, len(data.dense_mean), data.dense_mean, data.dense_std)
     model = PlainTorchModel(data.vocab, table.dim, dense, table.init_scale)
     opt_e = torch.optim.Adagrad(model.emb.parameters(), lr=table.optimizer.lr, eps=table.optimizer.eps)
-    opt_d = dense_optimizer(model.dense, config.trainer.dense_lr, config.trainer.dense_weight_decay)
+    opt_d = dense_optimizer(dense, config.trainer.dense_lr, config.trainer.dense_weight_decay)
     rates = {s.name: s.id_dropout for s in config.slots}
     dropout = np.array([rates.get(s, 0.0) for s in data.slots])
 

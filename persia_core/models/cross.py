@@ -90,7 +90,7 @@ class DCNv2(ModelBase):
             out = self.head(self.deep(x)).squeeze(1)
         else:
             out = self.head(torch.cat([x, self.deep(x0)], dim=1)).squeeze(1)
-        return out if z is None else self.add_wide_dense(out, z)
+        return self.add_wide_dense(out, z)
 
 
 class DeepFM(ModelBase):

@@ -63,11 +63,13 @@ class ModelBase(nn.Module):
     def normalize(self, dense: torch.Tensor) -> torch.Tensor:
         return (dense - self.dense_mean) / self.dense_std
 
-    def add_wide_dense(self, logit: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def add_wide_dense(self, logit: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         """``logit: float32[B]`` plus the wide part's linear term of the standardized dense features ``z:
-        float32[B, F]`` where the model has one (``with_wide_dense``), else ``logit`` itself."""
+        float32[B, F]`` where the model has one (``with_wide_dense``; never without dense features, ``z`` None),
+        else ``logit`` itself."""
         if self.wide_dense is None:
             return logit
+        assert z is not None
         return logit + self.wide_dense(z).squeeze(1)
 
     def first_order_dense(self) -> list[torch.Tensor]:
@@ -237,7 +239,7 @@ class DNN(ModelBase):
             y = y + F.linear(self.bottom(z), first.weight[:, n:])
         for layer in list(self.top)[1:]:
             y = layer(y)
-        return y.squeeze(1) if z is None else self.add_wide_dense(y.squeeze(1), z)
+        return self.add_wide_dense(y.squeeze(1), z)
 
 
 class DLRM(ModelBase):
