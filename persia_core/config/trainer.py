@@ -36,10 +36,16 @@ class TrainerConfig:
     validation_fraction: float = 0.1
     """``epochs: auto``: the last fraction of the train split by timestamp (by row order where the data has none),
     held back from training and scored with read-only lookups after every epoch."""
+    refit: bool = False
+    """``epochs: auto``: once the validation slice has chosen the number of epochs, train the model again from its
+    initial state (the init shards and the seeded or warm-started dense weights) on the whole train split,
+    validation slice included, for that many epochs; that model is the Model artifact. As the LR reference is
+    fitted again with the C its validation slice chose; about the cost of the chosen epochs once more. False (the
+    default for now): keep the best epoch's model (then ``train_on_validation``)."""
     train_on_validation: bool = True
-    """``epochs: auto``: once the best epoch is kept, train one pass over the validation slice (the latest rows of
-    the train split), so that the Model has learnt from them too; its validation figures are the kept epoch's,
-    measured before this pass."""
+    """``epochs: auto`` without ``refit``: once the best epoch is kept, train one pass over the validation slice
+    (the latest rows of the train split), so that the Model has learnt from them too; its validation figures are
+    the kept epoch's, measured before this pass."""
     embedding_staleness: int = 4
     """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
     K = 0 is fully synchronous training."""

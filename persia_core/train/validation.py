@@ -36,6 +36,9 @@ log = logging.getLogger("persia.validation")
 
 BEST_DIR = "best"
 """Folder of the model folder where the best epoch's shard files and dense weights wait (removed at the end)."""
+INITIAL_DIR = "initial"
+"""Folder of the model folder where the servers' initial shard files wait for ``trainer.refit`` (removed once
+loaded back)."""
 SCORE_BATCH = 4096
 """Validation rows scored per forward pass."""
 
@@ -53,6 +56,8 @@ class EarlyStopping:
     stopped: bool = False
     shard_files: list[tuple[int, int]] = field(default_factory=list)
     """``(bytes, CRC-32C)`` of the best epoch's shard files (rank 0's state only: it loads them back)."""
+    initial_files: list[tuple[int, int]] = field(default_factory=list)
+    """``trainer.refit``: ``(bytes, CRC-32C)`` of the initial shard files (rank 0's state only)."""
 
     def update(self, epoch: int, step: int, logloss: float, rows: int) -> bool:
         """Record epoch ``epoch`` (ending after ``step`` steps); returns whether it is the best so far. Sets
@@ -72,6 +77,7 @@ class EarlyStopping:
     def from_dict(cls, d: dict) -> EarlyStopping:
         d = dict(d)
         d["shard_files"] = [(int(a), int(b)) for a, b in d.get("shard_files", [])]
+        d["initial_files"] = [(int(a), int(b)) for a, b in d.get("initial_files", [])]
         return cls(**d)
 
 
@@ -108,9 +114,9 @@ def validation_loss(
     return loss / rows, int(rows)
 
 
-def best_paths(model_dir: str, num_shards: int) -> list[str]:
-    """Where the best epoch's shard files go: ``<model_dir>/best/shard-SSSSS...``."""
-    return [io.join(model_dir, BEST_DIR, shard_file_name(s)) for s in range(num_shards)]
+def best_paths(model_dir: str, num_shards: int, folder: str = BEST_DIR) -> list[str]:
+    """Where the best epoch's shard files go: ``<model_dir>/best/shard-SSSSS...`` (``folder`` for ``best``)."""
+    return [io.join(model_dir, folder, shard_file_name(s)) for s in range(num_shards)]
 
 
 def best_dense_path(model_dir: str) -> str:
@@ -185,9 +191,34 @@ def restore_best(
     )
 
 
-def remove_best(model_dir: str) -> None:
-    """Remove ``best/`` (rank 0, once nothing reads it)."""
-    path = io.join(model_dir, BEST_DIR)
+def save_initial(cut: BestCut, backend: EmbeddingBackend) -> list[tuple[int, int]]:
+    """``trainer.refit``: before the first lookup of any rank, rank 0 has the servers dump their shards (the init
+    shards' state) under ``initial/``; every rank waits for it at a barrier. Returns the files' ``(bytes,
+    CRC-32C)`` on rank 0, ``[]`` elsewhere."""
+    files: list[tuple[int, int]] = []
+    if cut.rank == 0:
+        files = [(int(a), int(b)) for a, b in backend.dump(best_paths(cut.model_dir, cut.num_shards, INITIAL_DIR))]
+    if cut.world > 1:
+        dist.barrier()
+    return files
+
+
+def load_initial(cut: BestCut, backend: EmbeddingBackend, files: list[tuple[int, int]]) -> None:
+    """``trainer.refit``: put the servers back at their initial state (every rank has drained its pushes and no
+    embedding worker runs): rank 0 has them load the ``save_initial`` files (checked against ``files``, their
+    size and CRC-32C), then removes ``initial/``; the ranks wait for it at barriers."""
+    if cut.world > 1:
+        dist.barrier()
+    if cut.rank == 0:
+        backend.load(best_paths(cut.model_dir, cut.num_shards, INITIAL_DIR), files)
+        remove_best(cut.model_dir, INITIAL_DIR)
+    if cut.world > 1:
+        dist.barrier()
+
+
+def remove_best(model_dir: str, folder: str = BEST_DIR) -> None:
+    """Remove ``best/`` (``folder``; rank 0, once nothing reads it)."""
+    path = io.join(model_dir, folder)
     if not io.isdir(path):
         return
     if io.is_remote(path):

@@ -63,9 +63,11 @@ from persia_core.train.schedule import make_schedule
 from persia_core.train.validation import (
     BestCut,
     EarlyStopping,
+    load_initial,
     remove_best,
     restore_best,
     save_best,
+    save_initial,
     validation_loss,
 )
 
@@ -120,9 +122,11 @@ def run_worker(
     resume: tuple[str, dict] | None = None,
     init_dense: str = "",
     embedding_worker_addresses: list[str] | None = None,
+    client_suffix: str = "ew",
 ) -> dict:
     """Train on this rank's share of the train split (files r, r+M, ...). Needs torch.distributed initialized
     when ``world > 1``. ``on_step(result: StepResult, global_loss: float, model)`` is called after every step.
+    ``client_suffix``: the embedding workers' client ids' (``open_feeders``).
 
     ``checkpointer``: writes checkpoints when due and at the end (see ``persia_core.train.checkpointer.Checkpointer``).
     ``resume``: ``(checkpoint path, manifest)`` to continue from (the servers must hold that checkpoint's
@@ -153,6 +157,7 @@ def run_worker(
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
     stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None
+    refit = stopping is not None and tc.refit  # the epochs chosen, the model is trained again on every row
     cut = BestCut(out_dir, config.embedding.num_shards, rank, world)  # where the best epoch's model waits
     best_state: dict | None = None  # this rank's copy of the best epoch's dense weights (epochs: auto)
     if resume is not None:
@@ -199,8 +204,23 @@ def run_worker(
         half=tc.fp16_transfer and device.type == "cuda",  # fp16 across PCIe, converted by the embedding workers
         wide=config.model.wide,
     )
+    if refit and resume is None:  # the state the refit starts from, before any lookup creates a row
+        assert stopping is not None
+        stopping.initial_files = save_initial(cut, backend)
     feeders = open_feeders(
-        config, backend, layouts, ring, rank, world, schedule, counts, start, examples, remote, data_dir
+        config,
+        backend,
+        layouts,
+        ring,
+        rank,
+        world,
+        schedule,
+        counts,
+        start,
+        examples,
+        remote,
+        data_dir,
+        client_suffix=client_suffix,
     )
     examples = None  # freed: embedding-worker processes map their saved copy
     loop_started_unix = time.time()  # the embedding workers start preparing the first batches at once
@@ -297,7 +317,8 @@ def run_worker(
                 flush()
                 pipe.drain()
                 v_loss, v_rows = validation_loss(model, backend, layouts, wide, validation, device, world)
-                if stopping.update(done // steps_per_epoch, done, v_loss, v_rows):
+                better = stopping.update(done // steps_per_epoch, done, v_loss, v_rows)
+                if better and not refit:  # a refit needs only the number of epochs
                     best_state, stopping.shard_files = save_best(cut, model, opt, backend)
                 if rank == 0:
                     log.info(
@@ -325,7 +346,7 @@ def run_worker(
     finally:
         pipe.close()
         gc.unfreeze()
-    if stopping is not None:  # the embedding workers are stopped: nothing looks rows up any more
+    if stopping is not None and not refit:  # the embedding workers are stopped: nothing looks rows up any more
         if stopping.best_step and stopping.best_step != done:
             restore_best(cut, model, opt, backend, stopping, best_state)
         if rank == 0:
@@ -336,6 +357,7 @@ def run_worker(
                 config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir, bool(remote)
             )
             max_stal0 = max(max_stal0, history["validation_pass"]["max_staleness"])
+    if stopping is not None:
         history.update(
             {
                 "validation": stopping.history,
@@ -383,6 +405,26 @@ def run_worker(
             },
         }
     )
+    if refit and stopping is not None and stopping.best_epoch:
+        del pipe, net
+        gc.collect()
+        again = refit_from_initial(config, data_dir, out_dir, backend, cut, stopping, progress_every, init_dense)
+        epochs = int(stopping.best_epoch)
+        per_epoch = max(len(again["loss"]) // epochs, 1)
+        history["refit"] = {
+            "epochs": epochs,
+            "rows": int(again["samples"][-1]) // epochs if again["samples"] else 0,
+            "steps": int(again["steps"]),
+            "loss": float(np.mean(again["loss"][-per_epoch:])) if again["loss"] else None,
+            "seconds": round(float(again["train_seconds"]), 3),
+            "samples_per_s": again["samples_per_s"],
+            "max_staleness": again["max_staleness"],
+        }
+        history["train_seconds"] += again["train_seconds"]
+        history["max_staleness"] = max(history["max_staleness"], again["max_staleness"])
+        if rank == 0:  # the refit wrote the dense weights; its history goes beside the selection's
+            io.write_text(io.join(out_dir, "train_metrics.json"), json.dumps(history))
+        return history
     if rank == 0:
         buf = _io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
@@ -444,6 +486,40 @@ def open_feeders(
         feeders.close()
         raise
     return feeders
+
+
+def refit_from_initial(
+    config: RunConfig,
+    data_dir: str,
+    out_dir: str,
+    backend: EmbeddingBackend,
+    cut: BestCut,
+    stopping: EarlyStopping,
+    progress_every: int,
+    init_dense: str,
+) -> dict:
+    """``trainer.refit``: the servers back at their initial state (``save_initial``), train the model again on the
+    whole train split, validation slice included, for the ``stopping.best_epoch`` epochs the slice chose: the run
+    ``trainer.epochs: <that many>`` would be (its dense weights seeded or warm-started from ``init_dense`` alike),
+    with embedding workers beside this NN worker and no checkpoints (a job stopped meanwhile resumes from the
+    selection's last checkpoint and refits again). Writes the dense weights (rank 0). Returns that run's
+    history."""
+    load_initial(cut, backend, stopping.initial_files)
+    epochs = int(stopping.best_epoch)
+    if cut.rank == 0:
+        log.info("trainer.refit: training again from the initial state on every train row, %d epochs", epochs)
+    again = config.with_overrides({"trainer.epochs": epochs, "trainer.refit": False})
+    return run_worker(
+        again,
+        data_dir,
+        out_dir,
+        backend,
+        cut.rank,
+        cut.world,
+        progress_every,
+        init_dense=init_dense,
+        client_suffix="rf",
+    )
 
 
 def train_validation_slice(

@@ -226,3 +226,26 @@ def test_the_pipeline_parameters_minus_one_epochs_is_epochs_auto_and_zero_keeps_
     }
     assert load_config("movielens", pipeline_overrides(0, 0, -1, AUTO_EPOCHS, 0)).trainer.auto_epochs
     assert load_config("movielens", pipeline_overrides(0, 0, -1, 0, 0)).trainer.epochs == 1
+
+
+@pytest.mark.processes
+def test_refit_trains_the_chosen_epochs_again_on_every_row_from_the_initial_state(tmp_path):
+    # trainer.refit: the slice picks the number of epochs, then the model is trained again from the initial state
+    # on the whole train split: the run scheduled for that many epochs, bit for bit (K = 0)
+    data = write_dataset(str(tmp_path / "data"), rows=256)
+    cfg = _auto(8, refit=True)
+    model = str(tmp_path / "model")
+    manifest = train(cfg, data, model, work_dir=str(tmp_path / "work"))
+    hist = json.load(open(os.path.join(model, "train_metrics.json")))
+    best = hist["best_epoch"]
+    assert (
+        best >= 1
+        and hist["refit"]["epochs"] == best
+        and hist["refit"]["rows"] == len(read_ts(shard_files(data, "train")))
+    )
+    assert not os.path.exists(os.path.join(model, "initial")) and "validation_pass" not in hist
+    d = cfg.to_dict()
+    d["trainer"].update(epochs=best)
+    ref = str(tmp_path / "ref")
+    ref_manifest = train(RunConfig.from_dict(d), data, ref, work_dir=str(tmp_path / "ref-work"))
+    _same_model(cfg, model, manifest, ref, ref_manifest)
