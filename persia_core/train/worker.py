@@ -61,6 +61,7 @@ from persia_core.train.processes import die_with_spawner
 from persia_core.train.ready_ring import RingLayout
 from persia_core.train.schedule import make_schedule
 from persia_core.train.validation import (
+    INITIAL_DIR,
     BestCut,
     EarlyStopping,
     load_initial,
@@ -405,6 +406,8 @@ def run_worker(
             },
         }
     )
+    if refit and stopping is not None and not stopping.best_epoch and rank == 0:  # no epoch scored: no refit
+        remove_best(out_dir, INITIAL_DIR)
     if refit and stopping is not None and stopping.best_epoch:
         del pipe, net
         gc.collect()
