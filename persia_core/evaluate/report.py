@@ -450,6 +450,16 @@ def write_report(
                     f"(<code>trainer.train_on_validation</code>): {_esc(_fmt(int(vp['steps'])))} steps, train logloss "
                     f"{_esc(_fmt(float(vp['loss'])))}.</p>"
                 )
+            rf = history.get("refit")
+            if rf:
+                loss, n = rf.get("loss"), int(rf["epochs"])
+                parts.append(
+                    f"<p>Then the model was trained again from its initial state for "
+                    f"<b>{n}</b> epoch{'' if n == 1 else 's'} on every row of the train split, validation slice "
+                    f"included (<code>trainer.refit</code>): {_esc(_fmt(int(rf['steps'])))} steps"
+                    + (f", last epoch's train logloss {_esc(_fmt(float(loss)))}" if loss is not None else "")
+                    + "; the Model is that run's, and the validation figures above are the selection's.</p>"
+                )
         if history["samples"].shape[0] > 0:
             parts += [_loss_figure(history), _throughput_figure(history)]
         else:

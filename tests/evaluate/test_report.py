@@ -207,3 +207,28 @@ def test_report_of_an_epochs_auto_run_shows_the_validation_curve_and_the_kept_ep
     assert "logloss per epoch 0.61, 0.58, 0.63; kept epoch <b>2</b> (logloss 0.58), stopped early" in text
     assert "one pass over the validation slice (<code>trainer.train_on_validation</code>): 2 steps" in text
     assert "77 rows" in text and len(_IMG.findall(text)) == 4
+
+
+def test_report_of_a_refit_run_says_the_model_was_trained_again_on_every_row(tmp_path):
+    labels, preds = _data(n=300, seed=3)
+    h = _history()
+    h["validation"] = [
+        {"epoch": 1, "step": 2, "logloss": 0.61, "rows": 77},
+        {"epoch": 2, "step": 4, "logloss": 0.64, "rows": 77},
+    ]
+    h.update(best_epoch=1, best_step=2, stopped_early=True)
+    h["refit"] = {
+        "epochs": 1,
+        "rows": 420,
+        "steps": 3,
+        "loss": 0.55,
+        "seconds": 0.2,
+        "samples_per_s": 2100.0,
+        "max_staleness": 0,
+    }
+    write_report(str(tmp_path / "r.html"), binary_metrics(labels, preds), labels, preds, train_history=h)
+    text = (tmp_path / "r.html").read_text()
+    assert "kept epoch <b>1</b> (logloss 0.61)" in text
+    assert "trained again from its initial state for <b>1</b> epoch on every row" in text
+    assert "(<code>trainer.refit</code>): 3 steps, last epoch's train logloss 0.55" in text
+    assert "train_on_validation" not in text
