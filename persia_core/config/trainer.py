@@ -57,6 +57,10 @@ class TrainerConfig:
     """Adam learning rate of the linear term of the dense features in the logit with ``model.wide`` (the wide
     part's; LR's and DeepFM's own linear term; never decayed): a linear weight must move far in few steps on a
     small sample, which the deep part's rate would not let it."""
+    dense_lr_decay: float = 1.0
+    """At the end of every epoch the dense network's Adam learning rate is multiplied by this: epoch e trains at
+    ``dense_lr * dense_lr_decay ** (e - 1)`` (with ``model.wide``, the linear term's ``wide_dense_lr`` is not
+    decayed), so that later epochs refine the dense network rather than fit it to the rows' noise. 1: constant."""
     dense_weight_decay: float = 0.0
     """Decoupled weight decay of the dense network's weight matrices (AdamW, Loshchilov & Hutter 2019; biases
     are not decayed): each step multiplies them by ``1 - dense_lr * dense_weight_decay``. 0: plain Adam."""
@@ -125,6 +129,8 @@ class TrainerConfig:
             raise config_error("trainer.dense_lr", "must be > 0")
         if self.wide_dense_lr <= 0:
             raise config_error("trainer.wide_dense_lr", "must be > 0")
+        if not 0 < self.dense_lr_decay <= 1:
+            raise config_error("trainer.dense_lr_decay", f"must be in (0, 1], got {self.dense_lr_decay!r}")
         if not 0 <= self.dense_weight_decay * self.dense_lr < 1:
             raise config_error(
                 "trainer.dense_weight_decay",

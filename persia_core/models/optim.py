@@ -30,3 +30,12 @@ def dense_optimizer(
         {"params": first, "weight_decay": 0.0, "lr": first_order_lr},
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=fused)
+
+
+def decay_dense_lr(opt: torch.optim.Optimizer, model: ModelBase, factor: float) -> None:
+    """Multiply the learning rate of every group of ``opt`` (``dense_optimizer``'s on ``model``) by ``factor``,
+    but the group of the linear term of the dense features (``model.first_order_dense()``), never decayed."""
+    first = {id(p) for p in model.first_order_dense()}
+    for group in opt.param_groups:
+        if not first or not all(id(p) in first for p in group["params"]):
+            group["lr"] *= factor

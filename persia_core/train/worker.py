@@ -42,7 +42,7 @@ from persia_core.data.reader import read_labels, read_schema, shard_files
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import table_layouts, wide_layout
 from persia_core.logging_utils import PROGRESS_FORMAT, setup_logging
-from persia_core.models import build_model, dense_optimizer, load_dense_weights
+from persia_core.models import build_model, decay_dense_lr, dense_optimizer, load_dense_weights
 from persia_core.models.dense import ModelBase
 from persia_core.process_exit import exit_now
 from persia_core.ps.client import EmbeddingClient
@@ -299,6 +299,8 @@ def run_worker(
             gb = schedule.global_batch[r.step]
             samples += gb
             done = r.step + 1
+            if tc.dense_lr_decay != 1.0 and done % steps_per_epoch == 0:  # before a checkpoint of this boundary
+                decay_dense_lr(opt, model, tc.dense_lr_decay)
             history["step"].append(r.step)
             history["samples"].append(samples)
             history["elapsed_s"].append(elapsed0 + time.perf_counter() - t0)

@@ -3,12 +3,16 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from support import tiny_config, write_dataset
 
-from persia_core.config import ModelConfig, TrainerConfig, load_config
+from persia_core.config import ModelConfig, RunConfig, TrainerConfig, load_config
+from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.warm_start import warm_start_differences
-from persia_core.models import build_model, dense_optimizer
+from persia_core.models import build_model, decay_dense_lr, dense_optimizer
+from persia_core.train import worker
 
 KINDS = ["dnn", "dlrm", "dcnv2", "deepfm"]
 
@@ -232,3 +236,49 @@ def test_dense_weights_saved_without_the_wide_dense_term_load_with_it_at_zero(tm
 def test_wide_dense_lr_is_checked_naming_the_field():
     with pytest.raises(ValueError, match="trainer.wide_dense_lr"):
         TrainerConfig(wide_dense_lr=0.0)
+
+
+def test_dense_lr_decay_scales_every_group_but_the_first_order_term_and_is_checked():
+    # trainer.dense_lr_decay: at an epoch's end every group's rate is multiplied by it (weight-decayed or not),
+    # the linear dense term's group (first_order_lr) keeps its own; with one group (plain Adam) that group decays
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(kind="dlrm", hidden=[16], bottom=[8], wide=True), 3, 4, 2).double()
+    opt = dense_optimizer(model, 1e-3, 0.5, first_order_lr=0.05)
+    for _ in range(3):
+        decay_dense_lr(opt, model, 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3 / 8, 1e-3 / 8, 0.05]
+    plain = dense_optimizer(model, 1e-3)
+    decay_dense_lr(plain, model, 0.25)
+    assert [g["lr"] for g in plain.param_groups] == [2.5e-4]
+    assert TrainerConfig().dense_lr_decay == 1.0
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"trainer.dense_lr_decay.*\(0, 1\]"):
+            TrainerConfig(dense_lr_decay=bad)
+
+
+def test_the_trainer_decays_the_deep_rate_at_each_epochs_end_and_trains_the_first_epoch_alike(tmp_path, monkeypatch):
+    # an in-process K = 0 run of 3 epochs: the rates after each epoch's end are dense_lr * d^e (the linear dense
+    # term's group keeps wide_dense_lr); the first epoch's losses are those of d = 1 bit for bit, the later differ
+    data = write_dataset(str(tmp_path / "data"), rows=96)
+    seen: list[list[float]] = []
+
+    def spy(opt, model, factor):
+        decay_dense_lr(opt, model, factor)
+        seen.append([g["lr"] for g in opt.param_groups])
+
+    monkeypatch.setattr(worker, "decay_dense_lr", spy)
+
+    def run(decay: float) -> list[float]:
+        d = tiny_config(epochs=3, dense_lr=0.01, wide_dense_lr=0.02, dense_lr_decay=decay).to_dict()
+        d["model"]["wide"] = True
+        cfg = RunConfig.from_dict(d)
+        out = str(tmp_path / f"run-{decay}")
+        backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=0)
+        return worker.run_worker(cfg, data, out, backend, rank=0, world=1)["loss"]
+
+    plain, decayed = run(1.0), run(0.5)
+    assert seen == [[0.01 * 0.5**e, 0.02] for e in (1, 2, 3)]
+    per_epoch = len(plain) // 3
+    assert len(plain) == len(decayed) == 3 * per_epoch > 0
+    assert plain[:per_epoch] == decayed[:per_epoch]
+    assert not np.allclose(plain[per_epoch:], decayed[per_epoch:], rtol=0, atol=1e-7)
