@@ -41,7 +41,8 @@ class TrainerConfig:
     initial state (the init shards and the seeded or warm-started dense weights) on the whole train split,
     validation slice included, for that many epochs; that model is the Model artifact. As the LR reference is
     fitted again with the C its validation slice chose; about the cost of the chosen epochs once more. False (the
-    default for now): keep the best epoch's model (then ``train_on_validation``)."""
+    default; the shipped ``criteo`` config turns it on): keep the best epoch's model (then
+    ``train_on_validation``, whose pass over the latest rows comes last)."""
     train_on_validation: bool = True
     """``epochs: auto`` without ``refit``: once the best epoch is kept, train one pass over the validation slice
     (the latest rows of the train split), so that the Model has learnt from them too; its validation figures are
