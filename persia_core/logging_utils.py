@@ -35,6 +35,9 @@ PROGRESS_FORMAT = "step %d/%d loss %.4f samples/s %.0f staleness %d"
 log (``train.local_cluster.ProgressRelay``) and ``pipelines.run_local`` on the terminal."""
 PROGRESS_PATTERN = r"step (\d+)/(\d+) loss \S+ samples/s \S+ staleness \d+"
 """A regular expression matching a ``PROGRESS_FORMAT`` line (groups: the step and the number of steps)."""
+MILESTONE_PATTERN = r"(?:epoch \d+: validation logloss|trainer\.refit:) .*"
+"""A regular expression matching an NN worker's milestone lines (``epochs: auto``'s score of an epoch, the start
+of a ``trainer.refit``), which the launcher and ``pipelines.run_local`` repeat as they come."""
 
 
 def log_format(role: str, rank: int | None = None) -> str:

@@ -30,7 +30,7 @@ from persia_core.config import load_config
 from persia_core.config.trainer import AUTO_EPOCHS, check_delta_period
 from persia_core.embedding.warm_start import check_warm_start_location
 from persia_core.evaluate.decision import DEFAULT_LR_MARGIN, DEFAULT_MAX_NE, DEFAULT_MIN_AUC, check_thresholds
-from persia_core.logging_utils import PROGRESS_PATTERN
+from persia_core.logging_utils import MILESTONE_PATTERN, PROGRESS_PATTERN
 from persia_core.model_store import latest_blessed_model
 from persia_core.preprocess.pipeline import malformed_summary, resolve_inputs
 from persia_core.train.local_cluster import check_local_process_count
@@ -40,7 +40,7 @@ from pipelines.persia_pipeline import persia_pipeline
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([^']+)'")
 _FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
-_PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (" + PROGRESS_PATTERN + ")")
+_PROGRESS = re.compile(r"persia\.launcher: nn_worker-0: (" + PROGRESS_PATTERN + "|" + MILESTONE_PATTERN + ")")
 _NOISE = re.compile(r"Converting string literal type hint to Any")  # kfp's, once per component per task
 _EXCEPTION = re.compile(r"\s*(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): \S")  # an exception's last line
 
@@ -84,7 +84,7 @@ def captured_output(log_path: str, verbose: bool = False):
             os.write(saved[0], f"{time.strftime('%H:%M:%S')} {m.group(1)}: running\n".encode())
             return
         m = _PROGRESS.search(line)
-        if m:  # the train task's progress (NN worker 0, relayed by the launcher at most every 10 s)
+        if m:  # the train task's progress (NN worker 0, relayed by the launcher at most every 10 s) and milestones
             os.write(saved[0], f"{time.strftime('%H:%M:%S')} train: {m.group(1)}\n".encode())
             return
         m = _FINISHED.search(line)

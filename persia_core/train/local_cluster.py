@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from persia_core import io
-from persia_core.logging_utils import PROGRESS_PATTERN
+from persia_core.logging_utils import MILESTONE_PATTERN, PROGRESS_PATTERN
 from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import EXIT_BAD_INIT, TOKEN_ENV
 from persia_core.ps.shm import remove_orphans, remove_segments_of
@@ -72,9 +72,11 @@ def check_local_process_count(num_shards: int, num_workers: int) -> None:
 class ProgressRelay:
     """Repeats NN worker 0's progress lines (``step N/M loss ... samples/s ... staleness ...``) from its log file
     in the launcher's own log, at most one every ``interval_s`` seconds (and the last step's always), so that
-    ``persia train`` and a pipeline's train task show progress instead of silence until the end."""
+    ``persia train`` and a pipeline's train task show progress instead of silence until the end; and its
+    milestone lines (``MILESTONE_PATTERN``: an epoch's validation logloss, a refit's start) each as it comes."""
 
     PATTERN = re.compile(r"\b" + PROGRESS_PATTERN)
+    MILESTONE = re.compile(r"\b" + MILESTONE_PATTERN)
 
     def __init__(self, log_path: str, name: str = "nn_worker-0", interval_s: float = 10.0):
         self.log_path, self.name, self.interval_s = log_path, name, interval_s
@@ -95,9 +97,14 @@ class ProgressRelay:
         self.partial = lines.pop()  # an incomplete last line waits for its end
         newest = None
         for raw in lines:
-            m = self.PATTERN.search(raw.decode("utf-8", "replace"))
+            text = raw.decode("utf-8", "replace")
+            m = self.PATTERN.search(text)
             if m:
                 newest = m
+                continue
+            milestone = self.MILESTONE.search(text)
+            if milestone:
+                log.info("%s: %s", self.name, milestone.group(0))
         if newest is None:
             return
         final = newest.group(1) == newest.group(2)

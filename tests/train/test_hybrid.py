@@ -251,7 +251,7 @@ def test_uneven_shards_across_two_ranks_finish(tmp_path, caplog):
     assert any(m.startswith("nn_worker-0: step 7/7 loss ") for m in relayed), relayed
 
 
-def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interval_and_always_the_last(
+def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interval_and_milestones_at_once(
     tmp_path, caplog, monkeypatch
 ):
     import logging
@@ -265,25 +265,31 @@ def test_progress_relay_repeats_the_newest_progress_line_at_most_once_per_interv
     relay = local_cluster.ProgressRelay(str(path), interval_s=10.0)
     relay.poll()  # no file yet: nothing, no error
     line = "2026-01-01 INFO nn_worker[0] persia.worker: step {}/9 loss 0.6{} samples/s 100 staleness 1\n"
+    epoch = "2026-01-01 INFO nn_worker[0] persia.worker: epoch 1: validation logloss 0.5 over 8 rows (best: epoch 1)\n"
+    refit = (
+        "2026-01-01 INFO nn_worker[0] persia.worker: trainer.refit: training again from the initial state, 1 epochs\n"
+    )
     with open(path, "a") as f:
         f.write(line.format(1, 1) + "other line\n" + line.format(2, 2) + line.format(3, 3)[:30])  # 3: unfinished
     relay.poll()
     now[0] += 5
     with open(path, "a") as f:
-        f.write(line.format(3, 3)[30:] + line.format(4, 4))
-    relay.poll()  # within the interval: not repeated
+        f.write(line.format(3, 3)[30:] + epoch + line.format(4, 4))
+    relay.poll()  # within the interval: not repeated; an epoch's score always, at once
     now[0] += 6
     relay.poll()  # nothing new since
     with open(path, "a") as f:
         f.write(line.format(5, 5))
     relay.poll()
     with open(path, "a") as f:
-        f.write(line.format(9, 9))
+        f.write(refit + line.format(9, 9))
     relay.poll()  # the last step: always
     got = [r.getMessage() for r in caplog.records if r.name == "persia.launcher"]
     assert got == [
         "nn_worker-0: step 2/9 loss 0.62 samples/s 100 staleness 1",
+        "nn_worker-0: epoch 1: validation logloss 0.5 over 8 rows (best: epoch 1)",
         "nn_worker-0: step 5/9 loss 0.65 samples/s 100 staleness 1",
+        "nn_worker-0: trainer.refit: training again from the initial state, 1 epochs",
         "nn_worker-0: step 9/9 loss 0.69 samples/s 100 staleness 1",
     ]
 
