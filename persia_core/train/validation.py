@@ -115,7 +115,8 @@ def validation_loss(
 
 
 def best_paths(model_dir: str, num_shards: int, folder: str = BEST_DIR) -> list[str]:
-    """Where the best epoch's shard files go: ``<model_dir>/best/shard-SSSSS...`` (``folder`` for ``best``)."""
+    """The shard files' paths ``<model_dir>/<folder>/shard-SSSSS...``: ``best/``, the best epoch's (the default),
+    or ``initial/``, where a refit starts from."""
     return [io.join(model_dir, folder, shard_file_name(s)) for s in range(num_shards)]
 
 
@@ -217,7 +218,7 @@ def load_initial(cut: BestCut, backend: EmbeddingBackend, files: list[tuple[int,
 
 
 def remove_best(model_dir: str, folder: str = BEST_DIR) -> None:
-    """Remove ``best/`` (``folder``; rank 0, once nothing reads it)."""
+    """Remove ``<model_dir>/<folder>/`` (``best/`` or ``initial/``; rank 0, once nothing reads it)."""
     path = io.join(model_dir, folder)
     if not io.isdir(path):
         return

@@ -408,9 +408,10 @@ def run_worker(
             },
         }
     )
-    if refit and stopping is not None and not stopping.best_epoch and rank == 0:  # no epoch scored: no refit
-        remove_best(out_dir, INITIAL_DIR)
-    if refit and stopping is not None and stopping.best_epoch:
+    if refit and stopping is not None and not stopping.best_epoch:  # no epoch scored: no refit, the last model
+        if rank == 0:
+            remove_best(out_dir, INITIAL_DIR)
+    elif refit and stopping is not None:
         del pipe, net
         gc.collect()
         again = refit_from_initial(config, data_dir, out_dir, backend, cut, stopping, progress_every, init_dense)
