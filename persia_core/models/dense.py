@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,6 +72,10 @@ class ModelBase(nn.Module):
             return logit
         assert z is not None
         return logit + self.wide_dense(z).squeeze(1)
+
+    def load_kernels(self) -> None:
+        """Load the compiled kernels the training step runs (from numba's cache, or compile them), so that the
+        first step does not wait for them. None here; a one-layer ``DNN`` on the CPU has some."""
 
     def first_order_dense(self) -> list[torch.Tensor]:
         """The weights of the linear term of the dense features in the logit (the wide part's, trained at
@@ -136,29 +141,67 @@ def grad_into(emb: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 class _FirstLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward writes the input's gradient into ``dst`` where one is given.
-    The weight's gradient is computed first: ``dst`` may be the memory of ``x`` itself."""
+    The weight's gradient is computed first: ``dst`` may be the memory of ``x`` itself. A layer of one output on
+    the CPU in float32 (a one-layer model) runs the compiled row dots of ``embedding.kernels.linear`` both ways:
+    a BLAS matrix-vector product reads ``x`` at a fraction of the memory's speed."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dst):
         ctx.save_for_backward(x, weight)
         ctx.dst = dst
         ctx.has_bias = bias is not None
+        ctx.rows = _row_dots_apply(x, weight)
+        if ctx.rows:
+            out = torch.empty(x.shape[0], 1)
+            b = np.float32(0.0 if bias is None else bias.detach().item())
+            _kernels().row_dots(x.detach().numpy(), weight.detach()[0].numpy(), b, out.numpy()[:, 0])
+            return out
         return F.linear(x, weight, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        gw = gy.t().mm(x) if ctx.needs_input_grad[1] else None
         gb = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dst = ctx.dst
+        ctx.dst = None
+        if ctx.rows and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:  # both gradients in one pass
+            gw_rows = torch.empty_like(weight)
+            gx_rows = torch.empty_like(x) if dst is None else dst.detach().view(x.shape)
+            g = gy.detach().reshape(-1).contiguous().numpy()
+            w = weight.detach()[0].numpy()
+            _kernels().row_dots_backward(x.detach().numpy(), g, w, gw_rows.numpy()[0], gx_rows.numpy())
+            return gx_rows, gw_rows, gb, None
+        gw = gy.t().mm(x) if ctx.needs_input_grad[1] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            if ctx.dst is None:
+            if dst is None:
                 gx = gy.mm(weight)
             else:  # a fresh tensor on dst's memory, referenced only by what is returned: autograd keeps it as grad
-                gx = torch.mm(gy, weight, out=ctx.dst.detach().view(x.shape))
-            ctx.dst = None
+                gx = torch.mm(gy, weight, out=dst.detach().view(x.shape))
         return gx, gw, gb, None
+
+
+def _row_dots_apply(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``_FirstLinear`` runs the compiled row dots: one output, float32 on the CPU, both contiguous."""
+    return (
+        weight.shape[0] == 1
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.is_contiguous()
+        and weight[0].is_contiguous()
+    )
+
+
+def _kernels():
+    """``persia_core.embedding.kernels`` (imported on first use: numba and the compiled kernels load only where a
+    one-output first layer trains, not in every process that imports the models)."""
+    # lazy: numba and its kernels only where a one-output first layer trains
+    from persia_core.embedding import kernels
+
+    return kernels
 
 
 def wide_logit(wide: torch.Tensor) -> torch.Tensor:
@@ -220,6 +263,14 @@ class DNN(ModelBase):
 
     def output_bias(self) -> torch.Tensor:
         return last_linear(self.top).bias
+
+    def load_kernels(self) -> None:
+        first = self.top[0]
+        assert isinstance(first, nn.Linear)
+        if _row_dots_apply(torch.empty(1, 1), first.weight.detach()[:, :1]):
+            x, w, gy = np.ones((1, 1), np.float32), np.ones(1, np.float32), np.ones(1, np.float32)
+            _kernels().row_dots(x, w, np.float32(0.0), gy)
+            _kernels().row_dots_backward(x, gy, w, w.copy(), x.copy())
 
     def forward(self, emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         # the top MLP's first layer on concat(flatten(emb), bottom(dense)), computed as the sum of its two column

@@ -152,6 +152,7 @@ def run_worker(
     schedule = make_schedule(counts, tc.batch_size, tc.scheduled_epochs, tc.seed, tc.shuffle, rank)
     device = resolve_device(tc.device, int(os.environ.get("LOCAL_RANK", rank)))
     model = build_dense(config, schema, base_rate).to(device)
+    model.load_kernels()  # at start-up, not in the first step
     torch.manual_seed(tc.seed * 100_003 + rank)  # the dropout masks (model.dropout): distinct per rank, seeded
     first_order_lr = tc.wide_dense_lr if config.model.wide else None  # the wide part's linear dense term's rate
     opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True, first_order_lr=first_order_lr)

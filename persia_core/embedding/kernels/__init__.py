@@ -10,6 +10,7 @@ module         holds
 ``optimizers`` SGD, Adagrad, row-wise Adagrad and Adam steps on rows
 ``grouping``   a batch's IDs: dedup, per-ID gradient sums, routing to shards
 ``bags``       sum pooling of bags into ``[B, S, D]`` and its backward to one gradient row per unique ID
+``linear``     the NN worker's one-output first layer on the pooled embeddings: row dots and their backward
 ``xxh3``       feature IDs of many keys at once: XXH3-64 of slot prefix + value (``hashing.feature_ids_of_slots``)
 ``cache``      numba's on-disk cache checked against every file of the package, so that an edit of any module
                recompiles the kernels of the others, which hold compiled copies of its code; imported first
@@ -26,6 +27,7 @@ from persia_core.embedding.kernels import cache as cache
 from persia_core.embedding.kernels.bags import bag_grads, pool_into
 from persia_core.embedding.kernels.grouping import dedup, route, segment_sum
 from persia_core.embedding.kernels.index import find_rows, rebuild_index, shift_of
+from persia_core.embedding.kernels.linear import row_dots, row_dots_backward
 from persia_core.embedding.kernels.optimizers import (
     apply_adagrad,
     apply_adam,
@@ -77,6 +79,8 @@ __all__ = [
     "queue_size",
     "rebuild_index",
     "route",
+    "row_dots",
+    "row_dots_backward",
     "segment_sum",
     "shift_of",
     "take_rows",
