@@ -39,3 +39,54 @@ def decay_dense_lr(opt: torch.optim.Optimizer, model: ModelBase, factor: float) 
     for group in opt.param_groups:
         if not first or not all(id(p) in first for p in group["params"]):
             group["lr"] *= factor
+
+
+def fused_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` for ``dense_optimizer(fused=True)``'s Adam or AdamW: the same update, bit for bit, as one
+    call per group of torch's fused kernel (``torch._fused_adam_`` / ``_fused_adamw_``, what ``step`` calls),
+    without ``step``'s per-call Python (hooks, profiler ranges, state checks, regrouping by device), which costs
+    an NN worker more than the kernel for a small dense network. Parameters without a gradient are skipped, as by
+    ``step``. Anything the kernel call does not cover goes through ``opt.step()``: the first step (which creates
+    the state), amsgrad, a non-fused or differentiable optimizer, step hooks, a gradient scaler's state."""
+    groups = []
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        states: list[dict] = [opt.state.get(p) or {} for p in params]
+        if (
+            not isinstance(opt, torch.optim.Adam)
+            or not group.get("fused")
+            or group["amsgrad"]
+            or group["differentiable"]
+            or any("step" not in s for s in states)
+            or any(p.grad.is_sparse or p.grad.dtype != p.dtype for p in params)
+        ):
+            opt.step()
+            return
+        groups.append((group, params, states))
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or getattr(opt, "grad_scale", None) is not None:
+        opt.step()
+        return
+    for group, params, states in groups:
+        if not params:
+            continue
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        kernel(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            steps,
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )

@@ -11,7 +11,7 @@ from support import tiny_config, write_dataset
 from persia_core.config import ModelConfig, RunConfig, TrainerConfig, load_config
 from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.warm_start import warm_start_differences
-from persia_core.models import build_model, decay_dense_lr, dense_optimizer
+from persia_core.models import build_model, decay_dense_lr, dense_optimizer, fused_step
 from persia_core.train import worker
 
 KINDS = ["dnn", "dlrm", "dcnv2", "deepfm"]
@@ -282,3 +282,34 @@ def test_the_trainer_decays_the_deep_rate_at_each_epochs_end_and_trains_the_firs
     assert len(plain) == len(decayed) == 3 * per_epoch > 0
     assert plain[:per_epoch] == decayed[:per_epoch]
     assert not np.allclose(plain[per_epoch:], decayed[per_epoch:], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_nn_workers_fused_step_equals_the_optimizers_step_bit_for_bit(weight_decay):
+    # fused_step (one kernel call per group, what an NN worker runs) against opt.step on a twin: Adam and AdamW with
+    # their groups (decayed, not decayed, the first-order term at its own rate), a rate decayed mid-way, and a
+    # parameter without a gradient on some steps (skipped by both); the first step creates the state via opt.step
+    torch.manual_seed(0)
+    models = [build_model(ModelConfig(kind="dlrm", hidden=[6], bottom=[5], wide=True), 3, 4, 2) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [dense_optimizer(m, 0.01, weight_decay, fused=True, first_order_lr=0.05) for m in models]
+    assert len(opts[0].param_groups) >= 2
+    for t in range(25):
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            g = None if (t % 6 == 2 and a.dim() == 1) else torch.randn_like(a)
+            a.grad, b.grad = g, None if g is None else g.clone()
+        if t == 10:
+            for o, m in zip(opts, models, strict=True):
+                decay_dense_lr(o, m, 0.5)
+        opts[0].step()
+        fused_step(opts[1])
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key in opts[0].state[a]:
+            assert torch.equal(opts[0].state[a][key], opts[1].state[b][key])
+    # anything else is the optimizer's own step
+    p = torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.5)
+    p.grad = torch.ones(3)
+    fused_step(sgd)
+    assert torch.equal(p.detach(), torch.full((3,), 0.5))
