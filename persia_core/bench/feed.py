@@ -78,12 +78,14 @@ def feed_config(batch_size: int, staleness: int, seed: int, embedding_workers: i
 
 def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 100) -> float:
     """CPU microseconds per sample of the NN worker's dense step alone (forward, backward to the embeddings,
-    Adam), one thread, on batches already in memory: the floor under ``nn_worker_cpu_us_per_sample``."""
+    Adam), one thread, on batches already in memory, run as the NN worker runs it (``HybridTrainPipeline``:
+    gradients set to None, ``fused_step``): the floor under ``nn_worker_cpu_us_per_sample``."""
     import numpy as np
     import torch
     import torch.nn.functional as F
 
     from persia_core.data.reader import read_schema
+    from persia_core.models import fused_step
     from persia_core.models.dense import grad_into
     from persia_core.train.worker import build_dense
 
@@ -91,7 +93,9 @@ def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 10
     torch.set_num_threads(1)
     try:
         model = build_dense(cfg, read_schema(data_dir))
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.trainer.dense_lr, fused=True)
+        model.load_kernels()
+        params = list(model.parameters())
+        opt = torch.optim.Adam(params, lr=cfg.trainer.dense_lr, fused=True)
         rng = np.random.default_rng(0)
         s = len(cfg.slots)
         dim = cfg.embedding.tables[0].dim
@@ -105,10 +109,11 @@ def dense_step_cpu_us_per_sample(cfg, data_dir: str, batch: int, steps: int = 10
             # apart, so that the next steps' embeddings stay what they are)
             emb = grad_into(embs[i % 4].requires_grad_(True), grads[i % 4])
             loss = F.binary_cross_entropy_with_logits(model(emb, dense), labels, reduction="sum") / batch
-            opt.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
             loss.backward()
             emb.grad = None
-            opt.step()
+            fused_step(opt)
 
         for i in range(5):
             step(i)
