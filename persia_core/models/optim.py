@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from persia_core.models.dense import ModelBase
 
@@ -47,7 +48,8 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
     without ``step``'s per-call Python (hooks, profiler ranges, state checks, regrouping by device), which costs
     an NN worker more than the kernel for a small dense network. Parameters without a gradient are skipped, as by
     ``step``. Anything the kernel call does not cover goes through ``opt.step()``: the first step (which creates
-    the state), amsgrad, a non-fused or differentiable optimizer, step hooks, a gradient scaler's state."""
+    the state), amsgrad, a non-fused, differentiable or capturable optimizer, step hooks, a gradient scaler's
+    state."""
     groups = []
     for group in opt.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
@@ -57,13 +59,20 @@ def fused_step(opt: torch.optim.Optimizer) -> None:
             or not group.get("fused")
             or group["amsgrad"]
             or group["differentiable"]
+            or group["capturable"]
             or any("step" not in s for s in states)
             or any(p.grad.is_sparse or p.grad.dtype != p.dtype for p in params)
         ):
             opt.step()
             return
         groups.append((group, params, states))
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks or getattr(opt, "grad_scale", None) is not None:
+    if (
+        opt._optimizer_step_pre_hooks
+        or opt._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+        or getattr(opt, "grad_scale", None) is not None
+    ):
         opt.step()
         return
     for group, params, states in groups:

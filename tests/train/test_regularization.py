@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from support import tiny_config, write_dataset
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from persia_core.config import ModelConfig, RunConfig, TrainerConfig, load_config
 from persia_core.embedding.reference import LocalEmbedding
@@ -313,3 +314,11 @@ def test_the_nn_workers_fused_step_equals_the_optimizers_step_bit_for_bit(weight
     p.grad = torch.ones(3)
     fused_step(sgd)
     assert torch.equal(p.detach(), torch.full((3,), 0.5))
+    # a step hook (here torch's global one) is the optimizer's own step's to run
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: seen.append(o))
+    try:
+        fused_step(opts[1])
+    finally:
+        handle.remove()
+    assert seen == [opts[1]]
