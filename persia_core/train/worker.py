@@ -177,6 +177,24 @@ def run_worker(
         if len(schedule.global_batch) < start:
             raise ckpt.CheckpointError(f"{path} is at step {start}, beyond this run's {len(schedule.global_batch)}")
         log.info("resumed from %s at step %d (%d samples seen)", path, start, samples)
+    # K of each stretch of steps ([first step, K], ...): K may change on resume (an execution setting), and the
+    # run's metrics then say which steps ran at which K
+    segments = history.get("staleness_segments")
+    if not segments:
+        lineage = resume[1].get("lineage", {}) if resume is not None else {}
+        old_k = ((lineage.get("config") or {}).get("trainer") or {}).get("embedding_staleness", tc.embedding_staleness)
+        segments = [[0, int(old_k)]]
+    if segments[-1][1] != tc.embedding_staleness:
+        if rank == 0:
+            log.warning(
+                "trainer.embedding_staleness is %d from step %d on; the checkpoint's steps ran at %d "
+                "(train_metrics.json: staleness_segments)",
+                tc.embedding_staleness,
+                start,
+                segments[-1][1],
+            )
+        segments.append([start, tc.embedding_staleness])
+    history["staleness_segments"] = segments
     samples0 = samples
     if resume is None and init_dense:
         load_dense_weights(model, io.read_state_dict(init_dense), init_dense)

@@ -285,3 +285,27 @@ def test_reshard_on_resume_routes_a_two_shard_checkpoint_to_three_servers(tmp_pa
             assert a == rows[int(k)][1]
         seen += len(sd["keys"])
     assert seen == len(rows)
+
+
+def test_a_resume_at_another_staleness_says_which_steps_ran_at_which(tmp_path, caplog):
+    # K is an execution setting a resume may change (RESUME_MAY_DIFFER); the run's metrics then record the K of
+    # each stretch of steps, and the change is logged, instead of the last K alone
+    data = write_dataset(str(tmp_path / "data"), rows=160)
+    cfg = tiny_config(epochs=1, embedding_staleness=0)
+    first, _ = _run(cfg, data, str(tmp_path / "a"), str(tmp_path / "a-ckpt"), every=4)
+    assert first["staleness_segments"] == [[0, 0]]
+    path = ckpt.checkpoint_path(str(tmp_path / "a-ckpt"), 4)
+    manifest = ckpt.verify(path)
+    again = tiny_config(epochs=1, embedding_staleness=2)
+    with caplog.at_level("WARNING", logger="persia.worker"):
+        hist, _ = _run(
+            again,
+            data,
+            str(tmp_path / "b"),
+            str(tmp_path / "b-ckpt"),
+            4,
+            (path, manifest),
+            _restore(cfg, path, manifest),
+        )
+    assert hist["staleness_segments"] == [[0, 0], [4, 2]] and hist["embedding_staleness"] == 2
+    assert any("from step 4 on; the checkpoint's steps ran at 0" in r.getMessage() for r in caplog.records)
