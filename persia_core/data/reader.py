@@ -112,8 +112,8 @@ class ParquetExamples:
         fixed = np.empty((len(slots), total), np.uint64)
         parts: list[list | None] = []  # per file: None (its IDs are in ``fixed``) or its slot columns
         pos = 0
-        for pf in opened:
-            t = pf.read(columns=cols)
+        for f, pf in zip(files, opened, strict=True):
+            t = read_columns(pf, f, cols)
             n = t.num_rows
             self.labels[pos : pos + n] = t.column(S.LABEL).to_numpy()
             self.ts[pos : pos + n] = t.column(S.TS).to_numpy()
@@ -254,18 +254,46 @@ def shard_files(data_dir: str, split: str) -> list[str]:
 
 def open_shard(f: str) -> pq.ParquetFile:
     """The Parquet shard ``f`` (local, ``/gcs/`` or ``gs://``: read whole into memory). Raises
-    ``FileNotFoundError`` naming it."""
+    ``FileNotFoundError`` naming it when it is missing, ``ValueError`` naming it when it is not Parquet (truncated,
+    overwritten)."""
     if not io.exists(f):
         raise FileNotFoundError(f"Parquet shard not found: {f}")
-    if io.is_gcs(f):
-        import io as _io
+    try:
+        if io.is_gcs(f):
+            import io as _io
 
-        return pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
-    return pq.ParquetFile(f)
+            return pq.ParquetFile(_io.BytesIO(io.read_bytes(f)))
+        return pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(
+            f"{f}: not a readable Parquet shard ({e}); write the data folder again with the preprocess step"
+        ) from None
+
+
+def read_columns(pf: pq.ParquetFile, f: str, columns: list[str]) -> pa.Table:
+    """``columns`` of the opened Parquet shard ``pf`` (file ``f``). Raises ``ValueError`` naming ``f`` when its
+    pages cannot be decoded (a damaged file whose footer is intact)."""
+    try:
+        return pf.read(columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(
+            f"{f}: a damaged Parquet shard ({e}); write the data folder again with the preprocess step"
+        ) from None
+
+
+def check_shards_readable(data_dir: str, split: str) -> None:
+    """Open the footer of every Parquet shard of ``split`` of ``data_dir`` (``gs://`` ones excepted: opening one
+    reads it whole), so that a damaged shard is refused before a job starts rather than by a worker. Raises
+    ``FileNotFoundError`` or ``ValueError`` naming the first shard that is missing or not Parquet."""
+    for f in shard_files(data_dir, split):
+        if not io.is_gcs(f):
+            open_shard(f)
 
 
 def _read_column(files: list[str], column: str, dtype) -> np.ndarray:
-    parts = [open_shard(f).read(columns=[column]).column(column).to_numpy().astype(dtype, copy=False) for f in files]
+    parts = [
+        read_columns(open_shard(f), f, [column]).column(column).to_numpy().astype(dtype, copy=False) for f in files
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 

@@ -35,7 +35,7 @@ import time
 from persia_core import checkpoints as ckpt
 from persia_core import io
 from persia_core.config import RunConfig
-from persia_core.data.reader import read_schema
+from persia_core.data.reader import check_shards_readable, read_schema
 from persia_core.embedding.delta import check_delta_settings
 from persia_core.model_store import DENSE_FILE, MANIFEST, METRICS_FILE, shard_file_name
 from persia_core.ps.client import EmbeddingClient
@@ -147,6 +147,7 @@ def _train(
     check_local_process_count(config.embedding.num_shards, config.trainer.num_workers)
     schema = read_schema(data_dir)
     check_config_matches_data(config, schema, data_dir)
+    check_shards_readable(data_dir, "train")
     settings = ckpt.checkpoint_settings(config, model_dir, checkpoint)
     if resume_from not in ("", "auto") and not io.exists(resume_from):
         raise FileNotFoundError(f"resume_from {resume_from}: no such checkpoint folder")

@@ -8,7 +8,9 @@ import pytest
 
 from persia_core.__main__ import main
 from persia_core.config import RunConfig
+from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.embedding.plan import init_shards
+from persia_core.train import launcher
 from persia_core.train.launcher import train
 from tests.support import tiny_config, write_dataset
 
@@ -128,6 +130,7 @@ def test_a_failed_run_keeps_its_logs_in_the_model_folder_and_names_them_not_a_re
 
     with open(shard_files(data, "train")[0], "r+b") as f:
         f.truncate(200)  # the NN worker of rank 0 cannot read its data
+    monkeypatch.setattr(launcher, "check_shards_readable", lambda *a: None)  # (refused up front otherwise)
     model = tmp_path / "model"
     with pytest.raises(TrainingFailed) as e:
         train(tiny_config(), data, str(model))
@@ -140,3 +143,29 @@ def test_a_failed_run_keeps_its_logs_in_the_model_folder_and_names_them_not_a_re
         train(tiny_config(), data, str(tmp_path / "model2"))
     (kept,) = os.listdir(scratch)
     assert any(str(scratch / kept) in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_damaged_parquet_shard_is_refused_naming_it_before_anything_starts(tmp_path, data, scratch, capsys):
+    # found by a fresh-user trial: a train shard overwritten with other bytes failed inside the NN worker, with a
+    # multi-line traceback naming no file; now the launcher opens every shard's footer first, and a reader names
+    # the file whose pages it cannot decode
+    files = shard_files(data, "train")
+    intact = open(files[-1], "rb").read()
+    with open(files[-1], "wb") as f:
+        f.write(b"not parquet at all" * 10)
+    message = _refused(tiny_config(), data, tmp_path, scratch, ValueError)
+    assert files[-1] in message and "not a readable Parquet shard" in message
+    with open(os.path.join(data, "run_config.yaml"), "w") as f:
+        f.write(tiny_config().to_yaml())
+    assert main(["train", "--data", data, "--output", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert files[-1] in err and "Traceback" not in err
+    # an intact footer over damaged pages: the reader names the file
+    damaged = bytearray(intact)
+    middle = len(damaged) // 2
+    damaged[4:middle] = bytes(middle - 4)
+    with open(files[-1], "wb") as f:
+        f.write(bytes(damaged))
+    with pytest.raises(ValueError, match="damaged Parquet shard") as e:
+        ParquetExamples(files, ["a", "b", "tags"])
+    assert files[-1] in str(e.value)
