@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
@@ -29,6 +30,7 @@ from persia_core import io
 from persia_core.config import RunConfig, load_config, parse_overrides
 from persia_core.data import schema
 from persia_core.logging_utils import setup_logging
+from persia_core.preprocess import lines
 from persia_core.preprocess.read import source_names
 from persia_core.preprocess.transform import Preprocess
 from persia_core.preprocess.write import STATS_FILE
@@ -79,6 +81,7 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
             if not FileSystems.exists(path):
                 raise FileNotFoundError(f"preprocess: MovieLens {name} file {path!r} not found")
             out[name] = [path]
+        check_movielens_headers(out)
         return out
     if any(c in data for c in "*?["):
         pattern = data
@@ -90,6 +93,33 @@ def resolve_inputs(config: RunConfig, data: str) -> dict[str, list[str]]:
     if not files:
         raise FileNotFoundError(f"preprocess: no input files match {pattern!r}")
     return {"files": files}
+
+
+MOVIELENS_HEADERS = {
+    "ratings": ["userId", "movieId", "rating", "timestamp"],
+    "movies": ["movieId", "title", "genres"],
+    "tags": ["userId", "movieId", "tag", "timestamp"],
+}
+"""The header of each MovieLens file (GroupLens ``ml-latest-small``): its parsers read the fields by position."""
+
+
+def check_movielens_headers(inputs: dict[str, list[str]]) -> None:
+    """Check the first line of each MovieLens file of ``inputs`` (``resolve_inputs``) against
+    ``MOVIELENS_HEADERS``, so that columns in another order are not read as others. A file without any line is
+    left to the readers (no rows). Raises ``ValueError`` naming the file, its header and the expected one."""
+    for name, expected in MOVIELENS_HEADERS.items():
+        for path in inputs.get(name, []):
+            with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+                first = next(lines.numbered_lines(f, path), None)
+            if first is None:
+                continue
+            text = lines.decode_line(first[1])
+            got = None if text is None else [c.strip().strip('"') for c in text.lstrip("\ufeff").split(",")]
+            if got != expected:
+                raise ValueError(
+                    f"{path}:1: the header is {'not UTF-8' if got is None else ','.join(got)!r}, but the MovieLens "
+                    f"layout reads {name} as {','.join(expected)!r} (its columns by position)"
+                )
 
 
 def _input_folder(data: str) -> str | None:

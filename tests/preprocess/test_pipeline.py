@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -564,3 +565,23 @@ def test_main_refuses_flags_that_are_neither_ours_nor_beam_options(tiny_movielen
         )
         == []
     )
+
+
+def test_movielens_files_whose_header_is_not_grouplens_are_refused_naming_the_file(tiny_movielens, tmp_path):
+    # found by a fresh-user trial: the parsers read ratings.csv by position, so a file with userId and movieId
+    # swapped was read as the other column (failing only at the malformed-row limit, for "unknown movieId")
+    cfg = load_config("movielens")
+    assert set(pipeline.resolve_inputs(cfg, tiny_movielens)) == {"ratings", "movies", "tags"}  # GroupLens headers
+    for name, header in (
+        ("ratings.csv", "movieId,userId,rating,timestamp"),
+        ("ratings.csv", "user,movie,rating,ts"),
+        ("tags.csv", "userId,movieId,timestamp,tag"),
+        ("movies.csv", "movieId,genres,title"),
+    ):
+        d = tmp_path / f"{name}-{len(header)}"
+        shutil.copytree(tiny_movielens, d)
+        body = (d / name).read_text().splitlines()[1:]
+        (d / name).write_text("\n".join([header, *body]) + "\n")
+        with pytest.raises(ValueError, match="MovieLens layout reads") as e:
+            pipeline.resolve_inputs(cfg, str(d))
+        assert f"{d / name}:1: the header is '{header}'" in str(e.value)
