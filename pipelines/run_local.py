@@ -45,6 +45,17 @@ _NOISE = re.compile(r"Converting string literal type hint to Any")  # kfp's, onc
 _EXCEPTION = re.compile(r"\s*(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): \S")  # an exception's last line
 
 
+def epochs_arg(text: str) -> int:
+    """``--epochs``: a count (0 = the config's) or ``auto`` (``AUTO_EPOCHS``); anything else is argparse's usage
+    error naming the value."""
+    if text == "auto":
+        return AUTO_EPOCHS
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of epochs or 'auto', got {text!r}") from None
+
+
 @contextlib.contextmanager
 def captured_output(log_path: str, verbose: bool = False):
     """Send everything written to this process's stdout/stderr (and its task subprocesses', which inherit them)
@@ -205,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staleness", type=int, default=-1, help="embedding staleness K (-1 = config's)")
     p.add_argument(
         "--epochs",
-        type=lambda v: AUTO_EPOCHS if v == "auto" else int(v),
+        type=epochs_arg,
         default=0,
         help="epochs (0 = config's; auto: validation-driven, up to trainer.max_epochs)",
     )

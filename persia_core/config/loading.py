@@ -54,13 +54,25 @@ def load_config(name_or_path: str, overrides: dict[str, Any] | None = None) -> R
     path = str(CONFIG_DIR / f"{name_or_path}.yaml") if is_config_name(name_or_path) else name_or_path
     if not io.exists(path):
         raise FileNotFoundError(f"run config {name_or_path!r} not found (shipped configs: {shipped_configs()})")
-    text = io.read_text(path)
+    try:
+        text = io.read_text(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"run config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"run config {path}: not valid YAML: {e}") from e
+    if data is None:
+        raise ValueError(
+            f"run config {path}: the file is empty (write one from a shipped config, e.g. persia_core/configs/"
+            "criteo.yaml)"
+        )
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"run config {path}: expected a mapping of sections (layout, slots, ...), got {type(data).__name__}"
+        )
     try:
-        cfg = RunConfig.from_dict(data or {})
+        cfg = RunConfig.from_dict(data)
     except ValueError as e:
         raise ValueError(f"run config {path}: {e}") from e
     return cfg.with_overrides(overrides) if overrides else cfg

@@ -225,7 +225,7 @@ def test_more_local_processes_than_the_machine_allows_are_refused_before_any_tas
         ("--max-ne", "0", "--max-ne must be > 0"),
         ("--lr-margin", "-0.1", "--lr-margin must be >= 0"),
         ("--epochs", "-2", "--epochs must be >= 0 (0 = the config's value, or auto)"),
-        ("--epochs", "often", "--epochs: invalid"),
+        ("--epochs", "often", "--epochs: expected a number of epochs or 'auto', got 'often'"),
     ],
 )
 def test_gate_thresholds_out_of_range_are_refused_before_any_task(tmp_path, capfd, monkeypatch, flag, value, says):
