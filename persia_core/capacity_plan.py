@@ -43,7 +43,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from persia_core import memory as M
-from persia_core.cluster_spec import CPU_NN_MACHINE_TYPE, GPU_ONLY_FAMILIES, Machine, worker_pool_specs
+from persia_core.cluster_spec import (
+    CPU_NN_MACHINE_TYPE,
+    GPU_ONLY_FAMILIES,
+    Machine,
+    nn_machine_problem,
+    worker_pool_specs,
+)
 from persia_core.cluster_spec import ps_pod_memory_bytes as ps_pod_memory
 from persia_core.config import OPTIMIZERS
 
@@ -185,11 +191,16 @@ class PlanInputs:
         self.accelerator_type = "" if accel.lower() in ("", "none") else accel.upper().replace("-", "_")
         if not self.gpu_machine_type:
             self.gpu_machine_type = GPU_NN_MACHINE_TYPE if self.accelerator_type else CPU_NN_MACHINE_TYPE
+            if self.accelerator_type == "NVIDIA_TESLA_A100" and self.gpus_per_vm in (1, 2, 4):
+                self.gpu_machine_type = f"a2-highgpu-{self.gpus_per_vm}g"  # the A100 machine of that GPU count
         if not self.accelerator_type and self.gpu_machine_type.startswith(GPU_ONLY_FAMILIES):
             raise ValueError(
                 f"planner: --gpu-machine-type {self.gpu_machine_type} carries GPUs, but --accelerator-type is "
                 f"none (CPU-only NN workers): name its GPU, or a CPU machine such as {CPU_NN_MACHINE_TYPE}"
             )
+        why = nn_machine_problem(self.accelerator_type, self.gpu_machine_type, self.gpus_per_vm)
+        if why:  # the worker-pool specs it writes would be refused by Vertex AI (and by make compile)
+            raise ValueError(f"planner: --accelerator-type / --gpu-machine-type / --gpus-per-vm: {why}")
 
 
 @dataclass

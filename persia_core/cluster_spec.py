@@ -35,6 +35,7 @@ The replica entry point that runs a role is ``persia_core.cluster``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +179,38 @@ PS_PROCESS_OVERHEAD_BYTES = 512 << 20
 """Bytes one parameter-server shard process holds beyond its table's budget (interpreter, gRPC buffers)."""
 PS_POD_OVERHEAD_BYTES = 512 << 20
 """Bytes of a parameter-server replica's own entry process (``persia_core.cluster``, which starts the shards)."""
+
+GPU_MACHINE_FAMILIES = (
+    ("NVIDIA_TESLA_A100", "a2-"),
+    ("NVIDIA_A100_80GB", "a2-"),
+    ("NVIDIA_H100", "a3-"),
+    ("NVIDIA_H200", "a3-"),
+    ("NVIDIA_L4", "g2-"),
+    ("NVIDIA_TESLA_T4", "n1-"),
+    ("NVIDIA_TESLA_V100", "n1-"),
+    ("NVIDIA_TESLA_P100", "n1-"),
+    ("NVIDIA_TESLA_P4", "n1-"),
+    ("NVIDIA_B200", "a4-"),
+)
+"""GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
+
+
+def nn_machine_problem(accelerator_type: str, machine_type: str, gpus: int) -> str:
+    """Why Vertex AI would refuse an NN machine ``machine_type`` with ``gpus`` GPUs of ``accelerator_type`` (Vertex
+    AI's name; '' for CPU-only), or '' where it can carry them: an unknown GPU, a GPU on a machine family that
+    does not carry it, a GPU count other than the machine's fixed one (``a2-highgpu-2g``: 2)."""
+    known = [prefix for prefix, _ in GPU_MACHINE_FAMILIES]
+    if not accelerator_type:
+        return ""
+    if not accelerator_type.startswith(tuple(known)):
+        return f"{accelerator_type!r} is not a GPU this project knows: {known}"
+    family = next(f for prefix, f in GPU_MACHINE_FAMILIES if accelerator_type.startswith(prefix))
+    if not machine_type.startswith(family):
+        return f"{accelerator_type} GPUs come only on {family}* machines, not {machine_type!r}"
+    fixed = re.search(r"-(\d+)g$", machine_type)
+    if fixed and int(fixed.group(1)) != gpus:
+        return f"{machine_type} carries {fixed.group(1)} GPU(s), not {gpus}"
+    return ""
 
 
 def ps_pod_memory_bytes(shards: int, shard_memory_bytes: int) -> int:

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ids-per-sample",
         type=float_in(),
-        default=0.0,
+        default=None,
         help="feature IDs per sample (default: the number of --slot, else 26 as Criteo's)",
     )
     p.add_argument(
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--gpu-machine-type",
         default="",
-        help=f"NN-worker machine type (default {GPU_NN_MACHINE_TYPE}, CPU-only {CPU_NN_MACHINE_TYPE})",
+        help=f"NN-worker machine type (default {GPU_NN_MACHINE_TYPE}, a2-highgpu-Ng for N A100s per VM, CPU-only "
+        f"{CPU_NN_MACHINE_TYPE})",
     )
     p.add_argument(
         "--accelerator-type",
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.dim < 1:
         p.error(f"--dim must be >= 1, got {args.dim}")
+    if args.ids_per_sample is not None and args.ids_per_sample <= 0:
+        p.error(f"--ids-per-sample must be > 0, got {args.ids_per_sample:g}")
     try:
         if args.params is not None:
             if args.params < 1:

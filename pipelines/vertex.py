@@ -18,22 +18,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from persia_core.cluster_spec import CPU_NN_MACHINE_TYPE, GPU_ONLY_FAMILIES, Machine, replica_args, worker_pool_specs
+from persia_core.cluster_spec import (
+    CPU_NN_MACHINE_TYPE,
+    GPU_MACHINE_FAMILIES,
+    GPU_ONLY_FAMILIES,
+    Machine,
+    replica_args,
+    worker_pool_specs,
+)
 from pipelines.compile_target import CompileTarget
 
-GPU_MACHINE_FAMILIES = (
-    ("NVIDIA_TESLA_A100", "a2-"),
-    ("NVIDIA_A100_80GB", "a2-"),
-    ("NVIDIA_H100", "a3-"),
-    ("NVIDIA_H200", "a3-"),
-    ("NVIDIA_L4", "g2-"),
-    ("NVIDIA_TESLA_T4", "n1-"),
-    ("NVIDIA_TESLA_V100", "n1-"),
-    ("NVIDIA_TESLA_P100", "n1-"),
-    ("NVIDIA_TESLA_P4", "n1-"),
-    ("NVIDIA_B200", "a4-"),
-)
-"""GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
 GPU_NN_MACHINE_TYPE = "a2-highgpu-1g"
 """The NN pools' default machine with the default GPU (one A100); CPU-only: ``CPU_NN_MACHINE_TYPE``."""
 

@@ -366,6 +366,25 @@ def test_planner_cpu_only_refuses_a_machine_that_carries_gpus(capsys):
     assert p.gke_node_pools[0]["accelerator"] == "nvidia-tesla-a100" and p.kubeflow_settings["PERSIA_K8S_GPUS"] == 8
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--gpu-machine-type", "n2-standard-16"], "NVIDIA_TESLA_A100 GPUs come only on a2-* machines"),
+        (["--accelerator-type", "NVIDIA_FOO"], "'NVIDIA_FOO' is not a GPU this project knows"),
+        (["--gpu-machine-type", "a2-highgpu-2g"], "a2-highgpu-2g carries 2 GPU(s), not 8"),
+        (["--ids-per-sample", "0"], "--ids-per-sample must be > 0"),
+    ],
+)
+def test_planner_refuses_nn_machines_vertex_ai_would_refuse_and_a_zero_id_count(args, says, capsys):
+    # found by a fresh-user trial: the plan wrote {'machineType': 'n2-standard-16', 'acceleratorType':
+    # 'NVIDIA_TESLA_A100', 'acceleratorCount': 8}, which make compile (and Vertex AI) refuse; an unknown GPU passed;
+    # and --ids-per-sample 0 was taken as the default 26
+    with pytest.raises(SystemExit) as e:
+        planner.main(["--ids", "1e6", *args])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert planner.main(["--ids", "1e6", "--gpu-machine-type", "a2-highgpu-8g", "--ids-per-sample", "39"]) == 0
+
+
 def test_planner_kubeflow_resources_of_the_seed_plan_fit_one_pod_per_node_of_its_machines():
     p = seed_plan()
     s = p.kubeflow_settings
