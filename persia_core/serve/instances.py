@@ -136,14 +136,18 @@ class InstanceEncoder:
         dense = np.zeros((b, f), np.float32)
         per_slot: list[list[np.ndarray]] = [[] for _ in self.model_slots]
         columns = [S.slot_column(s) for s in self.model_slots]
-        want = {S.DENSE, S.LABEL, S.TS, *columns}  # a Parquet row as it is: its label and timestamp are ignored
+        # a Parquet row as it is (what persia predict reads): its label, timestamp and source are ignored
+        want = {S.DENSE, S.LABEL, S.TS, S.SOURCE, *columns}
         for i, inst in enumerate(instances):
             if not isinstance(inst, dict):
                 raise InstanceError(i, None, f"expected a JSON object of the preprocessed columns, got {type(inst)}")
             if not inst.keys() <= want:
                 unknown = next(k for k in inst if k not in want)
                 raise InstanceError(i, unknown, f"not a column of the model's preprocessed rows {sorted(want)}")
-            d = np.asarray(inst.get(S.DENSE, []))
+            raw = inst.get(S.DENSE, [])
+            if type(raw) is not list or not set(map(type, raw)) <= {int, float}:  # a JSON true is no number here
+                raise InstanceError(i, S.DENSE, f"expected a list of {f} finite numbers")
+            d = np.asarray(raw)
             if d.shape != (f,) or (f and (d.dtype.kind not in "iuf" or not np.isfinite(d).all())):
                 raise InstanceError(i, S.DENSE, f"expected a list of {f} finite numbers")
             big = np.abs(d) > layouts.FLOAT32_MAX  # stored as float32: it would become inf, the prediction NaN

@@ -183,8 +183,9 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
     enc = InstanceEncoder(model.config, model.slots, 1)
     assert np.array_equal(model.predict(enc.features_batch(instances)), expected)
     assert np.isfinite(model.predict(enc.batch([enc.example()]))).all()  # the warm-up instance of its layout
-    # a Parquet row as it is (its label and timestamp ignored); null, [] and absent are the same empty slot
-    as_stored = [{**inst, "label": 1.0, "ts": 12345} for inst in instances]
+    # a Parquet row as it is (its label, timestamp and source ignored: persia predict's input rows carry a source,
+    # refused before, as a fresh-user trial found); null, [] and absent are the same empty slot
+    as_stored = [{**inst, "label": 1.0, "ts": 12345, "source": "ratings.csv:7"} for inst in instances]
     assert np.array_equal(model.predict(enc.features_batch(as_stored)), expected)
     empty = [{**instances[0], "slot_a": []}, {**instances[0], "slot_a": None}, {"dense": instances[0]["dense"]}]
     empty_preds = model.predict(enc.features_batch(empty))
@@ -192,8 +193,9 @@ def test_preprocessed_feature_rows_score_like_the_eval_split(trained):
     for bad in ([-1], [1.5], [True], [1 << 64], "7"):
         with pytest.raises(ValueError, match=r"instance 1, field 'slot_a'.*feature IDs"):
             enc.features_batch([instances[0], {**instances[1], "slot_a": bad}])
-    with pytest.raises(ValueError, match=r"instance 0, field 'dense': expected a list of 1 finite numbers"):
-        enc.features_batch([{"dense": [1.0, 2.0]}])
+    for bad_dense in ([1.0, 2.0], [True], ["1"], 1.0):  # a JSON true was read as 1 before
+        with pytest.raises(ValueError, match=r"instance 0, field 'dense': expected a list of 1 finite numbers"):
+            enc.features_batch([{"dense": bad_dense}])
     for big in (1e300, -3.5e38):  # finite as JSON, inf as the float32 the model takes: 400, not a null prediction
         with pytest.raises(ValueError, match=r"instance 1, field 'dense': a value beyond float32 range"):
             enc.features_batch([instances[0], {**instances[1], "dense": [big]}])
