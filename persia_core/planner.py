@@ -64,7 +64,7 @@ def format_table(p: Plan) -> str:
             f"{p.shards_per_server} (<= {MAX_ROWS_PER_SHARD:,} rows each: int32 row "
             f"numbers; {i.process_overhead_gb:g} GB overhead each)",
         ),
-        ("rows/shard capacity", f"{p.rows_per_shard_capacity:,} in {_si(p.shard_budget_bytes)}"),
+        ("rows/shard capacity", f"{p.rows_per_shard_capacity:,} (a shard's budget: {_si(p.shard_budget_bytes)})"),
         ("rows/shard planned", f"{p.rows_per_shard:,.0f} (hash routing, {SKEW_SIGMAS:g} sigma headroom)"),
         (
             "memory/server",
@@ -74,7 +74,7 @@ def format_table(p: Plan) -> str:
         ("total shards", f"{p.total_shards:,}"),
         (
             "embedding memory",
-            f"{_si(p.memory_per_server_bytes * p.parameter_servers)} on "
+            f"{_si(p.memory_per_server_bytes * p.parameter_servers)} with every shard at capacity, on "
             f"{_si(p.parameter_servers * i.vm_ram_tb * TB)} of servers",
         ),
         (
