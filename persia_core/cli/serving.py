@@ -35,6 +35,7 @@ def cmd_serve(args, _extra) -> int:
         predict_route=_route(args.predict_route),
         health_route=_route(args.health_route),
         max_request_bytes=args.max_request_bytes,
+        body_timeout_s=args.body_timeout_seconds,
         drain_s=args.drain_seconds,
         threads=args.threads,
         follow=bool(args.follow),
@@ -102,6 +103,12 @@ def add_commands(add: AddCommand) -> None:
         type=int_at_least(1024),
         default=8 << 20,
         help="larger request bodies get 413 (default 8 MiB; Vertex AI's online limit is 1.5 MB)",
+    )
+    sp.add_argument(
+        "--body-timeout-seconds",
+        type=float_in(0.001),
+        default=30.0,
+        help="a request body not all there this long after its headers gets 408 (default 30)",
     )
     sp.add_argument(
         "--drain-seconds",

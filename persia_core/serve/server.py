@@ -58,6 +58,8 @@ log = logging.getLogger("persia.serve")
 DEFAULT_PREDICT_ROUTE = "/predict"
 DEFAULT_HEALTH_ROUTE = "/health"
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
+"""Seconds a request's body may take to arrive after its headers (then 408)."""
 INLINE_ROWS = 8
 """Requests of at most this many instances run their dense network on the event loop: it takes less than handing
 it to a worker thread and back."""
@@ -323,12 +325,13 @@ def make_app(
     follow: str = "",
     poll_s: float = 5.0,
     deltas: str = "",
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ):
     """The ``aiohttp.web.Application`` serving ``served`` on the given routes (see the module docstring), running
     up to ``threads`` requests' dense networks at once; with ``follow`` (a blessed-model location), swapping to
     each model newly blessed there (``Follower``, every ``poll_s`` seconds); with ``deltas`` (a training run's
     delta folder), applying its deltas to the served model (``serve.deltas.DeltaFeed``, every ``poll_s``
-    seconds)."""
+    seconds). A request body not all there ``body_timeout_s`` seconds after its headers gets 408."""
     from aiohttp import web
 
     metrics = Metrics()
@@ -376,9 +379,12 @@ def make_app(
         if (request.content_length or 0) > max_request_bytes:  # declared: refused without waiting for the body
             return too_large()
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             return too_large()
+        except TimeoutError:  # a client that sends part of a body and stalls holds no connection for good
+            metrics.requests.labels("predict", "408").inc()
+            return _error(408, f"the request body did not arrive within {body_timeout_s:g} s")
         except ConnectionResetError:  # the client left mid-body: nobody to answer, no server error to log
             metrics.requests.labels("predict", "499").inc()
             return web.Response(status=499)
@@ -471,12 +477,13 @@ def serve(
     follow: bool = False,
     poll_s: float = 5.0,
     deltas: str = "",
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> None:
     """Load ``model_dir`` and serve it on ``host:port`` until SIGTERM or SIGINT (then drain for up to
     ``drain_s`` seconds). ``threads``: requests whose dense network runs at once, each on one torch thread (0: the
     machine's cores, at most 4). ``follow``: ``model_dir`` is a blessed-model location whose newly blessed models are
     swapped in (``Follower``). ``deltas``: a training run's delta folder whose deltas are applied to the served
-    model (``serve.deltas.DeltaFeed``). Raises
+    model (``serve.deltas.DeltaFeed``). ``body_timeout_s``: a request body slower than this gets 408. Raises
     ``ModelTooLargeError`` (``check_memory``), ``FileNotFoundError`` / ``ValueError`` for a missing or bad model."""
     from aiohttp import web
 
@@ -502,7 +509,15 @@ def serve(
             health_route,
         )
         app = make_app(
-            served, predict_route, health_route, max_request_bytes, threads, model_dir if follow else "", poll_s, deltas
+            served,
+            predict_route,
+            health_route,
+            max_request_bytes,
+            threads,
+            model_dir if follow else "",
+            poll_s,
+            deltas,
+            body_timeout_s,
         )
         web.run_app(app, host=host, port=port, shutdown_timeout=drain_s, print=None, access_log=None)
     log.info("stopped: requests in flight answered, or cut %.0f s after the signal (drain_s)", drain_s)

@@ -140,7 +140,7 @@ def server(trained, tmp_path_factory):
         "AIP_STORAGE_URI": model,
     }
     log = str(tmp_path_factory.mktemp("serve") / "serve.log")
-    s = Server(["--max-request-bytes", "4096"], env, port, env["AIP_HEALTH_ROUTE"], log)
+    s = Server(["--max-request-bytes", "4096", "--body-timeout-seconds", "2"], env, port, env["AIP_HEALTH_ROUTE"], log)
     yield s, env
     s.stop()
 
@@ -245,6 +245,19 @@ def test_a_declared_oversized_body_gets_413_without_waiting_for_it(server):
         assert r.status == 413 and "exceeds 4096 bytes" in json.loads(r.read())["error"]
     finally:
         conn.close()
+    _still_answers(s, env)
+
+
+def test_a_body_that_stalls_mid_way_gets_408_and_frees_its_connection(server):
+    # found by a fresh-user trial: a client that sent half a body and stopped was held open for over 90 s
+    s, env = server
+    with socket.create_connection(("127.0.0.1", s.port), timeout=15) as sock:
+        head = f"POST {env['AIP_PREDICT_ROUTE']} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+        t0 = time.time()
+        sock.sendall(head.encode() + b'{"instances": [')
+        reply = sock.recv(4096).decode()
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in reply, reply
+    assert 1.5 < time.time() - t0 < 10
     _still_answers(s, env)
 
 
