@@ -198,9 +198,9 @@ class PlanInputs:
                 f"planner: --gpu-machine-type {self.gpu_machine_type} carries GPUs, but --accelerator-type is "
                 f"none (CPU-only NN workers): name its GPU, or a CPU machine such as {CPU_NN_MACHINE_TYPE}"
             )
-        why = nn_machine_problem(self.accelerator_type, self.gpu_machine_type, self.gpus_per_vm)
+        why = nn_machine_problem(self.accelerator_type, self.gpu_machine_type, self.gpus_per_vm, "--gpus-per-vm")
         if why:  # the worker-pool specs it writes would be refused by Vertex AI (and by make compile)
-            raise ValueError(f"planner: --accelerator-type / --gpu-machine-type / --gpus-per-vm: {why}")
+            raise ValueError(f"planner: --accelerator-type / --gpu-machine-type: {why}")
 
 
 @dataclass

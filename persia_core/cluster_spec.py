@@ -195,10 +195,11 @@ GPU_MACHINE_FAMILIES = (
 """GPU type prefix -> the Compute Engine machine family that carries it (Vertex AI refuses other pairs)."""
 
 
-def nn_machine_problem(accelerator_type: str, machine_type: str, gpus: int) -> str:
+def nn_machine_problem(accelerator_type: str, machine_type: str, gpus: int, count_name: str = "gpus") -> str:
     """Why Vertex AI would refuse an NN machine ``machine_type`` with ``gpus`` GPUs of ``accelerator_type`` (Vertex
     AI's name; '' for CPU-only), or '' where it can carry them: an unknown GPU, a GPU on a machine family that
-    does not carry it, a GPU count other than the machine's fixed one (``a2-highgpu-2g``: 2)."""
+    does not carry it, a GPU count (named ``count_name`` in the reason) other than the machine's fixed one
+    (``a2-highgpu-2g``: 2)."""
     known = [prefix for prefix, _ in GPU_MACHINE_FAMILIES]
     if not accelerator_type:
         return ""
@@ -209,7 +210,7 @@ def nn_machine_problem(accelerator_type: str, machine_type: str, gpus: int) -> s
         return f"{accelerator_type} GPUs come only on {family}* machines, not {machine_type!r}"
     fixed = re.search(r"-(\d+)g$", machine_type)
     if fixed and int(fixed.group(1)) != gpus:
-        return f"{machine_type} carries {fixed.group(1)} GPU(s), not {gpus}"
+        return f"{machine_type} carries {fixed.group(1)} GPU(s), not {count_name}={gpus}"
     return ""
 
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from persia_core.cluster_spec import (
     CPU_NN_MACHINE_TYPE,
-    GPU_MACHINE_FAMILIES,
     GPU_ONLY_FAMILIES,
     Machine,
+    nn_machine_problem,
     replica_args,
     worker_pool_specs,
 )
@@ -141,12 +141,6 @@ class VertexSettings:
             self.accelerator_type, self.accelerator_count = "", 0
         # Vertex AI's enum names: NVIDIA_TESLA_A100 (gcloud's nvidia-tesla-a100 spelling accepted)
         self.accelerator_type = self.accelerator_type.upper().replace("-", "_")
-        known = [prefix for prefix, _ in GPU_MACHINE_FAMILIES]
-        if self.accelerator_type and not self.accelerator_type.startswith(tuple(known)):
-            raise ValueError(
-                f"vertex setting accelerator_type={self.accelerator_type!r} (PERSIA_ACCELERATOR_TYPE) "
-                f"is not a GPU this project knows: {known}"
-            )
         if bool(self.accelerator_type) != (self.accelerator_count > 0):
             raise ValueError(
                 "vertex settings accelerator_type and accelerator_count go together (both or neither; "
@@ -160,17 +154,12 @@ class VertexSettings:
                 f"carries GPUs, but the NN pools are CPU-only: name its GPU (PERSIA_ACCELERATOR_TYPE "
                 f"and _COUNT), or a CPU machine such as {CPU_NN_MACHINE_TYPE}"
             )
-        family = next((f for prefix, f in GPU_MACHINE_FAMILIES if self.accelerator_type.startswith(prefix)), None)
-        if family and not self.nn_machine_type.startswith(family):
+        why = nn_machine_problem(
+            self.accelerator_type, self.nn_machine_type, self.accelerator_count, "accelerator_count"
+        )
+        if why:
             raise ValueError(
-                f"vertex settings: {self.accelerator_type} GPUs come only on {family}* machines, not "
-                f"nn_machine_type={self.nn_machine_type!r} (PERSIA_NN_MACHINE_TYPE)"
-            )
-        gpus = re.search(r"-(\d+)g$", self.nn_machine_type)  # a2-highgpu-2g, a3-highgpu-8g: a fixed GPU count
-        if self.accelerator_count and gpus and int(gpus.group(1)) != self.accelerator_count:
-            raise ValueError(
-                f"vertex settings: {self.nn_machine_type} carries {gpus.group(1)} GPU(s), not "
-                f"accelerator_count={self.accelerator_count} (PERSIA_ACCELERATOR_COUNT)"
+                f"vertex settings: {why} (PERSIA_ACCELERATOR_TYPE, PERSIA_NN_MACHINE_TYPE, PERSIA_ACCELERATOR_COUNT)"
             )
         if self.accelerator_count and not self.cuda_image:
             warnings.warn(

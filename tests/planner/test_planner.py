@@ -371,7 +371,7 @@ def test_planner_cpu_only_refuses_a_machine_that_carries_gpus(capsys):
     [
         (["--gpu-machine-type", "n2-standard-16"], "NVIDIA_TESLA_A100 GPUs come only on a2-* machines"),
         (["--accelerator-type", "NVIDIA_FOO"], "'NVIDIA_FOO' is not a GPU this project knows"),
-        (["--gpu-machine-type", "a2-highgpu-2g"], "a2-highgpu-2g carries 2 GPU(s), not 8"),
+        (["--gpu-machine-type", "a2-highgpu-2g"], "a2-highgpu-2g carries 2 GPU(s), not --gpus-per-vm=8"),
         (["--ids-per-sample", "0"], "--ids-per-sample must be > 0"),
     ],
 )
