@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
@@ -31,7 +30,7 @@ from persia_core.config import RunConfig, load_config, parse_overrides
 from persia_core.data import schema
 from persia_core.logging_utils import setup_logging
 from persia_core.preprocess import lines
-from persia_core.preprocess.read import source_names
+from persia_core.preprocess.read import first_line, source_names
 from persia_core.preprocess.transform import Preprocess
 from persia_core.preprocess.write import STATS_FILE
 
@@ -109,11 +108,10 @@ def check_movielens_headers(inputs: dict[str, list[str]]) -> None:
     left to the readers (no rows). Raises ``ValueError`` naming the file, its header and the expected one."""
     for name, expected in MOVIELENS_HEADERS.items():
         for path in inputs.get(name, []):
-            with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-                first = next(lines.numbered_lines(f, path), None)
+            first = first_line(path)
             if first is None:
                 continue
-            text = lines.decode_line(first[1])
+            text = lines.decode_line(first)
             got = None if text is None else [c.strip().strip('"') for c in text.lstrip("\ufeff").split(",")]
             if got != expected:
                 raise ValueError(

@@ -185,6 +185,14 @@ def source_names(files: list[str], root: str) -> dict[str, str]:
     return out
 
 
+def first_line(path: str) -> bytes | None:
+    """The first line of the file ``path`` (decompressed by its extension, ``lines.numbered_lines``) without its
+    line end, or None for a file without any line."""
+    with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
+        first = next(lines.numbered_lines(f, path), None)
+    return None if first is None else first[1]
+
+
 def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.ColumnOrder]:
     """Check the header line of each of ``files`` (a delimited layout with ``has_header``) against
     ``layout.columns`` before any row is read (``lines.header_order``). Returns the files whose fields must be
@@ -193,11 +201,10 @@ def header_orders(files: list[str], layout: LayoutConfig) -> dict[str, lines.Col
     Raises ``ValueError`` naming the first file whose header differs, or is empty (blank) or not UTF-8."""
     orders = {}
     for path in files:
-        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as f:
-            first = next(lines.numbered_lines(f, path), None)
+        first = first_line(path)
         if first is None:
             continue
-        text = lines.decode_line(first[1])
+        text = lines.decode_line(first)
         if text is None or not text.strip():
             raise ValueError(
                 f"{path}:1: layout.has_header is set, but the first line is {'not UTF-8' if text is None else 'empty'}"
