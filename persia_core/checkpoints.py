@@ -60,6 +60,7 @@ RESUME_MAY_DIFFER = (
     "embedding.shard_memory_bytes",
     "trainer.epochs",
     "trainer.embedding_staleness",
+    "trainer.fresh_lookups",
     "trainer.rpc_timeout_s",
     "trainer.threads_per_worker",
     "trainer.prefetch_threads",

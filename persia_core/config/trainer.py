@@ -50,6 +50,11 @@ class TrainerConfig:
     embedding_staleness: int = 4
     """K: a worker may look rows up for up to K batches beyond its oldest gradient push not yet applied.
     K = 0 is fully synchronous training."""
+    fresh_lookups: bool = True
+    """With K >= 2: an embedding worker looks a batch's rows up only once the pushes of every step before the one
+    in training are applied (staleness 1), unless waiting for them would leave the NN worker without a ready
+    batch (judged from the NN worker's pace: the gradients' interval and the lookups' time); then it looks up at
+    once, within K. Fresher rows at the same speed; false: look up as soon as K and a free ready slot allow."""
     num_workers: int = 2
     """NN workers (torch DDP ranks, gloo on CPU)."""
     dense_lr: float = 1e-3

@@ -102,20 +102,22 @@ def first_own_step(start: int, index: int, workers: int) -> int:
 @dataclass(frozen=True)
 class StepRules:
     """What an NN worker's steps follow, the same in all its embedding workers: ``staleness`` K, ``num_workers``
-    M, this NN worker's ``rank``, ID ``dropout`` rates (slot -> rate; 0: none) and the dropout RNG's ``seed``."""
+    M, this NN worker's ``rank``, ID ``dropout`` rates (slot -> rate; 0: none), the dropout RNG's ``seed`` and
+    ``fresh_lookups`` (``trainer.fresh_lookups``)."""
 
     staleness: int
     num_workers: int
     rank: int
     dropout: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    fresh_lookups: bool = False
 
     @classmethod
     def of(cls, config: RunConfig, rank: int, world: int) -> StepRules:
         """The rules of NN worker ``rank`` of ``world`` in a run of ``config``."""
         tc = config.trainer
         dropout = {s.name: s.id_dropout for s in config.slots}
-        return cls(tc.embedding_staleness, world, rank, dropout, tc.seed)
+        return cls(tc.embedding_staleness, world, rank, dropout, tc.seed, tc.fresh_lookups)
 
 
 class BatchSource:
@@ -174,6 +176,12 @@ class EmbeddingWorker:
         self.K, self.M, self.rank = rules.staleness, rules.num_workers, rules.rank
         self.dropout = {k: v for k, v in rules.dropout.items() if v > 0}
         self.seed = rules.seed
+        self.fresh = rules.fresh_lookups and self.K > 1
+        # the NN worker's pace, for fresh lookups: when the last gradient came, the mean seconds between two of
+        # this worker's gradients, and of its lookups and pooling (exponential moving averages; None: not yet)
+        self.last_grad: float | None = None
+        self.grad_interval: float | None = None
+        self.lookup_s: float | None = None
         self.frontier = layout.frontier(buf)
         self.phase = layout.phase_seconds(buf)[index]  # seconds per ``ready_ring.PHASES``, read by the NN worker
         self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
@@ -249,20 +257,38 @@ class EmbeddingWorker:
             rr.send(self.sock, rr.READY, slot, step, b, staleness)
             ph[read] += t1 - t0
             ph[dedup] += t2 - t1
-            ph[lookup_pool] += time.perf_counter() - t4
+            t5 = time.perf_counter()
+            ph[lookup_pool] += t5 - t4
+            self.lookup_s = t5 - t4 if self.lookup_s is None else 0.8 * self.lookup_s + 0.2 * (t5 - t4)
         while True:  # every own step handed over: gradients of those the NN worker trains, until STOP
             self._raise_error()
             self._serve(0.5)
 
     def _wait_bound(self, step: int) -> int:
-        """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile.
-        Returns the staleness of the lookup: earlier steps whose pushes are not all applied yet (<= K)."""
+        """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile;
+        with fresh lookups, then also until every push of steps <= step-2 is, for as long as the NN worker's pace
+        leaves time (``_fresh_deadline``). Returns the staleness of the lookup: earlier steps whose pushes are not
+        all applied yet (<= K)."""
         while True:
             self._raise_error()
             low = int(self.frontier.min())
             if low >= step - self.K:
-                return max(0, step - low)
+                break
             self._serve(0.0002)
+        while self.fresh and low < step - 1 and time.perf_counter() < self._fresh_deadline():
+            self._raise_error()
+            self._serve(0.0002)
+            low = int(self.frontier.min())
+        return max(0, step - low)
+
+    def _fresh_deadline(self) -> float:
+        """The latest ``perf_counter`` time at which a lookup may start and still be handed over before the NN
+        worker needs it: when the NN worker should be done with every step handed over and not given back (one
+        mean gradient interval each, from the last gradient), less twice the mean lookup and pooling time.
+        ``-inf`` until both means are known."""
+        if self.last_grad is None or self.grad_interval is None or self.lookup_s is None:
+            return float("-inf")
+        return self.last_grad + len(self.pending) * self.grad_interval - 2.0 * self.lookup_s
 
     def _serve(self, timeout_s: float | None) -> None:
         msg = rr.recv(self.sock, timeout_s)
@@ -273,6 +299,11 @@ class EmbeddingWorker:
             raise _Stopped()
         if kind != rr.GRAD:
             raise ValueError(f"embedding worker {self.rank}.{self.index}: unexpected control message {kind}")
+        now = time.perf_counter()
+        if self.last_grad is not None:
+            d = now - self.last_grad
+            self.grad_interval = d if self.grad_interval is None else 0.8 * self.grad_interval + 0.2 * d
+        self.last_grad = now
         self._push(slot, step, bool(msg[3]))
 
     def _push(self, slot: int, step: int, half: bool = False) -> None:

@@ -22,6 +22,9 @@ push of this worker's batches <= t-K-1 is applied (K = ``embedding_staleness``; 
 ``frontier`` of applied steps); the observed staleness of a lookup is the number of this worker's earlier steps
 whose pushes are not yet applied, and is <= K. Running lookups no further ahead than overlap needs keeps the
 observed staleness low, which is what keeps the AUC of K > 0 close to that of K = 0 (``docs/design-figures.md``).
+With ``trainer.fresh_lookups`` (on by default) an embedding worker also waits, before looking batch t up, for
+the pushes of steps <= t-2 (staleness 1: only the step in training's push missing), for as long as the NN
+worker's pace leaves time for the lookup after them; a slower worker or server lets lookups run ahead within K.
 
 K = 0 is fully synchronous training on the same code path: pushes carry ``sync_workers = M``, so each shard
 combines the M workers' gradients of a step per ID and applies them once, and the next lookup waits for it.

@@ -223,3 +223,82 @@ def test_a_schedule_of_one_rank_holds_that_ranks_batches_and_every_steps_global_
         assert [a.tolist() for a in one.rows[r]] == [a.tolist() for a in full.rows[r]]
     # each epoch covers each rank's rows once
     assert sorted(np.concatenate(full.rows[2][:7]).tolist()) == list(range(50))
+
+
+def _staleness_of_a_run(tmp_path, fresh: bool, step_s: float, push_s: float, steps: int = 12) -> list[int]:
+    """The staleness of each lookup of an embedding worker (K = 4, one ready slot beyond the one in training)
+    whose pushes are applied ``push_s`` after they are made, driven by this test as an NN worker whose steps take
+    ``step_s``."""
+    from concurrent.futures import Future
+
+    batch = 32
+    cfg = tiny_config(num_workers=1, embedding_staleness=4, epochs=1, batch_size=batch)
+    data = write_dataset(str(tmp_path / f"data-{fresh}-{step_s}"), rows=batch * steps, shards=1)
+    layouts = table_layouts(cfg)
+    examples = ParquetExamples(shard_files(data, "train"), model_slot_order(cfg))
+    sched = make_schedule([len(examples)], batch, 1, 0, True)
+    ring = rr.RingLayout(
+        1, 2, batch, sum(len(t.slots) for t in layouts), layouts[0].dim, len(read_schema(data)["dense"])
+    )
+    seg = rr.Segment(ring, shared=False)
+    nn, ew_end = socket.socketpair()
+
+    class SlowPushes(LocalEmbedding):
+        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
+            fut: Future = Future()
+
+            def later():
+                time.sleep(push_s)
+                super(SlowPushes, self).push(table, ids, grads, bounds=bounds)
+                fut.set_result(0)
+
+            threading.Thread(target=later, daemon=True).start()
+            return fut
+
+    rules = StepRules(staleness=4, num_workers=1, rank=0, fresh_lookups=fresh)
+    ew = EmbeddingWorker(
+        SlowPushes(cfg.embedding, 1),
+        layouts,
+        BatchSource(examples, sched.rows[0], sched.global_batch),
+        ring,
+        seg.buf,
+        ew_end,
+        0,
+        0,
+        rules,
+    )
+    t = threading.Thread(target=ew.run)
+    t.start()
+    staleness = []
+    try:
+        assert rr.recv(nn, 30)[0] == rr.STARTED
+        for step in range(steps):
+            kind, slot, got, rows, stal, text = rr.recv(nn, 30)
+            assert (kind, got) == (rr.READY, step), text
+            staleness.append(stal)
+            time.sleep(step_s)  # the dense step
+            ring.slot(seg.buf, 0, slot)[0][:rows] = 0.01
+            rr.send(nn, rr.GRAD, slot, step)
+        deadline = time.monotonic() + 30
+        while ring.frontier(seg.buf)[0] != rr.NEVER and time.monotonic() < deadline:
+            time.sleep(0.001)
+        rr.send(nn, rr.STOP)
+        t.join(30)
+        assert not t.is_alive()
+    finally:
+        nn.close()
+        ew_end.close()
+        seg.close()
+    return staleness
+
+
+def test_fresh_lookups_wait_for_the_last_push_only_while_the_nn_worker_leaves_time_for_it(tmp_path):
+    # NN steps of 150 ms, pushes applied in 30 ms: a lookup can wait for the push of the step before the one in
+    # training and still be ready in time; without fresh lookups it goes as soon as a ready slot is free
+    fresh = _staleness_of_a_run(tmp_path, True, 0.15, 0.03)
+    eager = _staleness_of_a_run(tmp_path, False, 0.15, 0.03)
+    assert fresh[4:] == [1] * 8, fresh
+    assert eager[4:] == [2] * 8, eager
+    # NN steps of 5 ms against pushes of 60 ms: waiting would starve the NN worker, so lookups go within K
+    fast = _staleness_of_a_run(tmp_path, True, 0.005, 0.06)
+    assert max(fast) <= 4 and sum(s >= 2 for s in fast[4:]) >= 6, fast
