@@ -28,6 +28,18 @@ from persia_core.train.processes import descendants
 from persia_core.train.schedule import make_schedule
 
 
+def _stop_once_applied(ring, buf, nn: socket.socket, thread: threading.Thread) -> None:
+    """Wait (30 s at most) until every push of the embedding worker on ``ring`` is applied, then stop it (``STOP``
+    over ``nn``) and check that its ``thread`` ended."""
+    deadline = time.monotonic() + 30
+    while ring.frontier(buf)[0] != rr.NEVER and time.monotonic() < deadline:
+        time.sleep(0.001)
+    rr.send(nn, rr.STOP)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert ring.frontier(buf)[0] == rr.NEVER  # every push applied
+
+
 def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
     """Python and C calls an embedding worker makes (its backend's aside) for ``steps`` batches of ``batch`` rows,
     driven by this test as its NN worker."""
@@ -77,13 +89,7 @@ def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
         emb = ring.slot(seg.buf, 0, slot)[0]
         emb[:rows] = 0.5  # d loss / d emb
         rr.send(nn, rr.GRAD, slot, step)
-    deadline = time.monotonic() + 30
-    while ring.frontier(seg.buf)[0] != rr.NEVER and time.monotonic() < deadline:
-        time.sleep(0.001)
-    rr.send(nn, rr.STOP)
-    t.join(30)
-    assert not t.is_alive()
-    assert ring.frontier(seg.buf)[0] == rr.NEVER  # every push applied
+    _stop_once_applied(ring, seg.buf, nn, t)
     nn.close()
     ew_end.close()
     seg.close()
@@ -279,12 +285,7 @@ def _staleness_of_a_run(tmp_path, fresh: bool, step_s: float, push_s: float, ste
             time.sleep(step_s)  # the dense step
             ring.slot(seg.buf, 0, slot)[0][:rows] = 0.01
             rr.send(nn, rr.GRAD, slot, step)
-        deadline = time.monotonic() + 30
-        while ring.frontier(seg.buf)[0] != rr.NEVER and time.monotonic() < deadline:
-            time.sleep(0.001)
-        rr.send(nn, rr.STOP)
-        t.join(30)
-        assert not t.is_alive()
+        _stop_once_applied(ring, seg.buf, nn, t)
     finally:
         nn.close()
         ew_end.close()
