@@ -52,9 +52,9 @@ class TrainerConfig:
     K = 0 is fully synchronous training."""
     fresh_lookups: bool = True
     """With K >= 2: an embedding worker looks a batch's rows up only once the pushes of every step before the one
-    in training are applied (staleness 1), unless waiting for them would leave the NN worker without a ready
-    batch (judged from the NN worker's pace: the gradients' interval and the lookups' time); then it looks up at
-    once, within K. Fresher rows at the same speed; false: look up as soon as K and a free ready slot allow."""
+    in training are applied (staleness 1), as long as waiting for them still leaves the lookup ready before the
+    NN worker needs it (judged from the NN worker's pace, the lookups' time and the pushes' latency); otherwise it
+    looks up at once, within K. False: look up as soon as K and a free ready slot allow (staleness 2 or more)."""
     num_workers: int = 2
     """NN workers (torch DDP ranks, gloo on CPU)."""
     dense_lr: float = 1e-3

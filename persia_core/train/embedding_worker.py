@@ -5,6 +5,7 @@ Embedding worker e of E (of NN worker r) owns steps t with ``t % E == e``. For e
     read batch t (the same schedule as the NN worker: ``persia_core.train.schedule``)
     ID dropout (seeded by seed, rank, step), dedup the IDs per table
     wait for a free ready slot, and until every push of steps <= t-K-1 is applied (all E workers' ``frontier``)
+    fresh lookups (K >= 2): also wait for the pushes of steps <= t-2, while the NN worker's pace leaves time
     look rows up on the parameter servers, sum-pool them into the slot's emb[B, S, D] (and a wide table's rows
         into wide[B, S, 1]); copy dense, labels
     READY -> NN worker (dense forward/backward; writes d loss / d emb into the slot) -> GRAD
@@ -152,7 +153,8 @@ class EmbeddingWorker:
         layouts: tables and their slots (a ``wide`` ring adds the wide table over all of them). source: the NN
             worker's batches.
         layout, buf: the ready ring (``ready_ring.RingLayout``) and its ``uint8`` memory. sock: this worker's end
-            of its control socket. start: the first step (a resume). rules: K, M, rank, ID dropout, seed.
+            of its control socket. start: the first step (a resume). rules: K, M, rank, ID dropout, seed, fresh
+            lookups.
         notify: called after ``frontier[index]`` advanced (the network transport relays it).
     """
 
@@ -177,11 +179,17 @@ class EmbeddingWorker:
         self.dropout = {k: v for k, v in rules.dropout.items() if v > 0}
         self.seed = rules.seed
         self.fresh = rules.fresh_lookups and self.K > 1
-        # the NN worker's pace, for fresh lookups: when the last gradient came, the mean seconds between two of
-        # this worker's gradients, and of its lookups and pooling (exponential moving averages; None: not yet)
+        # the NN worker's pace, for fresh lookups (exponential moving averages; None: not measured yet): when the
+        # last gradient came and the seconds between two of this worker's gradients; the seconds of a lookup and
+        # its pooling (not the first, which loads the kernels) and their mean deviation; the seconds from a push
+        # to its being applied
         self.last_grad: float | None = None
         self.grad_interval: float | None = None
         self.lookup_s: float | None = None
+        self.lookup_dev = 0.0
+        self.lookups = 0
+        self.push_latency: float | None = None
+        self.pushed_at: dict[int, float] = {}
         self.frontier = layout.frontier(buf)
         self.phase = layout.phase_seconds(buf)[index]  # seconds per ``ready_ring.PHASES``, read by the NN worker
         self.push_s = 0.0  # seconds in ``_push`` so far (it also runs within the waits)
@@ -216,6 +224,7 @@ class EmbeddingWorker:
         total = self.source.total_steps
         self._publish()
         read, dedup, wait_slot, wait_bound, lookup_pool = range(5)  # the first five of rr.PHASES
+        wait_fresh = rr.PHASES.index("wait_fresh")
         ph = self.phase
         for step in range(self.next_own, total, self.E):
             t0 = time.perf_counter()
@@ -233,9 +242,13 @@ class EmbeddingWorker:
             t3 = time.perf_counter()
             ph[wait_slot] += t3 - t2 - (self.push_s - pushed)
             pushed = self.push_s
-            staleness = self._wait_bound(step)
+            self._wait_bound(step)
+            t35 = time.perf_counter()
+            ph[wait_bound] += t35 - t3 - (self.push_s - pushed)
+            pushed = self.push_s
+            staleness = self._wait_fresh(step)
             t4 = time.perf_counter()
-            ph[wait_bound] += t4 - t3 - (self.push_s - pushed)
+            ph[wait_fresh] += t4 - t35 - (self.push_s - pushed)
             slot = self.free.pop()
             emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
             b = batch.size
@@ -259,36 +272,56 @@ class EmbeddingWorker:
             ph[dedup] += t2 - t1
             t5 = time.perf_counter()
             ph[lookup_pool] += t5 - t4
-            self.lookup_s = t5 - t4 if self.lookup_s is None else 0.8 * self.lookup_s + 0.2 * (t5 - t4)
+            self._lookup_took(t5 - t4)
         while True:  # every own step handed over: gradients of those the NN worker trains, until STOP
             self._raise_error()
             self._serve(0.5)
 
-    def _wait_bound(self, step: int) -> int:
-        """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile;
-        with fresh lookups, then also until every push of steps <= step-2 is, for as long as the NN worker's pace
-        leaves time (``_fresh_deadline``). Returns the staleness of the lookup: earlier steps whose pushes are not
-        all applied yet (<= K)."""
-        while True:
-            self._raise_error()
-            low = int(self.frontier.min())
-            if low >= step - self.K:
-                break
-            self._serve(0.0002)
-        while self.fresh and low < step - 1 and time.perf_counter() < self._fresh_deadline():
+    def _wait_bound(self, step: int) -> None:
+        """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile."""
+        while int(self.frontier.min()) < step - self.K:
             self._raise_error()
             self._serve(0.0002)
-            low = int(self.frontier.min())
+
+    def _wait_fresh(self, step: int) -> int:
+        """With fresh lookups, block until every push of steps <= step-2 (of all E workers) is applied, serving
+        gradients meanwhile, while the lookup can still be handed over before the NN worker needs it
+        (``_fresh_deadline``); not at all when the pushes take longer than that leaves. Returns the staleness of the
+        lookup: earlier steps whose pushes are not all applied yet (<= K)."""
+        low = int(self.frontier.min())
+        if self.fresh and low < step - 1 and self.push_latency is not None:
+            deadline = self._fresh_deadline()
+            if time.perf_counter() + self.push_latency < deadline:
+                while low < step - 1:
+                    self._raise_error()
+                    left = self._fresh_deadline() - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._serve(min(0.001, left))
+                    low = int(self.frontier.min())
         return max(0, step - low)
 
     def _fresh_deadline(self) -> float:
         """The latest ``perf_counter`` time at which a lookup may start and still be handed over before the NN
-        worker needs it: when the NN worker should be done with every step handed over and not given back (one
-        mean gradient interval each, from the last gradient), less twice the mean lookup and pooling time.
-        ``-inf`` until both means are known."""
+        worker needs it: this worker's next step is the NN worker's next but one after the steps it holds of this
+        worker (``pending``) and the E-1 of the others before it, each an E-th of this worker's mean interval
+        between gradients, counted from the last gradient; less twice the mean lookup and pooling time, four
+        times its mean deviation and 1 ms. ``-inf`` until those means are known."""
         if self.last_grad is None or self.grad_interval is None or self.lookup_s is None:
             return float("-inf")
-        return self.last_grad + len(self.pending) * self.grad_interval - 2.0 * self.lookup_s
+        need = self.last_grad + (len(self.pending) + 1 - 1 / self.E) * self.grad_interval
+        return need - 2.0 * self.lookup_s - 4.0 * self.lookup_dev - 0.001
+
+    def _lookup_took(self, seconds: float) -> None:
+        """Fold one lookup and pooling's ``seconds`` into their mean and mean deviation (the first is left out)."""
+        self.lookups += 1
+        if self.lookups == 1:
+            return
+        if self.lookup_s is None:
+            self.lookup_s = seconds
+            return
+        self.lookup_dev = 0.8 * self.lookup_dev + 0.2 * abs(seconds - self.lookup_s)
+        self.lookup_s = 0.8 * self.lookup_s + 0.2 * seconds
 
     def _serve(self, timeout_s: float | None) -> None:
         msg = rr.recv(self.sock, timeout_s)
@@ -302,7 +335,10 @@ class EmbeddingWorker:
         now = time.perf_counter()
         if self.last_grad is not None:
             d = now - self.last_grad
-            self.grad_interval = d if self.grad_interval is None else 0.8 * self.grad_interval + 0.2 * d
+            if self.grad_interval is None:
+                self.grad_interval = d
+            else:  # a pause (an epoch's validation, a checkpoint) counts as at most two intervals
+                self.grad_interval = 0.8 * self.grad_interval + 0.2 * min(d, 2.0 * self.grad_interval)
         self.last_grad = now
         self._push(slot, step, bool(msg[3]))
 
@@ -353,6 +389,8 @@ class EmbeddingWorker:
         self.phase[rr.PHASES.index("grads")] += t1 - t0
         self.phase[rr.PHASES.index("push")] += t2 - t1
         self.push_s += t2 - t0
+        if self.fresh:
+            self.pushed_at[step] = t2
         out: Future = Future()
         out.add_done_callback(lambda f: self._applied(step, f))
         complete_when_all(futs, out)
@@ -364,6 +402,10 @@ class EmbeddingWorker:
                 self.error = self.error or exc
                 return
             self.done.add(step)
+            t = self.pushed_at.pop(step, None)
+            if t is not None:
+                d = time.perf_counter() - t
+                self.push_latency = d if self.push_latency is None else 0.8 * self.push_latency + 0.2 * d
             while self.next_own in self.done:
                 self.done.discard(self.next_own)
                 self.next_own += self.E

@@ -37,9 +37,10 @@ from persia_core.ps import shm
 
 MSG = struct.Struct("<iiqqq")
 READY, GRAD, ERROR, STOP, STARTED = 1, 2, 3, 4, 5
-PHASES = ("read", "dedup", "wait_slot", "wait_bound", "lookup_pool", "grads", "push")
+PHASES = ("read", "dedup", "wait_slot", "wait_bound", "lookup_pool", "grads", "push", "wait_fresh")
 """An embedding worker's phases: gathering the batch's rows, ID dropout and dedup, waiting for a free ready slot,
-waiting for the staleness bound, lookups and pooling, per-ID gradients, issuing the pushes."""
+waiting for the staleness bound, lookups and pooling, per-ID gradients, issuing the pushes, and waiting for
+fresher rows within the bound (``trainer.fresh_lookups``)."""
 NEVER = 1 << 62
 """``frontier`` value of an embedding worker with no own step left to apply."""
 SHM_SETTING = (

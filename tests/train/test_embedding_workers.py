@@ -28,16 +28,18 @@ from persia_core.train.processes import descendants
 from persia_core.train.schedule import make_schedule
 
 
-def _stop_once_applied(ring, buf, nn: socket.socket, thread: threading.Thread) -> None:
-    """Wait (30 s at most) until every push of the embedding worker on ``ring`` is applied, then stop it (``STOP``
-    over ``nn``) and check that its ``thread`` ended."""
+def _stop_once_applied(ring, buf, nn: list[socket.socket], threads: list[threading.Thread]) -> None:
+    """Wait (30 s at most) until every push of the embedding workers on ``ring`` is applied, then stop them
+    (``STOP`` over each of ``nn``) and check that their ``threads`` ended."""
     deadline = time.monotonic() + 30
-    while ring.frontier(buf)[0] != rr.NEVER and time.monotonic() < deadline:
+    while (ring.frontier(buf) != rr.NEVER).any() and time.monotonic() < deadline:
         time.sleep(0.001)
-    rr.send(nn, rr.STOP)
-    thread.join(30)
-    assert not thread.is_alive()
-    assert ring.frontier(buf)[0] == rr.NEVER  # every push applied
+    for sock in nn:
+        rr.send(sock, rr.STOP)
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    assert (ring.frontier(buf) == rr.NEVER).all()  # every push applied
 
 
 def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
@@ -89,7 +91,7 @@ def _calls_of_a_run(tmp_path, batch: int, steps: int) -> int:
         emb = ring.slot(seg.buf, 0, slot)[0]
         emb[:rows] = 0.5  # d loss / d emb
         rr.send(nn, rr.GRAD, slot, step)
-    _stop_once_applied(ring, seg.buf, nn, t)
+    _stop_once_applied(ring, seg.buf, [nn], [t])
     nn.close()
     ew_end.close()
     seg.close()
@@ -231,23 +233,26 @@ def test_a_schedule_of_one_rank_holds_that_ranks_batches_and_every_steps_global_
     assert sorted(np.concatenate(full.rows[2][:7]).tolist()) == list(range(50))
 
 
-def _staleness_of_a_run(tmp_path, fresh: bool, step_s: float, push_s: float, steps: int = 12) -> list[int]:
-    """The staleness of each lookup of an embedding worker (K = 4, one ready slot beyond the one in training)
-    whose pushes are applied ``push_s`` after they are made, driven by this test as an NN worker whose steps take
-    ``step_s``."""
+def _staleness_of_a_run(
+    tmp_path, fresh: bool, step_s: float, push_s: float, workers: int = 1, steps: int = 12
+) -> tuple[list[int], float]:
+    """The staleness of each lookup of ``workers`` embedding workers (K = 4, one ready slot each beyond the one in
+    training) whose pushes are applied ``push_s`` after they are made, driven by this test as an NN worker whose
+    steps take ``step_s``, and the seconds that NN worker waited for a ready batch after the first 4 steps."""
     from concurrent.futures import Future
 
     batch = 32
     cfg = tiny_config(num_workers=1, embedding_staleness=4, epochs=1, batch_size=batch)
-    data = write_dataset(str(tmp_path / f"data-{fresh}-{step_s}"), rows=batch * steps, shards=1)
+    data = write_dataset(str(tmp_path / f"data-{fresh}-{step_s}-{workers}"), rows=batch * steps, shards=1)
     layouts = table_layouts(cfg)
     examples = ParquetExamples(shard_files(data, "train"), model_slot_order(cfg))
     sched = make_schedule([len(examples)], batch, 1, 0, True)
     ring = rr.RingLayout(
-        1, 2, batch, sum(len(t.slots) for t in layouts), layouts[0].dim, len(read_schema(data)["dense"])
+        workers, 2, batch, sum(len(t.slots) for t in layouts), layouts[0].dim, len(read_schema(data)["dense"])
     )
     seg = rr.Segment(ring, shared=False)
-    nn, ew_end = socket.socketpair()
+    pairs = [socket.socketpair() for _ in range(workers)]
+    nn = [p[0] for p in pairs]
 
     class SlowPushes(LocalEmbedding):
         def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
@@ -261,45 +266,50 @@ def _staleness_of_a_run(tmp_path, fresh: bool, step_s: float, push_s: float, ste
             threading.Thread(target=later, daemon=True).start()
             return fut
 
+    backend = SlowPushes(cfg.embedding, 1)
     rules = StepRules(staleness=4, num_workers=1, rank=0, fresh_lookups=fresh)
-    ew = EmbeddingWorker(
-        SlowPushes(cfg.embedding, 1),
-        layouts,
-        BatchSource(examples, sched.rows[0], sched.global_batch),
-        ring,
-        seg.buf,
-        ew_end,
-        0,
-        0,
-        rules,
-    )
-    t = threading.Thread(target=ew.run)
-    t.start()
-    staleness = []
+    source = BatchSource(examples, sched.rows[0], sched.global_batch)
+    threads = [
+        threading.Thread(target=EmbeddingWorker(backend, layouts, source, ring, seg.buf, pairs[e][1], e, 0, rules).run)
+        for e in range(workers)
+    ]
+    for t in threads:
+        t.start()
+    staleness, waited = [], 0.0
     try:
-        assert rr.recv(nn, 30)[0] == rr.STARTED
+        for sock in nn:
+            assert rr.recv(sock, 30)[0] == rr.STARTED
         for step in range(steps):
-            kind, slot, got, rows, stal, text = rr.recv(nn, 30)
+            e = step % workers
+            t0 = time.monotonic()
+            kind, slot, got, rows, stal, text = rr.recv(nn[e], 30)
+            waited += (time.monotonic() - t0) * (step >= 4)
             assert (kind, got) == (rr.READY, step), text
             staleness.append(stal)
             time.sleep(step_s)  # the dense step
-            ring.slot(seg.buf, 0, slot)[0][:rows] = 0.01
-            rr.send(nn, rr.GRAD, slot, step)
-        _stop_once_applied(ring, seg.buf, nn, t)
+            ring.slot(seg.buf, e, slot)[0][:rows] = 0.01
+            rr.send(nn[e], rr.GRAD, slot, step)
+        _stop_once_applied(ring, seg.buf, nn, threads)
     finally:
-        nn.close()
-        ew_end.close()
+        for a, b in pairs:
+            a.close()
+            b.close()
         seg.close()
-    return staleness
+    return staleness, waited
 
 
 def test_fresh_lookups_wait_for_the_last_push_only_while_the_nn_worker_leaves_time_for_it(tmp_path):
     # NN steps of 150 ms, pushes applied in 30 ms: a lookup can wait for the push of the step before the one in
     # training and still be ready in time; without fresh lookups it goes as soon as a ready slot is free
-    fresh = _staleness_of_a_run(tmp_path, True, 0.15, 0.03)
-    eager = _staleness_of_a_run(tmp_path, False, 0.15, 0.03)
+    fresh, waited = _staleness_of_a_run(tmp_path, True, 0.15, 0.03)
+    eager, _ = _staleness_of_a_run(tmp_path, False, 0.15, 0.03)
     assert fresh[4:] == [1] * 8, fresh
     assert eager[4:] == [2] * 8, eager
+    assert waited < 0.1, waited  # the NN worker found its batch ready (8 steps of 150 ms)
+    # two embedding workers, each a step in two: the same
+    fresh2, waited2 = _staleness_of_a_run(tmp_path, True, 0.15, 0.03, workers=2, steps=16)
+    assert fresh2[6:] == [1] * 10, fresh2
+    assert waited2 < 0.1, waited2
     # NN steps of 5 ms against pushes of 60 ms: waiting would starve the NN worker, so lookups go within K
-    fast = _staleness_of_a_run(tmp_path, True, 0.005, 0.06)
+    fast, _ = _staleness_of_a_run(tmp_path, True, 0.005, 0.06)
     assert max(fast) <= 4 and sum(s >= 2 for s in fast[4:]) >= 6, fast
