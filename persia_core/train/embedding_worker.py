@@ -303,10 +303,11 @@ class EmbeddingWorker:
 
     def _fresh_deadline(self) -> float:
         """The latest ``perf_counter`` time at which a lookup may start and still be handed over before the NN
-        worker needs it: this worker's next step is the NN worker's next but one after the steps it holds of this
-        worker (``pending``) and the E-1 of the others before it, each an E-th of this worker's mean interval
-        between gradients, counted from the last gradient; less twice the mean lookup and pooling time, four
-        times its mean deviation and 1 ms. ``-inf`` until those means are known."""
+        worker needs it. The NN worker needs this worker's next step once it has trained the steps it holds of
+        this worker (``pending``) and the E-1 steps of the others before that one, each an E-th of this worker's
+        mean interval between gradients: (pending + 1 - 1/E) intervals after the last gradient. Less twice the
+        mean lookup and pooling time, four times its mean deviation and 1 ms. ``-inf`` until those means are
+        known."""
         if self.last_grad is None or self.grad_interval is None or self.lookup_s is None:
             return float("-inf")
         need = self.last_grad + (len(self.pending) + 1 - 1 / self.E) * self.grad_interval

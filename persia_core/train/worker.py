@@ -615,7 +615,7 @@ def train_validation_slice(
 
 def utilization(nn_phases: dict[str, float], ew_phases: list[dict[str, float]], wall_s: float) -> dict[str, float]:
     """``{"nn_worker": busy share, "embedding_workers": mean busy share}`` of ``wall_s`` seconds: the NN worker's
-    phases but its waits, the embedding workers' phases but theirs (``wait_slot``, ``wait_bound``)."""
+    phases but its waits, the embedding workers' phases but theirs (``wait_slot``, ``wait_bound``, ``wait_fresh``)."""
     wall = max(wall_s, 1e-9)
     nn = sum(v for k, v in nn_phases.items() if "wait" not in k)
     ew = [sum(v for k, v in e.items() if not k.startswith("wait")) for e in ew_phases]
