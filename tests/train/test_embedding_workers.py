@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from support import tiny_config, write_dataset
+from support import SlowPushes, tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.layout import model_slot_order, table_layouts
@@ -239,8 +239,6 @@ def _staleness_of_a_run(
     """The staleness of each lookup of ``workers`` embedding workers (K = 4, one ready slot each beyond the one in
     training) whose pushes are applied ``push_s`` after they are made, driven by this test as an NN worker whose
     steps take ``step_s``, and the seconds that NN worker waited for a ready batch after the first 4 steps."""
-    from concurrent.futures import Future
-
     batch = 32
     cfg = tiny_config(num_workers=1, embedding_staleness=4, epochs=1, batch_size=batch)
     data = write_dataset(str(tmp_path / f"data-{fresh}-{step_s}-{workers}"), rows=batch * steps, shards=1)
@@ -254,19 +252,7 @@ def _staleness_of_a_run(
     pairs = [socket.socketpair() for _ in range(workers)]
     nn = [p[0] for p in pairs]
 
-    class SlowPushes(LocalEmbedding):
-        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
-            fut: Future = Future()
-
-            def later():
-                time.sleep(push_s)
-                super(SlowPushes, self).push(table, ids, grads, bounds=bounds)
-                fut.set_result(0)
-
-            threading.Thread(target=later, daemon=True).start()
-            return fut
-
-    backend = SlowPushes(cfg.embedding, 1)
+    backend = SlowPushes(cfg.embedding, 1, push_s)
     rules = StepRules(staleness=4, num_workers=1, rank=0, fresh_lookups=fresh)
     source = BatchSource(examples, sched.rows[0], sched.global_batch)
     threads = [

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import tiny_config, write_dataset
+from support import SlowPushes, tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
@@ -432,35 +432,11 @@ def test_a_half_ring_sends_a_gradient_that_overflows_fp16_as_fp32_never_as_inf(t
 def test_staleness_bound_holds_under_a_slow_server(tmp_path, embedding_workers):
     """Lookups never run more than K batches ahead of the oldest unapplied push, even when pushes are slow, and
     however many embedding workers share the bound."""
-    import threading
-    import time
-    from concurrent.futures import Future
-
     data = write_dataset(str(tmp_path / "data"), rows=160, shards=1)
     cfg = tiny_config(num_workers=1, embedding_staleness=2, epochs=1, embedding_workers=embedding_workers)
 
-    class SlowPushes(LocalEmbedding):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.lookups, self.applied = [], []
-
-        def lookup(self, table, ids, bounds=None):
-            self.lookups.append(time.monotonic())
-            return super().lookup(table, ids, bounds)
-
-        def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
-            fut: Future = Future()
-
-            def later():
-                time.sleep(0.5)  # longer than the start-up work after the pipeline starts (gc.collect)
-                super(SlowPushes, self).push(table, ids, grads, bounds=bounds)
-                self.applied.append(step)
-                fut.set_result(0)
-
-            threading.Thread(target=later, daemon=True).start()
-            return fut
-
-    backend = SlowPushes(cfg.embedding, 1)
+    # pushes applied 0.5 s late: longer than the start-up work after the pipeline starts (gc.collect)
+    backend = SlowPushes(cfg.embedding, 1, 0.5)
     hist = run_worker(cfg, data, str(tmp_path / "out"), backend, rank=0, world=1)
     assert max(hist["staleness"]) <= 2
     assert hist["max_staleness"] == 2  # the slow server makes the worker use its whole budget
