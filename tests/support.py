@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
-from concurrent.futures import Future
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +12,6 @@ import pyarrow.parquet as pq
 
 from persia_core.config import RunConfig
 from persia_core.data import schema as S
-from persia_core.embedding.reference import LocalEmbedding
 from persia_core.hashing import feature_ids
 
 
@@ -127,25 +123,3 @@ def free_port_run(k: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no run of free ports")
-
-
-class SlowPushes(LocalEmbedding):
-    """An in-process table whose pushes are applied ``delay_s`` seconds after they are made (each in a thread of
-    its own), as by a slow parameter server; ``applied``: the steps of the pushes applied, in that order."""
-
-    def __init__(self, config, num_shards: int, delay_s: float, **kwargs):
-        super().__init__(config, num_shards, **kwargs)
-        self.delay_s = delay_s
-        self.applied: list[int] = []
-
-    def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None):
-        fut: Future = Future()
-
-        def later():
-            time.sleep(self.delay_s)
-            LocalEmbedding.push(self, table, ids, grads, bounds=bounds)
-            self.applied.append(step)
-            fut.set_result(0)
-
-        threading.Thread(target=later, daemon=True).start()
-        return fut

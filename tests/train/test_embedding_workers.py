@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from support import SlowPushes, tiny_config, write_dataset
+from slow_server import SlowPushes
+from support import tiny_config, write_dataset
 
 from persia_core.data.reader import ParquetExamples, read_schema, shard_files
 from persia_core.embedding.layout import model_slot_order, table_layouts

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import SlowPushes, tiny_config, write_dataset
+from slow_server import SlowPushes
+from support import tiny_config, write_dataset
 
 from persia_core.config import RunConfig
 from persia_core.data.reader import ParquetExamples, shard_files
