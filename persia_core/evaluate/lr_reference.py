@@ -8,10 +8,14 @@ XXH3 for MurmurHash3 and no sign flip; crosses are slots of their own as the con
 ID's count in the row, then the dense features standardized by the train split's mean and std. scikit-learn's
 ``LogisticRegression`` (L2, lbfgs) for each C of ``C_GRID``, fitted on the train split less its validation slice
 (the last ``VALIDATION_FRACTION`` of its rows by timestamp), C chosen by the slice's logloss, then fitted again
-with that C on the whole train split. Beyond ``MAX_ROWS`` training rows, a uniform sample of them (seeded).
+with that C on the whole train split. Beyond ``MAX_ROWS`` training rows, a uniform sample of them (seeded). The
+grid's fits run in parallel processes (scikit-learn's joblib, one per CPU this process may use) where the train
+split has ``PARALLEL_MIN_NNZ`` nonzeros or more; each fit is the one it would be alone.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -20,6 +24,7 @@ C_GRID = (0.01, 0.1, 1.0, 10.0)
 MAX_ROWS = 1_000_000
 VALIDATION_FRACTION = 0.1
 MAX_ITER = 300
+PARALLEL_MIN_NNZ = 1_000_000
 
 
 def design_matrix(examples, rows: np.ndarray, dense_mean, dense_std, bits: int = HASH_BITS):
@@ -44,6 +49,16 @@ def _fit(x, y, c: float):
     from sklearn.linear_model import LogisticRegression
 
     return LogisticRegression(C=c, max_iter=MAX_ITER).fit(x, y)
+
+
+def _fit_grid(x, y) -> list:
+    """One fit per C of ``C_GRID`` (in its order), in parallel processes for a large ``x``."""
+    jobs = min(len(C_GRID), len(os.sched_getaffinity(0))) if x.nnz >= PARALLEL_MIN_NNZ else 1
+    if jobs == 1:
+        return [_fit(x, y, c) for c in C_GRID]
+    from sklearn.utils.parallel import Parallel, delayed
+
+    return Parallel(n_jobs=jobs)(delayed(_fit)(x, y, c) for c in C_GRID)
 
 
 def lr_reference(train, eval_, dense_mean, dense_std, seed: int = 0, max_rows: int = MAX_ROWS) -> dict | None:
@@ -75,8 +90,10 @@ def lr_reference(train, eval_, dense_mean, dense_std, seed: int = 0, max_rows: i
     at = np.empty(total, dtype=np.int64)
     at[rows] = np.arange(len(rows))
     x_fit, x_val = x_all[at[fit_rows]], x_all[at[val_rows]]
+    fits = _fit_grid(x_fit, y_fit)
     val_ll = {
-        c: float(log_loss(y_val, _fit(x_fit, y_fit, c).predict_proba(x_val)[:, 1], labels=[0, 1])) for c in C_GRID
+        c: float(log_loss(y_val, m.predict_proba(x_val)[:, 1], labels=[0, 1]))
+        for c, m in zip(C_GRID, fits, strict=True)
     }
     best = min(C_GRID, key=lambda c: (val_ll[c], c))
     model = _fit(x_all, train.labels[rows], best)

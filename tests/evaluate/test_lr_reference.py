@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from support import write_dataset
 
+import persia_core.evaluate.lr_reference as lr_module
 from persia_core.data.reader import ParquetExamples, shard_files
 from persia_core.evaluate.decision import check_thresholds, decide
 from persia_core.evaluate.gate import evaluate_gate, gate
@@ -42,7 +43,8 @@ def _independent(files: list[str], slots: list[str], mean, std):
     return sparse.hstack([onehot, sparse.csr_matrix(np.array(dense_rows))], format="csr"), np.array(labels), ts
 
 
-def test_the_lr_reference_equals_an_independent_scikit_learn_fit_on_the_same_rows(tmp_path):
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_the_lr_reference_equals_an_independent_scikit_learn_fit_on_the_same_rows(tmp_path, monkeypatch, parallel):
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import log_loss, roc_auc_score
 
@@ -50,6 +52,8 @@ def test_the_lr_reference_equals_an_independent_scikit_learn_fit_on_the_same_row
     slots, mean, std = ["a", "b", "tags"], [0.1], [2.0]
     train = ParquetExamples(shard_files(data, "train"), slots)
     evals = ParquetExamples(shard_files(data, "eval"), slots)
+    # the C grid's fits in worker processes (as for a large train split) or in this one
+    monkeypatch.setattr(lr_module, "PARALLEL_MIN_NNZ", 0 if parallel else 10**12)
     got = lr_reference(train, evals, mean, std)
 
     x, y, ts = _independent(shard_files(data, "train"), slots, mean, std)
