@@ -7,12 +7,14 @@ Datasets and sizes (issue "Model quality"):
 - ``criteo_synth``: the synthetic Criteo-shaped set (``persia_core.bench.criteo_synth``, generator unchanged)
   with 10,000, 100,000 and 1,000,000 train rows and 1,000,000 eval rows; its ``planted_auc`` is the ceiling.
 
-Models per dataset: the dataset's shipped default config (``default: true``) and other shipped models on the
-same slots and trainer: DCNv2 and DeepFM on both, and on ``criteo_synth`` also ``criteo_before``, the ``criteo``
-config as shipped before the issue (DLRM, no wide table, one epoch). Every model but ``criteo_before`` trains
-with ``epochs: auto``. Each is trained (``init_shards`` + ``train``, as the pipeline does) and evaluated
-(``persia_core.evaluate.run.evaluate``) once per seed; the LR reference is fitted by the evaluate step once per
-dataset and size (it does not depend on the seed) and kept beside the dataset in ``--work`` for later runs.
+Models per dataset: the dataset's shipped default config (``default: true``, ``criteo`` or ``movielens``), and on
+``criteo_synth`` the shipped ``dcnv2`` config and ``criteo_before``, the ``criteo`` config as shipped before the
+issue (DLRM, no wide table, one epoch). ``--models all`` adds the other models on a default config's slots and
+trainer (``EXTRA_MODELS``: DCNv2 and DeepFM on MovieLens, DeepFM on ``criteo_synth``), which take ten minutes
+more here. Every model but ``criteo_before`` trains with ``epochs: auto``. Each is trained (``init_shards`` +
+``train``, as the pipeline does) and evaluated (``persia_core.evaluate.run.evaluate``) once per seed; the LR
+reference is fitted by the evaluate step once per dataset and size (it does not depend on the seed) and kept beside
+the dataset in ``--work`` for later runs.
 
 Prints progress lines, then one JSON line per dataset x size x model with ``dataset``, ``size`` (ratings or
 train rows), ``train_rows``, ``model``, ``default``, ``seeds``, ``auc``, ``auc_std``, ``logloss``,
@@ -38,6 +40,7 @@ from persia_core.bench.compare import loadavg, log
 
 MOVIELENS_SIZES = "10000,30000,all"
 CRITEO_SIZES = "10000,100000,1000000"
+EXTRA_MODELS = frozenset({"movielens_dcnv2", "movielens_deepfm", "criteo_deepfm"})
 
 
 def model_configs(dataset: str) -> dict[str, tuple[Any, bool]]:
@@ -66,6 +69,16 @@ def model_configs(dataset: str) -> dict[str, tuple[Any, bool]]:
         "criteo_deepfm": (base.with_overrides({"model.kind": "deepfm"}), False),
         "criteo_before": (RunConfig.from_dict(before), False),
     }
+
+
+def chosen_models(dataset: str, models: str) -> dict[str, tuple[Any, bool]]:
+    """``model_configs(dataset)`` as ``--models`` picks them: ``models`` comma-separated names, ``all``, or empty
+    for all but ``EXTRA_MODELS``."""
+    names = {m for m in models.split(",") if m}
+    every = model_configs(dataset)
+    if "all" in names:
+        return every
+    return {k: v for k, v in every.items() if (k in names if names else k not in EXTRA_MODELS)}
 
 
 def movielens_subset(src: str, out: str, ratings: int | None) -> str:
@@ -131,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--datasets", default="movielens,criteo_synth", help="comma-separated: movielens, criteo_synth")
     p.add_argument("--movielens-sizes", default=MOVIELENS_SIZES, help="ratings, first by time (all: every one)")
     p.add_argument("--criteo-sizes", default=CRITEO_SIZES, help="train rows of the synthetic set")
-    p.add_argument("--models", default="", help="comma-separated model names to run (default: all)")
+    p.add_argument(
+        "--models", default="", help="comma-separated model names to run, or all (default: all but EXTRA_MODELS)"
+    )
     p.add_argument("--seeds", type=int, default=int(os.environ.get("BENCH_SEEDS", 3)))
     p.add_argument("--eval-rows", type=int, default=1_000_000, help="eval rows of the synthetic set")
     p.add_argument("--movielens-data", default="data/movielens")
@@ -141,12 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
     work = args.work or tempfile.mkdtemp(prefix="bench-quality-")
-    only = {m for m in args.models.split(",") if m}
     t_all = time.time()
     for dataset in [d for d in args.datasets.split(",") if d]:
         if dataset not in ("movielens", "criteo_synth"):
             p.error(f"--datasets: unknown dataset {dataset!r} (movielens, criteo_synth)")
-        models = {k: v for k, v in model_configs(dataset).items() if not only or k in only}
+        models = chosen_models(dataset, args.models)
         sizes = args.movielens_sizes if dataset == "movielens" else args.criteo_sizes
         for size in [s for s in sizes.split(",") if s]:
             data, train_rows, planted = prepare(dataset, size, work, args.movielens_data, args.eval_rows)

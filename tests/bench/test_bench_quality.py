@@ -28,6 +28,15 @@ def test_movielens_subset_keeps_the_first_ratings_by_timestamp_and_the_other_fil
     assert (tmp_path / "out" / "movies.csv").read_text() == (src / "movies.csv").read_text()
 
 
+def test_bench_quality_runs_the_shipped_configs_unless_told_all_or_names():
+    assert list(quality.chosen_models("criteo_synth", "")) == ["criteo", "dcnv2", "criteo_before"]
+    assert list(quality.chosen_models("movielens", "")) == ["movielens"]
+    assert set(quality.chosen_models("criteo_synth", "all")) == {"criteo", "dcnv2", "criteo_before", "criteo_deepfm"}
+    assert set(quality.chosen_models("movielens", "all")) == {"movielens", "movielens_dcnv2", "movielens_deepfm"}
+    assert list(quality.chosen_models("criteo_synth", "criteo_deepfm,movielens")) == ["criteo_deepfm"]
+    assert quality.EXTRA_MODELS <= set(quality.model_configs("criteo_synth")) | set(quality.model_configs("movielens"))
+
+
 @pytest.mark.processes
 def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_reference(tmp_path, capsys):
     out = tmp_path / "lines.jsonl"
