@@ -10,11 +10,11 @@ Datasets and sizes (issue "Model quality"):
 Models per dataset: the dataset's shipped default config (``default: true``, ``criteo`` or ``movielens``), and on
 ``criteo_synth`` the shipped ``dcnv2`` config and ``criteo_before``, the ``criteo`` config as shipped before the
 issue (DLRM, no wide table, one epoch). ``--models all`` adds the other models on a default config's slots and
-trainer (``EXTRA_MODELS``: DCNv2 and DeepFM on MovieLens, DeepFM on ``criteo_synth``), which take ten minutes
-more here. Every model but ``criteo_before`` trains with ``epochs: auto``. Each is trained (``init_shards`` +
-``train``, as the pipeline does) and evaluated (``persia_core.evaluate.run.evaluate``) once per seed; the LR
-reference is fitted by the evaluate step once per dataset and size (it does not depend on the seed) and kept beside
-the dataset in ``--work`` for later runs.
+trainer (``EXTRA_MODELS``: DCNv2 and DeepFM on MovieLens, DeepFM on ``criteo_synth``). Every model but
+``criteo_before`` trains with ``epochs: auto``. Each is trained (``init_shards`` + ``train``, as the pipeline does)
+and evaluated (``persia_core.evaluate.run.evaluate``) once per seed; the LR reference is fitted by the evaluate
+step once per dataset and size (it does not depend on the seed) and kept beside the dataset in ``--work`` for
+later runs.
 
 Prints progress lines, then one JSON line per dataset x size x model with ``dataset``, ``size`` (ratings or
 train rows), ``train_rows``, ``model``, ``default``, ``seeds``, ``auc``, ``auc_std``, ``logloss``,

@@ -53,7 +53,8 @@ def _fit(x, y, c: float):
 
 def _fit_grid(x, y) -> list:
     """One fit per C of ``C_GRID`` (in its order), in parallel processes for a large ``x``."""
-    jobs = min(len(C_GRID), len(os.sched_getaffinity(0))) if x.nnz >= PARALLEL_MIN_NNZ else 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS
+    jobs = min(len(C_GRID), cpus) if x.nnz >= PARALLEL_MIN_NNZ else 1
     if jobs == 1:
         return [_fit(x, y, c) for c in C_GRID]
     from sklearn.utils.parallel import Parallel, delayed
