@@ -15,9 +15,9 @@ split has ``PARALLEL_MIN_NNZ`` nonzeros or more; each fit is the one it would be
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from persia_core.host import usable_cpus
 
 HASH_BITS = 20
 C_GRID = (0.01, 0.1, 1.0, 10.0)
@@ -53,8 +53,7 @@ def _fit(x, y, c: float):
 
 def _fit_grid(x, y) -> list:
     """One fit per C of ``C_GRID`` (in its order), in parallel processes for a large ``x``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # macOS
-    jobs = min(len(C_GRID), cpus) if x.nnz >= PARALLEL_MIN_NNZ else 1
+    jobs = min(len(C_GRID), usable_cpus()) if x.nnz >= PARALLEL_MIN_NNZ else 1
     if jobs == 1:
         return [_fit(x, y, c) for c in C_GRID]
     from sklearn.utils.parallel import Parallel, delayed

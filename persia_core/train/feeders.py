@@ -31,6 +31,7 @@ import numpy as np
 from persia_core.data.reader import ParquetExamples
 from persia_core.embedding.backend import EmbeddingBackend
 from persia_core.embedding.layout import TableLayout
+from persia_core.host import usable_cpus
 from persia_core.ps import shm
 from persia_core.ps.protocol import TOKEN_ENV
 from persia_core.train import processes
@@ -67,10 +68,7 @@ def remove_examples_of(pids) -> int:
 def auto_embedding_workers(nn_workers_on_host: int) -> int:
     """``trainer.embedding_workers: 0`` -> embedding workers per NN worker: the host's cores (this process's CPU
     affinity) less one per NN worker, shared among the NN workers of the host; at least 1, at most 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 2
+    cores = usable_cpus()
     n = max(1, nn_workers_on_host)
     return max(1, min(8, (cores - n) // n))
 

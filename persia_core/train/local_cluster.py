@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from persia_core import io
+from persia_core.host import usable_cpus
 from persia_core.logging_utils import MILESTONE_PATTERN, PROGRESS_PATTERN
 from persia_core.model_store import shard_file_name
 from persia_core.ps.protocol import EXIT_BAD_INIT, TOKEN_ENV
@@ -54,8 +55,7 @@ class InitRefused(TrainingFailed):
 def max_local_processes() -> int:
     """The most parameter servers + NN workers one local job starts: 16 per CPU this process may run on, at least
     64 (a guard against a typo such as ``num_shards=100000`` starting one process per shard on a laptop)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(64, 16 * cpus)
+    return max(64, 16 * usable_cpus())
 
 
 def check_local_process_count(num_shards: int, num_workers: int) -> None:
