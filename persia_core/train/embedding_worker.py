@@ -239,16 +239,11 @@ class EmbeddingWorker:
             t2, pushed = time.perf_counter(), self.push_s
             while not self.free:
                 self._serve(None)
-            t3 = time.perf_counter()
-            ph[wait_slot] += t3 - t2 - (self.push_s - pushed)
-            pushed = self.push_s
+            t3, pushed = self._charge_wait(wait_slot, t2, pushed)
             self._wait_bound(step)
-            t35 = time.perf_counter()
-            ph[wait_bound] += t35 - t3 - (self.push_s - pushed)
-            pushed = self.push_s
+            t35, pushed = self._charge_wait(wait_bound, t3, pushed)
             staleness = self._wait_fresh(step)
-            t4 = time.perf_counter()
-            ph[wait_fresh] += t4 - t35 - (self.push_s - pushed)
+            t4, _ = self._charge_wait(wait_fresh, t35, pushed)
             slot = self.free.pop()
             emb, dense, labels = self.layout.slot(self.buf, self.index, slot)
             b = batch.size
@@ -276,6 +271,14 @@ class EmbeddingWorker:
         while True:  # every own step handed over: gradients of those the NN worker trains, until STOP
             self._raise_error()
             self._serve(0.5)
+
+    def _charge_wait(self, phase: int, since: float, pushed: float) -> tuple[float, float]:
+        """Add the seconds from ``since`` to now to ``phase``, less those spent in ``_push`` meanwhile (``push_s``
+        was ``pushed`` then; the pushes count in their own phases). Returns now and ``push_s``, the next wait's
+        start."""
+        now = time.perf_counter()
+        self.phase[phase] += now - since - (self.push_s - pushed)
+        return now, self.push_s
 
     def _wait_bound(self, step: int) -> None:
         """Block until every push of steps <= step-K-1 (of all E workers) is applied, serving gradients meanwhile."""
