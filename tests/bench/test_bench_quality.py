@@ -35,6 +35,11 @@ def test_bench_quality_runs_the_shipped_configs_unless_told_all_or_names():
     assert set(quality.chosen_models("movielens", "all")) == {"movielens", "movielens_dcnv2", "movielens_deepfm"}
     assert list(quality.chosen_models("criteo_synth", "criteo_deepfm,movielens")) == ["criteo_deepfm"]
     assert quality.EXTRA_MODELS <= set(quality.model_configs("criteo_synth")) | set(quality.model_configs("movielens"))
+    # criteo_before is the criteo config as shipped before the issue, whatever the shipped one now sets
+    before = quality.model_configs("criteo_synth")["criteo_before"][0]
+    t = before.trainer
+    assert (t.epochs, t.dense_lr, t.dense_lr_decay, t.refit, before.model.wide) == (1, 0.001, 1.0, False, False)
+    assert [table.name for table in before.embedding.tables] == ["default"]
 
 
 @pytest.mark.processes
