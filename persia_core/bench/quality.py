@@ -59,7 +59,9 @@ def model_configs(dataset: str) -> dict[str, tuple[Any, bool]]:
     before = base.to_dict()  # the criteo config before issue #18: DLRM, no wide table, one epoch
     before["model"]["wide"] = False
     before["embedding"]["tables"] = [t for t in before["embedding"]["tables"] if t["name"] != WIDE_TABLE]
-    before["trainer"].update(epochs=1, dense_lr=0.001, dense_lr_decay=1.0, refit=False)
+    # the pre-issue trainer's own settings; every other one (refit, the rate decay, ...) at its default
+    pre = {k: before["trainer"][k] for k in ("batch_size", "embedding_staleness", "num_workers", "seed")}
+    before["trainer"] = {**pre, "epochs": 1, "dense_lr": 0.001}
     before["model"].update(dropout=0.0, bias_init="zero")
     for t in before["embedding"]["tables"]:
         t["optimizer"].update(initial_accumulator=0.0, weight_decay=0.0)
