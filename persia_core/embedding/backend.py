@@ -56,6 +56,7 @@ class EmbeddingBackend(Protocol):
         sync_workers: int = 0,
         step_fraction: float = 1.0,
         bounds: np.ndarray | None = None,
+        lr_scale: float = 1.0,
     ) -> Future[int]:
         """Apply the gradients ``grads: float32[U, D]`` of distinct ``ids: uint64[U]`` (one optimizer step per
         row, ``EmbeddingTable.apply_gradients``). Returns a future whose result is the number of gradients
@@ -66,7 +67,8 @@ class EmbeddingBackend(Protocol):
         ``step``: the training step the push belongs to. ``sync_workers``: M > 1 when each of M workers pushes
         its share of every step and the shards combine them into one update (``staleness`` 0; the in-process
         backend, having one caller, applies every push at once). ``step_fraction``: the share of a step this
-        push carries (``EmbeddingTable.apply_gradients``). ``bounds``: as ``lookup``'s."""
+        push carries and ``lr_scale`` the learning rate's multiplier (``EmbeddingTable.apply_gradients``).
+        ``bounds``: as ``lookup``'s."""
         ...
 
     def flush(self) -> None:

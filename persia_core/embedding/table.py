@@ -326,7 +326,9 @@ class EmbeddingTable:
         with self._reading():
             return K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), self.index, self.keys) >= 0
 
-    def apply_gradients(self, ids: np.ndarray, grads: np.ndarray, step_fraction: float = 1.0) -> int:
+    def apply_gradients(
+        self, ids: np.ndarray, grads: np.ndarray, step_fraction: float = 1.0, lr_scale: float = 1.0
+    ) -> int:
         """Apply one optimizer step to the rows of ``ids: uint64[N]`` with ``grads: float32[N, D]``.
 
         ``step_fraction``: the share of a training step this push carries (1/M for each of M asynchronous
@@ -334,6 +336,8 @@ class EmbeddingTable:
         gradient's size away, so they scale their step size by it, and M pushes of a step move a row about as far
         as one synchronous update; SGD needs no scaling (the gradient itself is 1/M of the step's); FTRL adds the
         push's squared gradient divided by it to its accumulator, so that M pushes add what one update adds.
+        ``lr_scale``: multiplies the optimizer's learning rate (FTRL's alpha), every optimizer alike
+        (``trainer.embedding_lr_decay``).
 
         Gradients of an ID repeated in ``ids`` are summed first and applied in one update. A gradient for an ID
         that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
@@ -349,32 +353,33 @@ class EmbeddingTable:
         uniq, summed, finite = K.segment_sum(ids, grads)
         if not finite:
             raise ValueError("gradient push contains inf or NaN; refused")
-        fraction = float(step_fraction)
+        fraction, scale = float(step_fraction), float(lr_scale)
         with self.lock:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
             if self.storage == "fp32":
-                self._step(rows, summed, self.weights, self.state, fraction)
+                self._step(rows, summed, self.weights, self.state, fraction, scale)
             else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
                 have = rows >= 0
                 r = rows[have]
                 w = decode(self.weights[r], self.storage).copy()
                 st = {k: v[r] for k, v in self.state.items()}
-                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, fraction)
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, fraction, scale)
                 self.weights[r] = encode(w, self.storage)
                 for k, v in st.items():
                     self.state[k][r] = v
         return dropped
 
-    def _step(self, rows, grads, weights, state, fraction: float) -> None:
+    def _step(self, rows, grads, weights, state, fraction: float, scale: float = 1.0) -> None:
         o = self.optimizer
-        lr = o.lr * fraction  # scale-invariant optimizers take `fraction` of a step (apply_gradients)
+        base = o.lr * scale
+        lr = base * fraction  # scale-invariant optimizers take `fraction` of a step (apply_gradients)
         if o.name == "sgd":
-            K.apply_sgd(rows, grads, weights, o.lr, o.weight_decay)
+            K.apply_sgd(rows, grads, weights, base, o.weight_decay)
         elif o.name == "ftrl":
             K.apply_ftrl(
-                rows, grads, weights, state["acc"], state["z"], o.lr, o.eps, o.l1, o.l2, o.weight_decay, fraction
+                rows, grads, weights, state["acc"], state["z"], base, o.eps, o.l1, o.l2, o.weight_decay, fraction
             )
         elif o.name == "rowwise_adagrad":
             K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)

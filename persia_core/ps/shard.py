@@ -12,7 +12,8 @@ Incremental export: the IDs created by lookups and updated by pushes are recorde
 are written as a delta file (``persia_core.embedding.delta``).
 
 Requests are checked before anything is applied: ids must be ``uint64[U]``, a push's gradients ``float32[U, D]``
-and finite, its ``step_fraction`` in (0, 1]. The gRPC service around a shard is ``persia_core.ps.servicer``.
+and finite, its ``step_fraction`` and ``lr_scale`` in (0, 1]. The gRPC service around a shard is
+``persia_core.ps.servicer``.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class ParameterServerShard:
         client, seq = meta["client"], meta["seq"]
         step, m = meta.get("step", 0), meta.get("sync_workers", 0)
         fraction = meta.get("step_fraction", 1.0)
+        lr_scale = meta.get("lr_scale", 1.0)
         if not isinstance(client, str) or not client:
             raise ValueError(f"push: client must be a non-empty string, got {client!r}")
         for name, v in (("seq", seq), ("step", step), ("sync_workers", m)):
@@ -165,6 +167,8 @@ class ParameterServerShard:
                 raise ValueError(f"push: {name} must be an integer >= 0, got {v!r}")
         if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
             raise ValueError(f"push: step_fraction must be in (0, 1], got {fraction!r}")
+        if not isinstance(lr_scale, (int, float)) or isinstance(lr_scale, bool) or not 0.0 < lr_scale <= 1.0:
+            raise ValueError(f"push: lr_scale must be in (0, 1], got {lr_scale!r}")
         check_push_arrays(table, ids, grads, finite=m > 1)  # async: apply_gradients checks finiteness itself
         with self.cond:
             rec = self.applied.setdefault(client, _Applied())
@@ -173,7 +177,7 @@ class ParameterServerShard:
                     self.duplicates += 1
                     return {"applied": False, "duplicate": True, "dropped": 0}
                 t0 = time.thread_time()
-                dropped = table.apply_gradients(ids, grads, float(fraction))
+                dropped = table.apply_gradients(ids, grads, float(fraction), float(lr_scale))
                 self.table_cpu_s += time.thread_time() - t0
                 rec.add(seq)
                 self.pushes += 1
@@ -196,7 +200,7 @@ class ParameterServerShard:
                 all_ids = np.concatenate([b[0] for b in bucket.values()])
                 all_grads = np.concatenate([b[1] for b in bucket.values()])
                 t0 = time.thread_time()
-                dropped = table.apply_gradients(all_ids, all_grads)
+                dropped = table.apply_gradients(all_ids, all_grads, lr_scale=float(lr_scale))
                 self.table_cpu_s += time.thread_time() - t0
                 if self.tracker is not None:
                     self.tracker.record(meta["table"], all_ids)

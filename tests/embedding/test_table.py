@@ -1,5 +1,7 @@
 """The in-process embedding table against dense PyTorch references."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -576,3 +578,35 @@ def test_lookup_into_a_given_output_writes_there_the_rows_it_would_return(storag
         b.lookup(ids, np.empty((300, 8), np.float32))
     with pytest.raises(ValueError, match="expected C-contiguous float32"):
         b.lookup_readonly(ids, np.empty((16, 300), np.float32).T)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.01),
+        OptimizerConfig(name="adagrad", lr=0.1),
+        OptimizerConfig(name="rowwise_adagrad", lr=0.1, initial_accumulator=1e-3),
+        OptimizerConfig(name="adam", lr=0.01),
+        OptimizerConfig(name="ftrl", lr=0.2, l1=0.01, l2=0.1),
+    ],
+    ids=lambda o: o.name,
+)
+def test_lr_scale_steps_as_the_optimizer_with_its_rate_scaled(opt):
+    # trainer.embedding_lr_decay's pushes: lr_scale s on a table of rate lr is a table of rate s * lr, every
+    # optimizer alike, with or without a step fraction
+    scaled = dataclasses.replace(opt, lr=opt.lr * 0.25)
+    a = EmbeddingTable(D, opt, capacity=256, init_scale=0.1, seed=3)
+    b = EmbeddingTable(D, scaled, capacity=256, init_scale=0.1, seed=3)
+    c = EmbeddingTable(D, opt, capacity=256, init_scale=0.1, seed=3)
+    ids = _ids(5, 9, 2**63 + 1)
+    np.testing.assert_array_equal(a.lookup(ids), b.lookup(ids))
+    c.lookup(ids)
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        g = rng.normal(size=(len(ids), D)).astype(np.float32)
+        fraction = 0.5 if step % 2 else 1.0
+        a.apply_gradients(ids, g, step_fraction=fraction, lr_scale=0.25)
+        b.apply_gradients(ids, g, step_fraction=fraction)
+        c.apply_gradients(ids, g, step_fraction=fraction)
+    np.testing.assert_allclose(a.lookup_readonly(ids), b.lookup_readonly(ids), rtol=0, atol=1e-7)
+    assert not np.allclose(a.lookup_readonly(ids), c.lookup_readonly(ids), rtol=0, atol=1e-4)

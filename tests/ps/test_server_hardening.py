@@ -36,6 +36,17 @@ def test_a_push_with_a_step_fraction_outside_0_1_is_refused_and_changes_nothing(
     client.close()
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0, 1.5, "1"])
+def test_a_push_with_an_lr_scale_outside_0_1_is_refused_and_changes_nothing(cluster, scale):
+    client, owner, ids = _owner_and_client(cluster)
+    before = client.lookup_readonly("default", ids)
+    meta = {"table": "default", "client": "c", "seq": 1, "lr_scale": scale}
+    with pytest.raises(ParameterServerError, match="INVALID_ARGUMENT.*lr_scale"):
+        client.call("Push", owner, meta, {"ids": ids, "grads": np.ones((1, 4), np.float32)})
+    np.testing.assert_array_equal(client.lookup_readonly("default", ids), before)
+    client.close()
+
+
 @pytest.mark.parametrize(
     "meta, arrays, match",
     [
