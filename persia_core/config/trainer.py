@@ -67,6 +67,12 @@ class TrainerConfig:
     """At the end of every epoch the dense network's Adam learning rate is multiplied by this: epoch e trains at
     ``dense_lr * dense_lr_decay ** (e - 1)`` (with ``model.wide``, the linear term's ``wide_dense_lr`` is not
     decayed), so that later epochs refine the dense network rather than fit it to the rows' noise. 1: constant."""
+    embedding_lr_decay: float = 1.0
+    """At the end of every epoch the learning rate of every embedding table but the wide one is multiplied by
+    this: epoch e's pushes step at ``lr * embedding_lr_decay ** (e - 1)`` (the one pass over the validation slice
+    after kept epoch k at ``** k``), so that a row seen again in a later epoch is refined rather than fitted to
+    the same rows' noise (the one-epoch overfitting of deep CTR models: Zhang et al., CIKM 2022). The wide table,
+    like the dense features' linear term, is not decayed. 1: constant."""
     dense_weight_decay: float = 0.0
     """Decoupled weight decay of the dense network's weight matrices (AdamW, Loshchilov & Hutter 2019; biases
     are not decayed): each step multiplies them by ``1 - dense_lr * dense_weight_decay``. 0: plain Adam."""
@@ -137,6 +143,8 @@ class TrainerConfig:
             raise config_error("trainer.wide_dense_lr", "must be > 0")
         if not 0 < self.dense_lr_decay <= 1:
             raise config_error("trainer.dense_lr_decay", f"must be in (0, 1], got {self.dense_lr_decay!r}")
+        if not 0 < self.embedding_lr_decay <= 1:
+            raise config_error("trainer.embedding_lr_decay", f"must be in (0, 1], got {self.embedding_lr_decay!r}")
         if not 0 <= self.dense_weight_decay * self.dense_lr < 1:
             raise config_error(
                 "trainer.dense_weight_decay",

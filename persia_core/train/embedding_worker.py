@@ -103,8 +103,10 @@ def first_own_step(start: int, index: int, workers: int) -> int:
 @dataclass(frozen=True)
 class StepRules:
     """What an NN worker's steps follow, the same in all its embedding workers: ``staleness`` K, ``num_workers``
-    M, this NN worker's ``rank``, ID ``dropout`` rates (slot -> rate; 0: none), the dropout RNG's ``seed`` and
-    ``fresh_lookups`` (``trainer.fresh_lookups``)."""
+    M, this NN worker's ``rank``, ID ``dropout`` rates (slot -> rate; 0: none), the dropout RNG's ``seed``,
+    ``fresh_lookups`` (``trainer.fresh_lookups``), and the embedding tables' learning-rate decay per epoch
+    (``lr_decay``, ``trainer.embedding_lr_decay``) over epochs of ``steps_per_epoch`` steps (0: one epoch), the
+    first of them numbered ``epoch0`` (0 but for the pass over the validation slice: the epochs kept before it)."""
 
     staleness: int
     num_workers: int
@@ -112,13 +114,33 @@ class StepRules:
     dropout: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     fresh_lookups: bool = False
+    lr_decay: float = 1.0
+    steps_per_epoch: int = 0
+    epoch0: int = 0
 
     @classmethod
-    def of(cls, config: RunConfig, rank: int, world: int) -> StepRules:
-        """The rules of NN worker ``rank`` of ``world`` in a run of ``config``."""
+    def of(cls, config: RunConfig, rank: int, world: int, steps_per_epoch: int = 0, epoch0: int = 0) -> StepRules:
+        """The rules of NN worker ``rank`` of ``world`` in a run of ``config`` whose epochs are ``steps_per_epoch``
+        steps long, the first numbered ``epoch0``."""
         tc = config.trainer
         dropout = {s.name: s.id_dropout for s in config.slots}
-        return cls(tc.embedding_staleness, world, rank, dropout, tc.seed, tc.fresh_lookups)
+        return cls(
+            tc.embedding_staleness,
+            world,
+            rank,
+            dropout,
+            tc.seed,
+            tc.fresh_lookups,
+            tc.embedding_lr_decay,
+            steps_per_epoch,
+            epoch0,
+        )
+
+    def lr_scale(self, step: int) -> float:
+        """The embedding tables' learning-rate multiplier at ``step``: ``lr_decay ** epoch`` (epochs from 0)."""
+        if self.lr_decay == 1.0 or self.steps_per_epoch <= 0:
+            return 1.0
+        return float(self.lr_decay ** (self.epoch0 + step // self.steps_per_epoch))
 
 
 class BatchSource:
@@ -178,6 +200,7 @@ class EmbeddingWorker:
         self.K, self.M, self.rank = rules.staleness, rules.num_workers, rules.rank
         self.dropout = {k: v for k, v in rules.dropout.items() if v > 0}
         self.seed = rules.seed
+        self.rules = rules
         self.fresh = rules.fresh_lookups and self.K > 1
         # the NN worker's pace, for fresh lookups (exponential moving averages; None: not measured yet): when the
         # last gradient came and the seconds between two of this worker's gradients; the seconds of a lookup and
@@ -377,6 +400,7 @@ class EmbeddingWorker:
             per_table.append((WIDE_TABLE, p, g))
         self.free.append(slot)  # its gradient is read out
         t1 = time.perf_counter()
+        scale = self.rules.lr_scale(step)  # the wide table is not decayed (trainer.embedding_lr_decay)
         futs = [
             self.backend.push(
                 name,
@@ -386,6 +410,7 @@ class EmbeddingWorker:
                 sync_workers=self.M if self.K == 0 else 0,
                 step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
                 bounds=p.bounds,
+                lr_scale=1.0 if name == WIDE_TABLE else scale,
             )
             for name, p, g in per_table
         ]
@@ -446,8 +471,9 @@ def build_worker(
     spec: dict, examples: ParquetExamples, buf: np.ndarray, sock: socket.socket, notify=None
 ) -> tuple[EmbeddingWorker, EmbeddingClient]:
     """The embedding worker ``spec`` describes (config, world, counts, rank, index, start, parameter-server
-    addresses, ring layout, client id; ``epochs`` where not the config's), with its own client of the parameter
-    servers (token: ``$PERSIA_PS_TOKEN``), on ring memory ``buf`` and control socket ``sock``.
+    addresses, ring layout, client id; ``epochs`` where not the config's, ``epoch0`` where not 0), with its own
+    client of the parameter servers (token: ``$PERSIA_PS_TOKEN``), on ring memory ``buf`` and control socket
+    ``sock``.
     Raises ``ValueError`` when ``examples`` are not its NN worker's (row count, slots)."""
     rank, index = int(spec["rank"]), int(spec["index"])
     config = RunConfig.from_dict(spec["config"])
@@ -478,7 +504,9 @@ def build_worker(
         sock,
         index,
         int(spec["start"]),
-        StepRules.of(config, rank, int(spec["world"])),
+        StepRules.of(
+            config, rank, int(spec["world"]), len(schedule.global_batch) // max(epochs, 1), int(spec.get("epoch0", 0))
+        ),
         notify,
     )
     return worker, client

@@ -375,8 +375,9 @@ def run_worker(
             remove_best(out_dir)
         if tc.train_on_validation:
             assert validation is not None  # read with the train rows (rank_split) when epochs: auto
+            kept = int(stopping.best_epoch) or done // steps_per_epoch  # epochs in the model it goes on from
             history["validation_pass"] = train_validation_slice(
-                config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir, bool(remote)
+                config, net, opt, backend, layouts, ring, rank, world, validation, device, data_dir, bool(remote), kept
             )
             max_stal0 = max(max_stal0, history["validation_pass"]["max_staleness"])
     if stopping is not None:
@@ -477,14 +478,17 @@ def open_feeders(
     data_dir: str,
     epochs: int | None = None,
     client_suffix: str = "ew",
+    epoch0: int = 0,
 ) -> Feeders:
     """NN worker ``rank``'s embedding workers, started at step ``start`` of ``schedule`` (``counts`` rows per
     rank over ``epochs``, the config's where None): on other hosts at the ``remote`` addresses (they read
     ``data_dir`` themselves), else as processes beside it sharing one saved copy of ``examples`` (against the
     parameter servers of an ``EmbeddingClient``), else as threads against an in-process ``backend``. Their
     clients' ids end in ``-<client_suffix>-e<i>`` (a pass of its own needs ids of its own: the servers drop a
-    push whose client id and sequence number they have applied). Returns them once started; raises ``ValueError`` for
-    remote embedding workers without parameter servers, ``EmbeddingWorkerFailed`` for one that did not start."""
+    push whose client id and sequence number they have applied). ``epoch0``: the number of the schedule's first
+    epoch (``trainer.embedding_lr_decay``: the epochs trained before it). Returns them once started; raises
+    ``ValueError`` for remote embedding workers without parameter servers, ``EmbeddingWorkerFailed`` for one that
+    did not start."""
     feeders: Feeders
     if remote and not isinstance(backend, EmbeddingClient):
         raise ValueError("embedding workers on other hosts need the parameter servers (an EmbeddingClient)")
@@ -493,6 +497,8 @@ def open_feeders(
         spec["client_id"] = f"{backend.client_id}-{client_suffix}"
         if epochs is not None:
             spec["epochs"] = epochs
+        if epoch0:
+            spec["epoch0"] = epoch0
         token = dict(backend.metadata).get(TOKEN_HEADER)
         if remote:  # on other hosts: they read this NN worker's share of the data themselves
             feeders = NetworkFeeders(
@@ -504,7 +510,9 @@ def open_feeders(
     else:
         assert examples is not None
         source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
-        feeders = ThreadFeeders(backend, layouts, source, ring, start, StepRules.of(config, rank, world))
+        per_epoch = len(schedule.global_batch) // max(epochs or config.trainer.scheduled_epochs, 1)
+        rules = StepRules.of(config, rank, world, per_epoch, epoch0)
+        feeders = ThreadFeeders(backend, layouts, source, ring, start, rules)
     try:
         feeders.wait_started()
     except BaseException:
@@ -560,12 +568,14 @@ def train_validation_slice(
     device: torch.device,
     data_dir: str,
     remote: bool,
+    epoch0: int = 0,
 ) -> dict:
     """``trainer.train_on_validation``: one pass of the kept model over the validation slice (this rank's
     ``validation`` examples, shuffled as an epoch is; every rank takes the same number of steps) under the same
     staleness bound as training, through embedding workers beside this NN worker as in training or, where those
     were on other hosts (``remote``: they served their one stream), through one embedding-worker thread of its
-    own against its client. Every push is applied on return. Returns ``{"rows",
+    own against its client; its embedding tables step at the rate of epoch ``epoch0`` + 1 (the epochs kept before
+    it, ``trainer.embedding_lr_decay``). Every push is applied on return. Returns ``{"rows",
     "steps", "loss" (mean train logloss over the pass), "seconds", "max_staleness"}``."""
     tc = config.trainer
     t0 = time.perf_counter()
@@ -578,12 +588,12 @@ def train_validation_slice(
     feeders: Feeders
     if remote:  # its embedding workers on other hosts served their one stream: a thread here, without /dev/shm
         source = BatchSource(validation, schedule.rows[rank], schedule.global_batch)
-        rules = StepRules.of(config, rank, world)
+        rules = StepRules.of(config, rank, world, len(schedule.global_batch), epoch0)
         feeders = ThreadFeeders(backend, layouts, source, dataclasses.replace(ring, workers=1), 0, rules)
         feeders.wait_started()
     else:
         feeders = open_feeders(
-            config, backend, layouts, ring, rank, world, schedule, counts, 0, validation, [], data_dir, 1, "vp"
+            config, backend, layouts, ring, rank, world, schedule, counts, 0, validation, [], data_dir, 1, "vp", epoch0
         )
     pipe = HybridTrainPipeline(net, opt, feeders, schedule.global_batch, 0, world, device=device)
     total = 0.0

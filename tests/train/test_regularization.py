@@ -285,6 +285,66 @@ def test_the_trainer_decays_the_deep_rate_at_each_epochs_end_and_trains_the_firs
     assert not np.allclose(plain[per_epoch:], decayed[per_epoch:], rtol=0, atol=1e-7)
 
 
+def test_embedding_lr_decay_is_checked_naming_the_field():
+    assert TrainerConfig().embedding_lr_decay == 1.0
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"trainer.embedding_lr_decay.*\(0, 1\]"):
+            TrainerConfig(embedding_lr_decay=bad)
+
+
+def _spy_pushes(monkeypatch) -> list[tuple[str, int, float]]:
+    """``(table, step, lr_scale)`` of every push an in-process run makes, in order."""
+    pushes: list[tuple[str, int, float]] = []
+    real = LocalEmbedding.push
+
+    def spy(self, table, ids, grads, *args, lr_scale: float = 1.0, **kw):
+        pushes.append((table, int(kw.get("step", args[0] if args else 0)), lr_scale))
+        return real(self, table, ids, grads, *args, lr_scale=lr_scale, **kw)
+
+    monkeypatch.setattr(LocalEmbedding, "push", spy)
+    return pushes
+
+
+def test_the_embedding_tables_but_the_wide_one_step_at_their_epochs_decayed_rate(tmp_path, monkeypatch):
+    # an in-process K = 0 run of 3 epochs with model.wide: every push of epoch e (from 0) carries lr_scale d^e, the
+    # wide table's 1; the first epoch's losses are those of d = 1 bit for bit, the later differ
+    data = write_dataset(str(tmp_path / "data"), rows=96)
+    pushes = _spy_pushes(monkeypatch)
+
+    def run(decay: float) -> list[float]:
+        d = tiny_config(epochs=3, embedding_lr_decay=decay).to_dict()
+        d["model"]["wide"] = True
+        cfg = RunConfig.from_dict(d)
+        backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=0)
+        pushes.clear()
+        return worker.run_worker(cfg, data, str(tmp_path / f"run-{decay}"), backend, rank=0, world=1)["loss"]
+
+    plain = run(1.0)
+    assert {s for _, _, s in pushes} == {1.0}
+    decayed = run(0.5)
+    per_epoch = len(decayed) // 3
+    assert per_epoch > 0 and {t for t, _, _ in pushes} == {"default", "wide"}
+    for table, step, scale in pushes:
+        assert scale == (1.0 if table == "wide" else 0.5 ** (step // per_epoch)), (table, step, scale)
+    assert plain[:per_epoch] == decayed[:per_epoch]
+    assert not np.allclose(plain[per_epoch:], decayed[per_epoch:], rtol=0, atol=1e-7)
+
+
+def test_the_pass_over_the_validation_slice_steps_at_the_rate_after_the_kept_epoch(tmp_path, monkeypatch):
+    # epochs: auto, 3 epochs scored (patience 3: no early stop), no refit: the pass after the kept epoch k trains
+    # its embedding tables at d^k, as the epoch after it would have
+    data = write_dataset(str(tmp_path / "data"), rows=128)
+    pushes = _spy_pushes(monkeypatch)
+    cfg = tiny_config(epochs="auto", max_epochs=3, patience=3, embedding_lr_decay=0.5)
+    backend = LocalEmbedding(cfg.embedding, num_shards=cfg.embedding.num_shards, seed=0)
+    hist = worker.run_worker(cfg, data, str(tmp_path / "run"), backend, rank=0, world=1)
+    kept, steps = hist["best_epoch"], hist["validation_pass"]["steps"]
+    assert 1 <= kept <= 3 and steps > 0
+    per_epoch = (len(pushes) - steps) // 3
+    assert [s for _, _, s in pushes[:-steps]] == [0.5 ** (i // per_epoch) for i in range(3 * per_epoch)]
+    assert [(t, s) for t, _, s in pushes[-steps:]] == [("default", 0.5**kept)] * steps
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_the_nn_workers_fused_step_equals_the_optimizers_step_bit_for_bit(weight_decay):
     # fused_step (one kernel call per group, what an NN worker runs) against opt.step on a twin: Adam and AdamW with
