@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -137,10 +138,11 @@ class StepRules:
         )
 
     def lr_scale(self, step: int) -> float:
-        """The embedding tables' learning-rate multiplier at ``step``: ``lr_decay ** epoch`` (epochs from 0)."""
+        """The embedding tables' learning-rate multiplier at ``step``: ``lr_decay ** epoch`` (epochs from 0), never
+        below the smallest normal float (a push's ``lr_scale`` must be > 0)."""
         if self.lr_decay == 1.0 or self.steps_per_epoch <= 0:
             return 1.0
-        return float(self.lr_decay ** (self.epoch0 + step // self.steps_per_epoch))
+        return max(float(self.lr_decay ** (self.epoch0 + step // self.steps_per_epoch)), sys.float_info.min)
 
 
 class BatchSource:

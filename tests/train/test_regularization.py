@@ -2,6 +2,7 @@
 (``trainer.dense_weight_decay``), against plain recomputations."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from persia_core.embedding.reference import LocalEmbedding
 from persia_core.embedding.warm_start import warm_start_differences
 from persia_core.models import build_model, decay_dense_lr, dense_optimizer, fused_step
 from persia_core.train import worker
+from persia_core.train.embedding_worker import StepRules
 
 KINDS = ["dnn", "dlrm", "dcnv2", "deepfm"]
 
@@ -290,6 +292,13 @@ def test_embedding_lr_decay_is_checked_naming_the_field():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match=r"trainer.embedding_lr_decay.*\(0, 1\]"):
             TrainerConfig(embedding_lr_decay=bad)
+
+
+def test_the_embedding_rate_multiplier_counts_epochs_from_epoch0_and_stays_above_0():
+    rules = StepRules(staleness=0, num_workers=1, rank=0, lr_decay=0.5, steps_per_epoch=4, epoch0=2)
+    assert [rules.lr_scale(s) for s in (0, 3, 4, 9)] == [0.25, 0.25, 0.125, 0.0625]
+    assert 0 < StepRules(0, 1, 0, lr_decay=0.01, steps_per_epoch=1).lr_scale(10_000) <= sys.float_info.min
+    assert StepRules(0, 1, 0, lr_decay=0.5).lr_scale(10**6) == 1.0  # no epoch length: one epoch
 
 
 def _spy_pushes(monkeypatch) -> list[tuple[str, int, float]]:
