@@ -165,10 +165,9 @@ class ParameterServerShard:
         for name, v in (("seq", seq), ("step", step), ("sync_workers", m)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"push: {name} must be an integer >= 0, got {v!r}")
-        if not isinstance(fraction, (int, float)) or isinstance(fraction, bool) or not 0.0 < fraction <= 1.0:
-            raise ValueError(f"push: step_fraction must be in (0, 1], got {fraction!r}")
-        if not isinstance(lr_scale, (int, float)) or isinstance(lr_scale, bool) or not 0.0 < lr_scale <= 1.0:
-            raise ValueError(f"push: lr_scale must be in (0, 1], got {lr_scale!r}")
+        for name, x in (("step_fraction", fraction), ("lr_scale", lr_scale)):
+            if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0.0 < x <= 1.0:
+                raise ValueError(f"push: {name} must be in (0, 1], got {x!r}")
         check_push_arrays(table, ids, grads, finite=m > 1)  # async: apply_gradients checks finiteness itself
         with self.cond:
             rec = self.applied.setdefault(client, _Applied())
