@@ -506,9 +506,7 @@ def build_worker(
         sock,
         index,
         int(spec["start"]),
-        StepRules.of(
-            config, rank, int(spec["world"]), len(schedule.global_batch) // max(epochs, 1), int(spec.get("epoch0", 0))
-        ),
+        StepRules.of(config, rank, int(spec["world"]), schedule.steps_per_epoch, int(spec.get("epoch0", 0))),
         notify,
     )
     return worker, client

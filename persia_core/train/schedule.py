@@ -13,10 +13,11 @@ class Schedule:
     """Which rows every worker trains on at every step.
 
     ``rows[r][t]``: ``int64[b]`` row indices of worker r's batch at step t (b <= batch size; 0 when r is out of
-    data); ``global_batch[t]``: rows over all workers at step t."""
+    data); ``global_batch[t]``: rows over all workers at step t; ``steps_per_epoch``: the steps of each epoch."""
 
     rows: list[list[np.ndarray]]
     global_batch: list[int] = field(default_factory=list)
+    steps_per_epoch: int = 0
 
 
 def make_schedule(
@@ -40,4 +41,4 @@ def make_schedule(
             n = rows_per_worker[r]
             p = np.random.default_rng([seed, epoch, r]).permutation(n) if shuffle else np.arange(n, dtype=np.int64)
             out[r].extend(p[t * batch_size : (t + 1) * batch_size] for t in range(steps))
-    return Schedule(out, gbs)
+    return Schedule(out, gbs, steps)

@@ -510,8 +510,7 @@ def open_feeders(
     else:
         assert examples is not None
         source = BatchSource(examples, schedule.rows[rank], schedule.global_batch)
-        per_epoch = len(schedule.global_batch) // max(epochs or config.trainer.scheduled_epochs, 1)
-        rules = StepRules.of(config, rank, world, per_epoch, epoch0)
+        rules = StepRules.of(config, rank, world, schedule.steps_per_epoch, epoch0)
         feeders = ThreadFeeders(backend, layouts, source, ring, start, rules)
     try:
         feeders.wait_started()
@@ -588,7 +587,7 @@ def train_validation_slice(
     feeders: Feeders
     if remote:  # its embedding workers on other hosts served their one stream: a thread here, without /dev/shm
         source = BatchSource(validation, schedule.rows[rank], schedule.global_batch)
-        rules = StepRules.of(config, rank, world, len(schedule.global_batch), epoch0)
+        rules = StepRules.of(config, rank, world, schedule.steps_per_epoch, epoch0)
         feeders = ThreadFeeders(backend, layouts, source, dataclasses.replace(ring, workers=1), 0, rules)
         feeders.wait_started()
     else:
