@@ -169,10 +169,12 @@ def evaluate(
     user_slot: str = "user",
     model: LoadedModel | None = None,
     lr_reference: bool = True,
+    coverage: bool = True,
 ) -> dict:
     """Score the evaluation split of ``data_dir`` with the model in ``model_dir`` (``model``: that model already
     loaded, which is then not loaded again). ``lr_reference``: also fit and score the LR reference on the train
-    split of ``data_dir``, where it has one (``persia_core.evaluate.lr_reference``).
+    split of ``data_dir``, where it has one (``persia_core.evaluate.lr_reference``). ``coverage``: also count, per
+    slot, the eval IDs without a trained row (False: ``coverage`` is None; a benchmark that reads the metrics only).
 
     ``user_slot``: the slot that names the user (for GAUC and the seen/unseen-user split). When it is ``""``,
     or the default ``"user"`` and the model has no such slot, both are skipped (``metrics`` has no ``gauc`` and
@@ -185,7 +187,7 @@ def evaluate(
                      lr_auc_lift (AUC minus the LR reference's), lr_relative_logloss (logloss over its)]},
          "roc": {"fpr", "tpr", "thresholds"} | None (one class),
          "labels": float32[N], "preds": float32[N], "config": dict, "train_history": dict | None,
-         "coverage": {slot: id_coverage dict},          share of eval IDs without a trained row, per slot
+         "coverage": {slot: id_coverage dict} | None,   share of eval IDs without a trained row, per slot
          "user_split": {"slot": user_slot, "seen": {...metrics, gauc}, "unseen": {...metrics, gauc}} | None,
          "lr_reference": persia_core.evaluate.lr_reference output | None (no train split, one class, or off),
          "model_dir": the Model folder scored (a blessed-model location resolved to its latest blessed model)}
@@ -213,7 +215,7 @@ def evaluate(
             user_split[name] = m
     elif user_slot:
         log.info("no slot named %r: GAUC and the seen/unseen-user split are skipped", user_slot)
-    coverage = slot_coverage(model, examples)
+    per_slot = slot_coverage(model, examples) if coverage else None
     reference = None
     train_files = shard_files(data_dir, "train") if lr_reference and "train_files" in read_schema(data_dir) else []
     if train_files and all(io.exists(f) for f in train_files):  # the train split the model learned from
@@ -244,7 +246,7 @@ def evaluate(
         "preds": preds_all,
         "config": model.manifest.config,
         "train_history": history,
-        "coverage": coverage,
+        "coverage": per_slot,
         "user_split": user_split,
         "lr_reference": reference,
         "model_dir": model_dir,

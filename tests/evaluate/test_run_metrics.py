@@ -51,6 +51,13 @@ def test_metric_coverage_per_slot_counts_ids_without_a_trained_row(hand_made):
     assert flat["unseen_share_a"] == 0.4 and flat["unseen_share_b"] == 0.5
 
 
+def test_coverage_off_skips_it_and_leaves_the_metrics_as_they_are(hand_made):
+    full, bare = evaluate(*hand_made, user_slot="a"), evaluate(*hand_made, user_slot="a", coverage=False)
+    assert bare["coverage"] is None and full["coverage"]
+    assert bare["metrics"] == full["metrics"]
+    assert "unseen_share_a" not in flat_metrics(bare) and "unseen_share_a" in flat_metrics(full)
+
+
 def test_metric_split_by_seen_user_and_gauc_on_hand_made_rows(hand_made):
     r = evaluate(*hand_made, user_slot="a")
     y, p = r["labels"], r["preds"].astype(np.float64)
