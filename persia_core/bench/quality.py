@@ -9,7 +9,8 @@ Datasets and sizes (issue "Model quality"):
 
 Models per dataset: the dataset's shipped default config (``default: true``, ``criteo`` or ``movielens``), and on
 ``criteo_synth`` the shipped ``dcnv2`` config and ``criteo_before``, the ``criteo`` config as shipped before the
-issue (DLRM, no wide table, one epoch). ``--models all`` adds the other models on a default config's slots and
+issue (DLRM, no wide table, one epoch), at the largest size only (where the issue compares them; at every size when
+``--models`` names it). ``--models all`` adds the other models on a default config's slots and
 trainer (``EXTRA_MODELS``: DCNv2 and DeepFM on MovieLens, DeepFM on ``criteo_synth``). Every model but
 ``criteo_before`` trains with ``epochs: auto``. Each is trained (``init_shards`` + ``train``, as the pipeline does)
 and evaluated (``persia_core.evaluate.run.evaluate``) once per seed; the LR reference is fitted by the evaluate
@@ -83,6 +84,14 @@ def chosen_models(dataset: str, models: str) -> dict[str, tuple[Any, bool]]:
     return {k: v for k, v in every.items() if (k in names if names else k not in EXTRA_MODELS)}
 
 
+def models_at_size(models: dict[str, Any], size: str, sizes: list[str], named: str) -> dict[str, Any]:
+    """``models`` (``chosen_models``) to run at ``size`` of ``sizes`` (``all`` or counts): ``criteo_before`` only at
+    the largest size (the issue compares it there), unless ``named`` (``--models``) names it."""
+    largest = max(sizes, key=lambda s: float("inf") if s == "all" else float(s))
+    keep_before = size == largest or "criteo_before" in named.split(",")
+    return {k: v for k, v in models.items() if k != "criteo_before" or keep_before}
+
+
 def movielens_subset(src: str, out: str, ratings: int | None) -> str:
     """A copy of the MovieLens folder ``src`` under ``out`` holding its first ``ratings`` ratings by timestamp
     (ties in file order; all of them for None). Returns the folder."""
@@ -136,7 +145,7 @@ def run_model(config, data: str, work: str, seed: int, lr_reference: bool) -> di
     seconds = time.time() - t0
     with open(os.path.join(model, "train_metrics.json")) as f:
         hist = json.load(f)
-    m = evaluate(model, data, lr_reference=lr_reference)["metrics"]
+    m = evaluate(model, data, lr_reference=lr_reference, coverage=False)["metrics"]
     shutil.rmtree(work, ignore_errors=True)
     return {"metrics": m, "train_seconds": seconds, "epoch": hist.get("best_epoch", cfg.trainer.scheduled_epochs)}
 
@@ -164,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--datasets: unknown dataset {dataset!r} (movielens, criteo_synth)")
         models = chosen_models(dataset, args.models)
         sizes = args.movielens_sizes if dataset == "movielens" else args.criteo_sizes
-        for size in [s for s in sizes.split(",") if s]:
+        size_list = [s for s in sizes.split(",") if s]
+        for size in size_list:
+            at_size = models_at_size(models, size, size_list, args.models)
             data, train_rows, planted = prepare(dataset, size, work, args.movielens_data, args.eval_rows)
             log(f"{dataset} {size}: {train_rows} train rows")
             ref_path = os.path.join(os.path.dirname(data), "lr_reference.json")  # reused with the dataset
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             if os.path.exists(ref_path):
                 with open(ref_path) as f:
                     reference = json.load(f)
-            for name, (config, default) in models.items():
+            for name, (config, default) in at_size.items():
                 runs = []
                 for seed in range(args.seeds):
                     r = run_model(config, data, os.path.join(work, "run"), seed, lr_reference=not reference)

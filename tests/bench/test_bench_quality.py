@@ -43,6 +43,18 @@ def test_bench_quality_runs_the_shipped_configs_unless_told_all_or_names():
     assert [table.name for table in before.embedding.tables] == ["default"]
 
 
+def test_bench_quality_runs_criteo_before_at_the_largest_size_unless_named():
+    models = quality.chosen_models("criteo_synth", "")
+    sizes = ["10000", "1000000", "100000"]
+    assert list(quality.models_at_size(models, "1000000", sizes, "")) == ["criteo", "dcnv2", "criteo_before"]
+    assert list(quality.models_at_size(models, "100000", sizes, "")) == ["criteo", "dcnv2"]
+    assert list(quality.models_at_size(models, "10000", sizes, "all")) == ["criteo", "dcnv2"]
+    named = quality.chosen_models("criteo_synth", "criteo_before")
+    assert list(quality.models_at_size(named, "10000", sizes, "criteo_before")) == ["criteo_before"]
+    ml = quality.chosen_models("movielens", "")
+    assert list(quality.models_at_size(ml, "10000", ["10000", "all"], "")) == ["movielens"]
+
+
 @pytest.mark.processes
 def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_reference(tmp_path, capsys):
     out = tmp_path / "lines.jsonl"
