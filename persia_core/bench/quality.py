@@ -74,10 +74,15 @@ def model_configs(dataset: str) -> dict[str, tuple[Any, bool]]:
     }
 
 
+def model_names(models: str) -> set[str]:
+    """The names ``--models`` (comma-separated) gives."""
+    return {m for m in models.split(",") if m}
+
+
 def chosen_models(dataset: str, models: str) -> dict[str, tuple[Any, bool]]:
     """``model_configs(dataset)`` as ``--models`` picks them: ``models`` comma-separated names, ``all``, or empty
     for all but ``EXTRA_MODELS``."""
-    names = {m for m in models.split(",") if m}
+    names = model_names(models)
     every = model_configs(dataset)
     if "all" in names:
         return every
@@ -88,7 +93,7 @@ def models_at_size(models: dict[str, Any], size: str, sizes: list[str], named: s
     """``models`` (``chosen_models``) to run at ``size`` of ``sizes`` (``all`` or counts): ``criteo_before`` only at
     the largest size (the issue compares it there), unless ``named`` (``--models``) names it."""
     largest = max(sizes, key=lambda s: float("inf") if s == "all" else float(s))
-    keep_before = size == largest or "criteo_before" in named.split(",")
+    keep_before = size == largest or "criteo_before" in model_names(named)
     return {k: v for k, v in models.items() if k != "criteo_before" or keep_before}
 
 
