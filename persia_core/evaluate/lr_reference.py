@@ -8,9 +8,11 @@ XXH3 for MurmurHash3 and no sign flip; crosses are slots of their own as the con
 ID's count in the row, then the dense features standardized by the train split's mean and std. scikit-learn's
 ``LogisticRegression`` (L2, lbfgs) for each C of ``C_GRID``, fitted on the train split less its validation slice
 (the last ``VALIDATION_FRACTION`` of its rows by timestamp), C chosen by the slice's logloss, then fitted again
-with that C on the whole train split. Beyond ``MAX_ROWS`` training rows, a uniform sample of them (seeded). The
-grid's fits run in parallel processes (scikit-learn's joblib, one per CPU this process may use) where the train
-split has ``PARALLEL_MIN_NNZ`` nonzeros or more; each fit is the one it would be alone.
+with that C on the whole train split, lbfgs starting from that C's fit (the objective is strictly convex: the
+start changes the iterations, not the optimum, which the two reach to lbfgs's tolerance). Beyond ``MAX_ROWS``
+training rows, a uniform sample of them (seeded). The grid's fits run in parallel processes (scikit-learn's
+joblib, one per CPU this process may use) where the train split has ``PARALLEL_MIN_NNZ`` nonzeros or more; each
+fit is the one it would be alone.
 """
 
 from __future__ import annotations
@@ -45,10 +47,15 @@ def design_matrix(examples, rows: np.ndarray, dense_mean, dense_std, bits: int =
     return sparse.hstack([onehot, sparse.csr_matrix(dense)], format="csr")
 
 
-def _fit(x, y, c: float):
+def _fit(x, y, c: float, start=None):
+    """``LogisticRegression`` (L2, lbfgs) with ``C = c`` fitted on ``x, y``; ``start``: a fitted model over the same
+    columns whose weights lbfgs starts from (None: from zero)."""
     from sklearn.linear_model import LogisticRegression
 
-    return LogisticRegression(C=c, max_iter=MAX_ITER).fit(x, y)
+    model = LogisticRegression(C=c, max_iter=MAX_ITER, warm_start=start is not None)
+    if start is not None:
+        model.coef_, model.intercept_ = start.coef_.copy(), start.intercept_.copy()
+    return model.fit(x, y)
 
 
 def _fit_grid(x, y) -> list:
@@ -96,7 +103,7 @@ def lr_reference(train, eval_, dense_mean, dense_std, seed: int = 0, max_rows: i
         for c, m in zip(C_GRID, fits, strict=True)
     }
     best = min(C_GRID, key=lambda c: (val_ll[c], c))
-    model = _fit(x_all, train.labels[rows], best)
+    model = _fit(x_all, train.labels[rows], best, start=fits[C_GRID.index(best)])
     y = eval_.labels
     p = model.predict_proba(design_matrix(eval_, np.arange(len(eval_)), dense_mean, dense_std)[:, used])[:, 1]
     auc = float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else None
