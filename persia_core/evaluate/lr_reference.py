@@ -97,13 +97,10 @@ def lr_reference(train, eval_, dense_mean, dense_std, seed: int = 0, max_rows: i
     at = np.empty(total, dtype=np.int64)
     at[rows] = np.arange(len(rows))
     x_fit, x_val = x_all[at[fit_rows]], x_all[at[val_rows]]
-    fits = _fit_grid(x_fit, y_fit)
-    val_ll = {
-        c: float(log_loss(y_val, m.predict_proba(x_val)[:, 1], labels=[0, 1]))
-        for c, m in zip(C_GRID, fits, strict=True)
-    }
+    fits = dict(zip(C_GRID, _fit_grid(x_fit, y_fit), strict=True))
+    val_ll = {c: float(log_loss(y_val, m.predict_proba(x_val)[:, 1], labels=[0, 1])) for c, m in fits.items()}
     best = min(C_GRID, key=lambda c: (val_ll[c], c))
-    model = _fit(x_all, train.labels[rows], best, start=fits[C_GRID.index(best)])
+    model = _fit(x_all, train.labels[rows], best, start=fits[best])
     y = eval_.labels
     p = model.predict_proba(design_matrix(eval_, np.arange(len(eval_)), dense_mean, dense_std)[:, used])[:, 1]
     auc = float(roc_auc_score(y, p)) if len(np.unique(y)) == 2 else None

@@ -62,7 +62,6 @@ def test_the_lr_reference_equals_an_independent_scikit_learn_fit_on_the_same_row
     order = sorted(range(len(ts)), key=lambda i: ts[i])
     n_val = round(0.1 * len(order))
     fit, val = order[:-n_val], order[-n_val:]
-
     val_ll = {
         c: log_loss(y[val], LogisticRegression(C=c, max_iter=300).fit(x[fit], y[fit]).predict_proba(x[val])[:, 1])
         for c in C_GRID
