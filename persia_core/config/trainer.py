@@ -33,6 +33,12 @@ class TrainerConfig:
     """``epochs: auto``: the most epochs trained."""
     patience: int = 2
     """``epochs: auto``: epochs without a better validation logloss before training stops."""
+    patience_z: float = 3.0
+    """``epochs: auto``: stop before ``patience`` runs out when an epoch's validation logloss is worse than the best
+    epoch's by more than this many standard errors of the per-row difference over the slice (a paired t
+    statistic, ``persia_core.train.validation.paired_worse_z``): a fall that later epochs are unlikely to undo,
+    whose wait would only cost epochs on a large slice; a noisy bump on a small slice stays within it. Measured
+    from the first best epoch a run scores (after a resume, from the next one). 0: off."""
     validation_fraction: float = 0.1
     """``epochs: auto``: the last fraction of the train split by timestamp (by row order where the data has none),
     held back from training and scored with read-only lookups after every epoch."""
@@ -129,6 +135,8 @@ class TrainerConfig:
                 raise config_error(f"trainer.{name}", "must be >= 1")
         if not self.auto_epochs and int(self.epochs) < 1:
             raise config_error("trainer.epochs", "must be >= 1 (or 'auto')")
+        if not (math.isfinite(self.patience_z) and self.patience_z >= 0):
+            raise config_error("trainer.patience_z", f"must be a number >= 0 (0: off), got {self.patience_z}")
         if not 0 < self.validation_fraction <= 0.5:
             raise config_error("trainer.validation_fraction", "must be in (0, 0.5]")
         if self.embedding_workers < 0:

@@ -2,15 +2,17 @@
 
 After the last step of each epoch every NN worker drains its pushes, scores its share of the validation slice
 (``embedding_worker.rank_split``) with read-only lookups (no row is created or touched), and the ranks all-reduce
-the summed logloss and the row count, so that all of them take the same decision. A better logloss (strictly
-lower) makes that epoch the best: rank 0 has every parameter server dump its shard into ``<model>/best/`` (a
-consistent cut: every rank has drained, and waits at a barrier until the dump is done) and every rank keeps a copy
-of the dense weights. Once ``patience`` epochs in a row bring no better logloss, or at ``max_epochs``, training
-stops; when the last epoch is not the best, the servers load the best shard files back and the dense weights and
-the dense optimizer's state are restored, so that the Model artifact is the best epoch's model, embedding rows and
-optimizer state exactly. With ``trainer.train_on_validation`` (the default) that model then trains one pass over
-the validation slice (``worker.train_validation_slice``): the slice is the latest data, the most telling of the
-days the Model will serve; the epoch was chosen on it before that pass.
+the summed logloss and the row count, so that all of them take the same decision. A better logloss (strictly lower)
+makes that epoch the best: rank 0 has every parameter server dump its shard into ``<model>/best/`` (a consistent
+cut: every rank has drained, and waits at a barrier until the dump is done) and every rank keeps a copy of the dense
+weights. Once ``patience`` epochs in a row bring no better logloss, or at ``max_epochs``, training stops, and at
+once when an epoch's logloss is worse than the best epoch's by more than ``patience_z`` standard errors of the
+per-row difference over the slice (a paired test: a fall that no later epoch is likely to undo); when the last epoch
+is not the best, the servers load the best shard files back and the dense weights and the dense optimizer's state
+are restored, so that the Model artifact is the best epoch's model, embedding rows and optimizer state exactly. With
+``trainer.train_on_validation`` (the default) that model then trains one pass over the validation slice
+(``worker.train_validation_slice``): the slice is the latest data, the most telling of the days the Model will
+serve; the epoch was chosen on it before that pass.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import io as _io
 import logging
+import math
 import shutil
 from dataclasses import asdict, dataclass, field
 
@@ -48,8 +51,11 @@ class EarlyStopping:
     """The state of ``epochs: auto``: each epoch's validation logloss, the best one so far and where it was."""
 
     patience: int
+    patience_z: float = 0.0
+    """Stop at once when an epoch's ``worse_z`` exceeds this (0: off, ``patience`` alone)."""
     history: list[dict] = field(default_factory=list)
-    """Per epoch scored: ``{"epoch", "step", "logloss", "rows"}`` (epoch counted from 1, step: steps trained)."""
+    """Per epoch scored: ``{"epoch", "step", "logloss", "rows"}`` (epoch counted from 1, step: steps trained),
+    and ``worse_z`` where it was measured (``paired_worse_z`` against the best epoch)."""
     best_logloss: float = float("inf")
     best_epoch: int = 0
     best_step: int = 0
@@ -59,16 +65,33 @@ class EarlyStopping:
     initial_files: list[tuple[int, int]] = field(default_factory=list)
     """``trainer.refit``: ``(bytes, CRC-32C)`` of the initial shard files (rank 0's state only)."""
 
-    def update(self, epoch: int, step: int, logloss: float, rows: int) -> bool:
+    def update(self, epoch: int, step: int, logloss: float, rows: int, worse_z: float | None = None) -> bool:
         """Record epoch ``epoch`` (ending after ``step`` steps); returns whether it is the best so far. Sets
-        ``stopped`` once ``patience`` epochs have passed without a better logloss."""
-        self.history.append({"epoch": epoch, "step": step, "logloss": logloss, "rows": rows})
+        ``stopped`` once ``patience`` epochs have passed without a better logloss, or when ``worse_z`` (standard
+        errors by which this epoch is worse than the best, ``paired_worse_z``; None: not measured) exceeds
+        ``patience_z`` > 0."""
+        entry: dict = {"epoch": epoch, "step": step, "logloss": logloss, "rows": rows}
+        if worse_z is not None:
+            entry["worse_z"] = worse_z
+        self.history.append(entry)
         better = logloss < self.best_logloss
         if better:
             self.best_logloss, self.best_epoch, self.best_step = logloss, epoch, step
         elif epoch - self.best_epoch >= self.patience:
             self.stopped = True
+        elif self.patience_z > 0 and worse_z is not None and worse_z > self.patience_z:
+            self.stopped = True
         return better
+
+    @property
+    def stop_reason(self) -> str:
+        """Why training stopped (empty while it goes on), for the log."""
+        if not self.stopped:
+            return ""
+        last = self.history[-1]
+        if last["epoch"] - self.best_epoch >= self.patience:
+            return f"{self.patience} epochs without a better one"
+        return f"{last['worse_z']:.1f} standard errors worse than the best (patience_z {self.patience_z:g})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,18 +113,23 @@ def validation_loss(
     examples,
     device: torch.device,
     world: int,
-) -> tuple[float, int]:
-    """``(mean logloss, rows)`` of the validation slice over all ranks: this rank's ``examples``
-    (``ParquetExamples``) scored with ``backend.lookup_readonly`` (unseen IDs read the zero row), summed and
-    all-reduced when ``world > 1``. The model is put back in training mode."""
+) -> tuple[float, int, np.ndarray]:
+    """``(mean logloss, rows, row_losses)`` of the validation slice: the mean over all ranks of this rank's
+    ``examples`` (``ParquetExamples``) scored with ``backend.lookup_readonly`` (unseen IDs read the zero row),
+    summed and all-reduced when ``world > 1``, and this rank's per-row loglosses (``float32[len(examples)]``, in
+    the rows' order). The model is put back in training mode. Raises ``ValueError`` when no rank has a row."""
     was_training = model.training
     model.eval()
     total = 0.0
+    row_losses = np.empty(len(examples), dtype=np.float32)
     for start in range(0, len(examples), SCORE_BATCH):
-        batch = examples.batch(np.arange(start, min(start + SCORE_BATCH, len(examples))))
+        end = min(start + SCORE_BATCH, len(examples))
+        batch = examples.batch(np.arange(start, end))
         logits = readonly_logits(model, backend, layouts, wide, batch, device)
         labels = torch.from_numpy(batch.labels).to(device)
-        total += float(F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="sum"))
+        losses = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
+        total += float(losses.sum(dtype=torch.float64))
+        row_losses[start:end] = losses.cpu().numpy()
     model.train(was_training)
     sums = torch.tensor([total, float(len(examples))], dtype=torch.float64)
     if world > 1:
@@ -111,7 +139,38 @@ def validation_loss(
     loss, rows = sums.tolist()
     if rows < 1:
         raise ValueError("epochs: auto: the validation slice holds no rows")
-    return loss / rows, int(rows)
+    return loss / rows, int(rows), row_losses
+
+
+Z_CAP = 1e6
+"""``paired_worse_z``'s bound when every row's difference is the same (a zero standard error)."""
+
+
+def paired_worse_z(now: np.ndarray, best: np.ndarray, world: int, device: torch.device) -> float:
+    """By how many standard errors an epoch's validation logloss is above the best epoch's: the mean of the
+    per-row differences ``now - best`` over every rank's rows, divided by its standard error ``s / sqrt(n)``
+    (``s``: the differences' sample standard deviation; a paired t statistic). ``now``, ``best``: ``float32[rows
+    of this rank]`` (``validation_loss``'s ``row_losses``), the same rows in the same order; the sums are
+    all-reduced when ``world > 1``. Negative when the epoch is better; bounded by ``+-Z_CAP`` (reached when
+    every difference is the same nonzero number), 0 when they are all 0 or there are fewer than 2 rows. Raises
+    ``ValueError`` when the shapes differ."""
+    if now.shape != best.shape:
+        raise ValueError(f"paired_worse_z: {now.shape[0]} rows against the best epoch's {best.shape[0]}")
+    d = now.astype(np.float64) - best.astype(np.float64)
+    sums = torch.tensor([d.sum(), np.square(d).sum(), float(len(d))], dtype=torch.float64)
+    if world > 1:
+        sums = sums.to(device) if dist.get_backend() == "nccl" else sums
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    total, squares, n = sums.tolist()
+    if n < 2:
+        return 0.0
+    mean = total / n
+    var = max(squares - n * mean * mean, 0.0) / (n - 1)
+    se = math.sqrt(var / n)
+    if se == 0.0:
+        return 0.0 if mean == 0 else math.copysign(Z_CAP, mean)
+    return max(-Z_CAP, min(Z_CAP, mean / se))
 
 
 def best_paths(model_dir: str, num_shards: int, folder: str = BEST_DIR) -> list[str]:

@@ -65,6 +65,7 @@ from persia_core.train.validation import (
     BestCut,
     EarlyStopping,
     load_initial,
+    paired_worse_z,
     remove_best,
     restore_best,
     save_best,
@@ -158,7 +159,8 @@ def run_worker(
     opt = dense_optimizer(model, tc.dense_lr, tc.dense_weight_decay, fused=True, first_order_lr=first_order_lr)
     history: dict[str, Any] = {"step": [], "samples": [], "loss": [], "elapsed_s": [], "staleness": []}
     start, samples, elapsed0, max_stal0 = 0, 0, 0.0, 0
-    stopping = EarlyStopping(tc.patience) if tc.auto_epochs else None
+    stopping = EarlyStopping(tc.patience, tc.patience_z) if tc.auto_epochs else None
+    best_rows: np.ndarray | None = None  # this rank's per-row validation loglosses of the best epoch
     refit = stopping is not None and tc.refit  # the epochs chosen, the model is trained again on every row
     cut = BestCut(out_dir, config.embedding.num_shards, rank, world)  # where the best epoch's model waits
     best_state: dict | None = None  # this rank's copy of the best epoch's dense weights (epochs: auto)
@@ -338,8 +340,11 @@ def run_worker(
             if stopping is not None and done % steps_per_epoch == 0:  # an epoch's end: score the validation slice
                 flush()
                 pipe.drain()
-                v_loss, v_rows = validation_loss(model, backend, layouts, wide, validation, device, world)
-                better = stopping.update(done // steps_per_epoch, done, v_loss, v_rows)
+                v_loss, v_rows, v_row_losses = validation_loss(model, backend, layouts, wide, validation, device, world)
+                worse_z = None if best_rows is None else paired_worse_z(v_row_losses, best_rows, world, device)
+                better = stopping.update(done // steps_per_epoch, done, v_loss, v_rows, worse_z)
+                if better:
+                    best_rows = v_row_losses
                 if better and not refit:  # a refit needs only the number of epochs
                     best_state, stopping.shard_files = save_best(cut, model, opt, backend)
                 if rank == 0:
@@ -349,7 +354,7 @@ def run_worker(
                         v_loss,
                         v_rows,
                         stopping.best_epoch,
-                        f"; stopping after {tc.patience} epochs without a better one" if stopping.stopped else "",
+                        f"; stopping: {stopping.stop_reason}" if stopping.stopped else "",
                     )
             if checkpointer is not None and done < total_steps and checkpointer.due(done, time_due):
                 flush()

@@ -18,12 +18,13 @@ from persia_core.embedding.shard_tables import load_shard_file, lru_state_dict, 
 from persia_core.evaluate.run import LoadedModel, score
 from persia_core.train.embedding_worker import rank_split
 from persia_core.train.launcher import train
-from persia_core.train.validation import EarlyStopping
+from persia_core.train.validation import Z_CAP, EarlyStopping, paired_worse_z
 
 
 def _auto(max_epochs: int, **over) -> RunConfig:
     d = tiny_config(embedding_staleness=0, shuffle=True, embedding_workers=2).to_dict()
     d["trainer"].update(epochs="auto", max_epochs=max_epochs, patience=2, validation_fraction=0.25, dense_lr=0.005)
+    d["trainer"]["patience_z"] = 0.0  # patience alone (test_patience_z_... turns it on)
     d["embedding"]["tables"][0]["optimizer"]["lr"] = 0.05  # fast to fit, fast to overfit: a curve that turns
     d["model"]["wide"] = True
     for k, v in over.items():
@@ -62,6 +63,46 @@ def test_early_stopping_keeps_the_lowest_logloss_and_stops_after_patience_epochs
     ]
     assert (s.best_epoch, s.best_step, s.best_logloss, s.stopped) == (2, 20, 0.5, True)  # a tie is not better
     assert EarlyStopping.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+def test_early_stopping_stops_at_once_when_an_epoch_is_patience_z_standard_errors_worse():
+    s = EarlyStopping(patience=3, patience_z=3.0)
+    # epoch 3: a bump within the noise (z 1.5) goes on; epoch 5: a fall of 4 standard errors stops at once,
+    # two epochs before patience would
+    for e, v, z in [(1, 0.6, None), (2, 0.5, -9.0), (3, 0.51, 1.5), (4, 0.49, -2.0)]:
+        s.update(e, 10 * e, v, 5, z)
+        assert not s.stopped and s.stop_reason == ""
+    assert not s.update(5, 50, 0.52, 5, 4.0) and s.stopped and s.best_epoch == 4
+    assert s.stop_reason == "4.0 standard errors worse than the best (patience_z 3)"
+    assert [h.get("worse_z") for h in s.history] == [None, -9.0, 1.5, -2.0, 4.0]
+    assert EarlyStopping.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+    off = EarlyStopping(patience=3)  # patience_z 0: patience alone, however far the fall
+    for e, v, z in [(1, 0.5, None), (2, 0.9, Z_CAP), (3, 0.9, Z_CAP)]:
+        off.update(e, e, v, 5, z)
+        assert not off.stopped
+    off.update(4, 4, 0.9, 5, Z_CAP)
+    assert off.stopped and off.stop_reason == "3 epochs without a better one"
+    with pytest.raises(ValueError, match=r"trainer.patience_z.*>= 0"):
+        _auto(5, patience_z=-1.0)
+    with pytest.raises(ValueError, match=r"trainer.patience_z"):
+        _auto(5, patience_z=float("nan"))
+
+
+def test_paired_worse_z_is_the_paired_t_statistic_of_the_rows_loglosses():
+    from scipy.stats import ttest_rel
+
+    rng = np.random.default_rng(0)
+    best = rng.exponential(0.5, 3000).astype(np.float32)
+    for shift, noise in [(0.01, 0.2), (-0.003, 0.05), (0.0005, 0.3)]:
+        now = (best + shift + rng.normal(0, noise, best.shape)).astype(np.float32)
+        ref = ttest_rel(now.astype(np.float64), best.astype(np.float64)).statistic  # float64, scipy
+        got = paired_worse_z(now, best, 1, torch.device("cpu"))
+        assert got == pytest.approx(ref, rel=1e-9) and np.sign(got) == np.sign(now.mean() - best.mean()), (got, ref)
+    assert paired_worse_z(best + np.float32(0.25), best, 1, torch.device("cpu")) == Z_CAP  # every row worse alike
+    assert paired_worse_z(best - np.float32(0.25), best, 1, torch.device("cpu")) == -Z_CAP
+    assert paired_worse_z(best.copy(), best, 1, torch.device("cpu")) == 0.0
+    with pytest.raises(ValueError, match="2999 rows against the best epoch's 3000"):
+        paired_worse_z(best[1:], best, 1, torch.device("cpu"))
 
 
 def _tables(cfg: RunConfig, model: str, manifest: dict) -> dict:
@@ -129,6 +170,25 @@ def test_auto_keeps_the_epoch_of_the_best_validation_logloss_and_restores_its_mo
     ref = str(root / "ref")
     ref_manifest = train(_auto(best), data, ref, work_dir=str(root / "ref-work"))
     _same_model(cfg, model, auto_run["manifest"], ref, ref_manifest)
+
+
+@pytest.mark.processes
+def test_patience_z_stops_at_the_first_epoch_measured_worse_than_the_best(tmp_path, auto_run):
+    # auto_run's curve (patience 2 alone) turns; with patience_z just above 0 any epoch scored worse than the best
+    # is past it, so the same run (seeded, staleness 0) stops at the first one, on the same curve up to there
+    ref = [v["logloss"] for v in json.load(open(os.path.join(auto_run["model"], "train_metrics.json")))["validation"]]
+    first_worse = next(e for e in range(2, len(ref) + 1) if ref[e - 1] >= min(ref[: e - 1]))
+    model = str(tmp_path / "model")
+    train(_auto(8, patience_z=1e-6), auto_run["data"], model, work_dir=str(tmp_path / "work"))
+    hist = json.load(open(os.path.join(model, "train_metrics.json")))
+    curve = [v["logloss"] for v in hist["validation"]]
+    assert curve == ref[:first_worse] and hist["stopped_early"], (curve, ref)
+    assert hist["best_epoch"] == int(np.argmin(curve)) + 1 and first_worse - hist["best_epoch"] < 2  # not patience
+    # every epoch after the first measured against the best before it: the paired mean is the loglosses' difference
+    for e in range(2, len(curve) + 1):
+        z = hist["validation"][e - 1]["worse_z"]
+        assert np.sign(z) == np.sign(curve[e - 1] - min(curve[: e - 1])) and z != 0, (e, z)
+    assert "worse_z" not in hist["validation"][0]
 
 
 @pytest.mark.processes

@@ -340,11 +340,11 @@ def test_the_embedding_tables_but_the_wide_one_step_at_their_epochs_decayed_rate
 
 
 def test_the_pass_over_the_validation_slice_steps_at_the_rate_after_the_kept_epoch(tmp_path, monkeypatch):
-    # epochs: auto, 3 epochs scored (patience 3: no early stop), no refit: the pass after the kept epoch k trains
-    # its embedding tables at d^k, as the epoch after it would have
+    # epochs: auto, 3 epochs scored (patience 3, patience_z off: no early stop), no refit: the pass after the kept
+    # epoch k trains its embedding tables at d^k, as the epoch after it would have
     data = write_dataset(str(tmp_path / "data"), rows=128)
     pushes = _spy_pushes(monkeypatch)
-    cfg = tiny_config(epochs="auto", max_epochs=3, patience=3, embedding_lr_decay=0.5)
+    cfg = tiny_config(epochs="auto", max_epochs=3, patience=3, patience_z=0.0, embedding_lr_decay=0.5)
     backend = LocalEmbedding(cfg.embedding, num_shards=cfg.embedding.num_shards, seed=0)
     hist = worker.run_worker(cfg, data, str(tmp_path / "run"), backend, rank=0, world=1)
     kept, steps = hist["best_epoch"], hist["validation_pass"]["steps"]
