@@ -20,8 +20,9 @@ later runs.
 Prints progress lines, then one JSON line per dataset x size x model with ``dataset``, ``size`` (ratings or
 train rows), ``train_rows``, ``model``, ``default``, ``seeds``, ``auc``, ``auc_std``, ``logloss``,
 ``logloss_std`` (means and population std over the seeds), ``lr_auc``, ``lr_logloss``, ``auc_lift`` (AUC minus
-the LR reference's), ``beats_lr`` (AUC >= and logloss <= the reference's), ``epochs_kept`` (per seed),
-``train_seconds`` (mean) and, on ``criteo_synth``, ``planted_auc``.
+the LR reference's), ``beats_lr`` (AUC >= and logloss <= the reference's), ``epochs_kept`` and
+``epochs_scored`` (per seed: the kept epoch, and the epochs trained and scored on the validation slice before
+training stopped; 0 without ``epochs: auto``), ``train_seconds`` (mean) and, on ``criteo_synth``, ``planted_auc``.
 """
 
 from __future__ import annotations
@@ -152,7 +153,12 @@ def run_model(config, data: str, work: str, seed: int, lr_reference: bool) -> di
         hist = json.load(f)
     m = evaluate(model, data, lr_reference=lr_reference, coverage=False)["metrics"]
     shutil.rmtree(work, ignore_errors=True)
-    return {"metrics": m, "train_seconds": seconds, "epoch": hist.get("best_epoch", cfg.trainer.scheduled_epochs)}
+    return {
+        "metrics": m,
+        "train_seconds": seconds,
+        "epoch": hist.get("best_epoch", cfg.trainer.scheduled_epochs),
+        "scored": len(hist.get("validation", [])),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     "auc_lift": None if lr_auc is None else round(auc - lr_auc, 5),
                     "beats_lr": None if lr_auc is None or lr_ll is None else bool(auc >= lr_auc and ll <= lr_ll),
                     "epochs_kept": [r["epoch"] for r in runs],
+                    "epochs_scored": [r["scored"] for r in runs],
                     "train_seconds": round(statistics.mean(r["train_seconds"] for r in runs), 1),
                     "loadavg": loadavg(),
                 }

@@ -91,7 +91,9 @@ def test_bench_quality_prints_one_line_per_dataset_size_and_model_with_the_lr_re
     assert lines[0]["train_rows"] < 4000 and "planted_auc" not in lines[0]
     assert lines[1]["train_rows"] == 3000 and 0.8 < lines[1]["planted_auc"] < 0.95
     assert lines[1]["lr_auc"] == lines[2]["lr_auc"]  # one reference per dataset and size
-    assert lines[2]["epochs_kept"] == [1]  # the pre-issue config: one fixed epoch
+    assert lines[2]["epochs_kept"] == [1] and lines[2]["epochs_scored"] == [0]  # the pre-issue config: one epoch
+    for x in lines[:2]:  # epochs: auto stopped at patience or patience_z after its best epoch, or at max_epochs
+        assert x["epochs_kept"][0] <= x["epochs_scored"][0] <= min(x["epochs_kept"][0] + 2, 10), x
 
 
 @pytest.mark.processes
