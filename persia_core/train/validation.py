@@ -104,6 +104,17 @@ class EarlyStopping:
         return cls(**d)
 
 
+def summed_over_ranks(values: list[float], world: int, device: torch.device) -> list[float]:
+    """``values`` summed element-wise over the ranks in float64 (all-reduced on ``device`` under NCCL, on the CPU
+    under gloo; as given when ``world`` is 1): every rank calls it with as many values."""
+    sums = torch.tensor(values, dtype=torch.float64)
+    if world > 1:
+        sums = sums.to(device) if dist.get_backend() == "nccl" else sums
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    return sums.tolist()
+
+
 @torch.no_grad()
 def validation_loss(
     model: torch.nn.Module,
@@ -131,12 +142,7 @@ def validation_loss(
         total += float(losses.sum(dtype=torch.float64))
         row_losses[start:end] = losses.cpu().numpy()
     model.train(was_training)
-    sums = torch.tensor([total, float(len(examples))], dtype=torch.float64)
-    if world > 1:
-        sums = sums.to(device) if dist.get_backend() == "nccl" else sums
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-    loss, rows = sums.tolist()
+    loss, rows = summed_over_ranks([total, float(len(examples))], world, device)
     if rows < 1:
         raise ValueError("epochs: auto: the validation slice holds no rows")
     return loss / rows, int(rows), row_losses
@@ -157,12 +163,7 @@ def paired_worse_z(now: np.ndarray, best: np.ndarray, world: int, device: torch.
     if now.shape != best.shape:
         raise ValueError(f"paired_worse_z: {now.shape[0]} rows against the best epoch's {best.shape[0]}")
     d = now.astype(np.float64) - best.astype(np.float64)
-    sums = torch.tensor([d.sum(), np.square(d).sum(), float(len(d))], dtype=torch.float64)
-    if world > 1:
-        sums = sums.to(device) if dist.get_backend() == "nccl" else sums
-        dist.all_reduce(sums)
-        sums = sums.cpu()
-    total, squares, n = sums.tolist()
+    total, squares, n = summed_over_ranks([float(d.sum()), float(np.square(d).sum()), float(len(d))], world, device)
     if n < 2:
         return 0.0
     mean = total / n
