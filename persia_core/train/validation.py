@@ -60,6 +60,8 @@ class EarlyStopping:
     best_epoch: int = 0
     best_step: int = 0
     stopped: bool = False
+    stop_reason: str = ""
+    """Why training stopped (empty while it goes on), for the log."""
     shard_files: list[tuple[int, int]] = field(default_factory=list)
     """``(bytes, CRC-32C)`` of the best epoch's shard files (rank 0's state only: it loads them back)."""
     initial_files: list[tuple[int, int]] = field(default_factory=list)
@@ -78,20 +80,11 @@ class EarlyStopping:
         if better:
             self.best_logloss, self.best_epoch, self.best_step = logloss, epoch, step
         elif epoch - self.best_epoch >= self.patience:
-            self.stopped = True
+            self.stopped, self.stop_reason = True, f"{self.patience} epochs without a better one"
         elif self.patience_z > 0 and worse_z is not None and worse_z > self.patience_z:
             self.stopped = True
+            self.stop_reason = f"{worse_z:.1f} standard errors worse than the best (patience_z {self.patience_z:g})"
         return better
-
-    @property
-    def stop_reason(self) -> str:
-        """Why training stopped (empty while it goes on), for the log."""
-        if not self.stopped:
-            return ""
-        last = self.history[-1]
-        if last["epoch"] - self.best_epoch >= self.patience:
-            return f"{self.patience} epochs without a better one"
-        return f"{last['worse_z']:.1f} standard errors worse than the best (patience_z {self.patience_z:g})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +124,6 @@ def validation_loss(
     the rows' order). The model is put back in training mode. Raises ``ValueError`` when no rank has a row."""
     was_training = model.training
     model.eval()
-    total = 0.0
     row_losses = np.empty(len(examples), dtype=np.float32)
     for start in range(0, len(examples), SCORE_BATCH):
         end = min(start + SCORE_BATCH, len(examples))
@@ -139,9 +131,9 @@ def validation_loss(
         logits = readonly_logits(model, backend, layouts, wide, batch, device)
         labels = torch.from_numpy(batch.labels).to(device)
         losses = F.binary_cross_entropy_with_logits(logits.float(), labels, reduction="none")
-        total += float(losses.sum(dtype=torch.float64))
         row_losses[start:end] = losses.cpu().numpy()
     model.train(was_training)
+    total = float(row_losses.sum(dtype=np.float64))
     loss, rows = summed_over_ranks([total, float(len(examples))], world, device)
     if rows < 1:
         raise ValueError("epochs: auto: the validation slice holds no rows")
