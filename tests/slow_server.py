@@ -19,12 +19,25 @@ class SlowPushes(LocalEmbedding):
         self.delay_s = delay_s
         self.applied: list[int] = []
 
-    def push(self, table, ids, grads, step=0, sync_workers=0, step_fraction=1.0, bounds=None, lr_scale=1.0):
+    def push(
+        self,
+        table,
+        ids,
+        grads,
+        step=0,
+        sync_workers=0,
+        step_fraction=1.0,
+        bounds=None,
+        lr_scale=1.0,
+        epochs_trained=1.0,
+    ):
         fut: Future = Future()
 
         def later():
             time.sleep(self.delay_s)
-            LocalEmbedding.push(self, table, ids, grads, bounds=bounds, lr_scale=lr_scale)
+            LocalEmbedding.push(
+                self, table, ids, grads, bounds=bounds, lr_scale=lr_scale, epochs_trained=epochs_trained
+            )
             self.applied.append(step)
             fut.set_result(0)
 

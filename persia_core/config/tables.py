@@ -43,6 +43,13 @@ class OptimizerConfig:
     stays within it are exactly 0."""
     l2: float = 0.0
     """ftrl: L2 strength (lambda_2) of the proximal solution, same units."""
+    l2_per_epoch: float = 0.0
+    """ftrl: an L2 strength that grows with the epochs trained: the proximal solution's L2 is ``max(l2, l2_per_epoch *
+    e)`` after ``e`` epochs (fractional, by steps; the pass over the validation slice counted as one). FTRL adds its
+    L2 once to a sum of gradients that grows with every step, so a fixed ``l2`` fades as epochs go on and the weights
+    drift to the unregularized fit; one that grows with the steps makes the fixed point the L2-regularized optimum
+    of the mean loss (regularized dual averaging, Xiao, JMLR 2010), that of scikit-learn's ``LogisticRegression`` at
+    C = 1 / (l2_per_epoch * global batch). 0: off."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -59,6 +66,10 @@ class OptimizerConfig:
             raise config_error("optimizer.l1/l2", "must be >= 0")
         if (self.l1 or self.l2) and self.name != "ftrl":
             raise config_error("optimizer.l1/l2", f"are FTRL's; optimizer {self.name!r} takes weight_decay")
+        if self.l2_per_epoch < 0:
+            raise config_error("optimizer.l2_per_epoch", "must be >= 0")
+        if self.l2_per_epoch and self.name != "ftrl":
+            raise config_error("optimizer.l2_per_epoch", f"is FTRL's; optimizer {self.name!r} has no l2")
         if self.initial_accumulator < 0:
             raise config_error("optimizer.initial_accumulator", "must be >= 0")
 

@@ -57,6 +57,7 @@ class EmbeddingBackend(Protocol):
         step_fraction: float = 1.0,
         bounds: np.ndarray | None = None,
         lr_scale: float = 1.0,
+        epochs_trained: float = 1.0,
     ) -> Future[int]:
         """Apply the gradients ``grads: float32[U, D]`` of distinct ``ids: uint64[U]`` (one optimizer step per
         row, ``EmbeddingTable.apply_gradients``). Returns a future whose result is the number of gradients
@@ -67,7 +68,8 @@ class EmbeddingBackend(Protocol):
         ``step``: the training step the push belongs to. ``sync_workers``: M > 1 when each of M workers pushes
         its share of every step and the shards combine them into one update (``staleness`` 0; the in-process
         backend, having one caller, applies every push at once). ``step_fraction``: the share of a step this
-        push carries and ``lr_scale`` the learning rate's multiplier (``EmbeddingTable.apply_gradients``).
+        push carries, ``lr_scale`` the learning rate's multiplier and ``epochs_trained`` the epochs trained
+        (``EmbeddingTable.apply_gradients``).
         ``bounds``: as ``lookup``'s."""
         ...
 

@@ -150,13 +150,16 @@ class LocalEmbedding:
         step_fraction: float = 1.0,
         bounds: np.ndarray | None = None,
         lr_scale: float = 1.0,
+        epochs_trained: float = 1.0,
     ) -> Future[int]:
         """Apply ``grads: float32[U, D]`` to the rows of ``ids: uint64[U]`` now (``step`` and ``sync_workers``
         are not needed in one process). Returns a done future of the number of gradients dropped."""
         dropped = 0
         for s, pos in enumerate(self._route(ids, bounds)):
             if part_size(pos):
-                dropped += self.shards[s][table].apply_gradients(ids[pos], grads[pos], step_fraction, lr_scale)
+                dropped += self.shards[s][table].apply_gradients(
+                    ids[pos], grads[pos], step_fraction, lr_scale, epochs_trained
+                )
         return _done(dropped)
 
     def flush(self) -> None:

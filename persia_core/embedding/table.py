@@ -327,7 +327,12 @@ class EmbeddingTable:
             return K.find_rows(np.ascontiguousarray(ids, dtype=np.uint64), self.index, self.keys) >= 0
 
     def apply_gradients(
-        self, ids: np.ndarray, grads: np.ndarray, step_fraction: float = 1.0, lr_scale: float = 1.0
+        self,
+        ids: np.ndarray,
+        grads: np.ndarray,
+        step_fraction: float = 1.0,
+        lr_scale: float = 1.0,
+        epochs_trained: float = 1.0,
     ) -> int:
         """Apply one optimizer step to the rows of ``ids: uint64[N]`` with ``grads: float32[N, D]``.
 
@@ -337,7 +342,8 @@ class EmbeddingTable:
         as one synchronous update; SGD needs no scaling (the gradient itself is 1/M of the step's); FTRL adds the
         push's squared gradient divided by it to its accumulator, so that M pushes add what one update adds.
         ``lr_scale``: multiplies the optimizer's learning rate (FTRL's alpha), every optimizer alike
-        (``trainer.embedding_lr_decay``).
+        (``trainer.embedding_lr_decay``). ``epochs_trained``: the epochs the run has trained (fractional): FTRL's L2
+        is ``max(l2, l2_per_epoch * epochs_trained)``; the other optimizers do not use it.
 
         Gradients of an ID repeated in ``ids`` are summed first and applied in one update. A gradient for an ID
         that has no row (evicted since its lookup) is dropped and counted. Returns the number dropped.
@@ -353,33 +359,34 @@ class EmbeddingTable:
         uniq, summed, finite = K.segment_sum(ids, grads)
         if not finite:
             raise ValueError("gradient push contains inf or NaN; refused")
-        fraction, scale = float(step_fraction), float(lr_scale)
+        fraction, scale, epochs = float(step_fraction), float(lr_scale), float(epochs_trained)
         with self.lock:
             rows = K.find_rows(uniq, self.index, self.keys)
             dropped = int((rows < 0).sum())
             self.dropped_gradients += dropped
             if self.storage == "fp32":
-                self._step(rows, summed, self.weights, self.state, fraction, scale)
+                self._step(rows, summed, self.weights, self.state, fraction, scale, epochs)
             else:  # 16-bit storage: gather the rows (unique) as fp32, step, round back
                 have = rows >= 0
                 r = rows[have]
                 w = decode(self.weights[r], self.storage).copy()
                 st = {k: v[r] for k, v in self.state.items()}
-                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, fraction, scale)
+                self._step(np.arange(len(r), dtype=np.int32), summed[have], w, st, fraction, scale, epochs)
                 self.weights[r] = encode(w, self.storage)
                 for k, v in st.items():
                     self.state[k][r] = v
         return dropped
 
-    def _step(self, rows, grads, weights, state, fraction: float, scale: float = 1.0) -> None:
+    def _step(self, rows, grads, weights, state, fraction: float, scale: float = 1.0, epochs: float = 1.0) -> None:
         o = self.optimizer
         base = o.lr * scale
         lr = base * fraction  # scale-invariant optimizers take `fraction` of a step (apply_gradients)
         if o.name == "sgd":
             K.apply_sgd(rows, grads, weights, base, o.weight_decay)
         elif o.name == "ftrl":
+            l2 = max(o.l2, o.l2_per_epoch * epochs)
             K.apply_ftrl(
-                rows, grads, weights, state["acc"], state["z"], base, o.eps, o.l1, o.l2, o.weight_decay, fraction
+                rows, grads, weights, state["acc"], state["z"], base, o.eps, o.l1, l2, o.weight_decay, fraction
             )
         elif o.name == "rowwise_adagrad":
             K.apply_rowwise_adagrad(rows, grads, weights, state["acc"], lr, o.eps, o.weight_decay)

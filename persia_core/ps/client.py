@@ -305,16 +305,27 @@ class EmbeddingClient:
         step_fraction: float = 1.0,
         bounds: np.ndarray | None = None,
         lr_scale: float = 1.0,
+        epochs_trained: float = 1.0,
     ) -> Future[int]:
         """Send the gradients of unique ``ids: uint64[U]`` (``grads: float32[U, D]``) to their shards without
         blocking. Returns a future that completes when every shard has applied them (``sync_workers = M > 1``:
         when the step's pushes of all M workers were combined and applied). Its result is the dropped count.
-        ``bounds``: ``ids`` are grouped by shard (``routing.group_by_shard``). ``step_fraction``, ``lr_scale``: as
-        ``EmbeddingTable.apply_gradients``."""
+        ``bounds``: ``ids`` are grouped by shard (``routing.group_by_shard``). ``step_fraction``, ``lr_scale``,
+        ``epochs_trained``: as ``EmbeddingTable.apply_gradients``."""
         out: Future[int] = Future()
         # routing and sending happen off the caller's thread, on one dispatcher thread, in call order
         self.dispatcher.submit(
-            self._dispatch_push, out, table, ids, grads, step, sync_workers, step_fraction, bounds, lr_scale
+            self._dispatch_push,
+            out,
+            table,
+            ids,
+            grads,
+            step,
+            sync_workers,
+            step_fraction,
+            bounds,
+            lr_scale,
+            epochs_trained,
         )
         return out
 
@@ -329,6 +340,7 @@ class EmbeddingClient:
         step_fraction: float = 1.0,
         bounds: np.ndarray | None = None,
         lr_scale: float = 1.0,
+        epochs_trained: float = 1.0,
     ) -> None:
         try:
             ids = np.ascontiguousarray(ids, dtype=np.uint64)
@@ -346,6 +358,7 @@ class EmbeddingClient:
                         "sync_workers": sync_workers,
                         "step_fraction": step_fraction,
                         "lr_scale": lr_scale,
+                        "epochs_trained": epochs_trained,
                     }
                     arrays = {"ids": take_part(ids, pos), "grads": take_part(grads, pos)}
                     futs.append(self.pool.submit(self.call, "Push", s, meta, arrays))

@@ -12,8 +12,8 @@ Incremental export: the IDs created by lookups and updated by pushes are recorde
 are written as a delta file (``persia_core.embedding.delta``).
 
 Requests are checked before anything is applied: ids must be ``uint64[U]``, a push's gradients ``float32[U, D]``
-and finite, its ``step_fraction`` and ``lr_scale`` in (0, 1]. The gRPC service around a shard is
-``persia_core.ps.servicer``.
+and finite, its ``step_fraction`` and ``lr_scale`` in (0, 1], its ``epochs_trained`` finite and >= 0. The gRPC
+service around a shard is ``persia_core.ps.servicer``.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ class ParameterServerShard:
         step, m = meta.get("step", 0), meta.get("sync_workers", 0)
         fraction = meta.get("step_fraction", 1.0)
         lr_scale = meta.get("lr_scale", 1.0)
+        epochs = meta.get("epochs_trained", 1.0)
         if not isinstance(client, str) or not client:
             raise ValueError(f"push: client must be a non-empty string, got {client!r}")
         for name, v in (("seq", seq), ("step", step), ("sync_workers", m)):
@@ -168,6 +169,8 @@ class ParameterServerShard:
         for name, x in (("step_fraction", fraction), ("lr_scale", lr_scale)):
             if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0.0 < x <= 1.0:
                 raise ValueError(f"push: {name} must be in (0, 1], got {x!r}")
+        if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or not 0.0 <= epochs < float("inf"):
+            raise ValueError(f"push: epochs_trained must be a finite number >= 0, got {epochs!r}")
         check_push_arrays(table, ids, grads, finite=m > 1)  # async: apply_gradients checks finiteness itself
         with self.cond:
             rec = self.applied.setdefault(client, _Applied())
@@ -176,7 +179,7 @@ class ParameterServerShard:
                     self.duplicates += 1
                     return {"applied": False, "duplicate": True, "dropped": 0}
                 t0 = time.thread_time()
-                dropped = table.apply_gradients(ids, grads, float(fraction), float(lr_scale))
+                dropped = table.apply_gradients(ids, grads, float(fraction), float(lr_scale), float(epochs))
                 self.table_cpu_s += time.thread_time() - t0
                 rec.add(seq)
                 self.pushes += 1
@@ -199,7 +202,9 @@ class ParameterServerShard:
                 all_ids = np.concatenate([b[0] for b in bucket.values()])
                 all_grads = np.concatenate([b[1] for b in bucket.values()])
                 t0 = time.thread_time()
-                dropped = table.apply_gradients(all_ids, all_grads, lr_scale=float(lr_scale))
+                dropped = table.apply_gradients(
+                    all_ids, all_grads, lr_scale=float(lr_scale), epochs_trained=float(epochs)
+                )
                 self.table_cpu_s += time.thread_time() - t0
                 if self.tracker is not None:
                     self.tracker.record(meta["table"], all_ids)

@@ -144,6 +144,13 @@ class StepRules:
             return 1.0
         return max(float(self.lr_decay ** (self.epoch0 + step // self.steps_per_epoch)), sys.float_info.min)
 
+    def epochs_trained(self, step: int) -> float:
+        """The epochs trained once ``step`` is applied, fractional (``epoch0 + (step + 1) / steps_per_epoch``;
+        ``epoch0 + 1`` with no epoch length): FTRL's ``l2`` grows with it (``optimizer.l2_per_epoch``)."""
+        if self.steps_per_epoch <= 0:
+            return float(self.epoch0 + 1)
+        return self.epoch0 + (step + 1) / self.steps_per_epoch
+
 
 class BatchSource:
     """One NN worker's batches: ``batch(step)`` gathers the rows ``rows[step]: int64[b]`` of ``examples`` (a
@@ -403,6 +410,7 @@ class EmbeddingWorker:
         self.free.append(slot)  # its gradient is read out
         t1 = time.perf_counter()
         scale = self.rules.lr_scale(step)  # the wide table is not decayed (trainer.embedding_lr_decay)
+        epochs = self.rules.epochs_trained(step)
         futs = [
             self.backend.push(
                 name,
@@ -413,6 +421,7 @@ class EmbeddingWorker:
                 step_fraction=1.0 if self.K == 0 else 1.0 / self.M,
                 bounds=p.bounds,
                 lr_scale=1.0 if name == WIDE_TABLE else scale,
+                epochs_trained=epochs,
             )
             for name, p, g in per_table
         ]

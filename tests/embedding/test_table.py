@@ -94,11 +94,43 @@ def test_ftrl_matches_float64_recomputation_with_exact_zeros_from_l1():
     np.testing.assert_array_equal(got == 0, w == 0)
 
 
+def test_ftrl_with_l2_per_epoch_converges_to_the_l2_regularized_logistic_regression():
+    # a wide table (one weight per ID) trained on one-hot rows by full-batch steps of the mean logloss's gradient,
+    # each step one epoch: with l2_per_epoch its weights approach scikit-learn's L2 fit at C = 1 / (l2 * rows)
+    # (the objective mean logloss + l2 / 2 * |w|^2) at about 1 / steps; with that l2 fixed they drift away from it
+    from sklearn.linear_model import LogisticRegression
+
+    rng = np.random.default_rng(0)
+    rows, slots, vocab, l2 = 400, 3, 12, 0.05
+    cols = rng.integers(0, vocab, size=(rows, slots)) + np.arange(slots) * vocab
+    x = np.zeros((rows, slots * vocab))
+    np.add.at(x, (np.repeat(np.arange(rows), slots), cols.ravel()), 1.0)
+    y = (rng.random(rows) < 1 / (1 + np.exp(-x @ rng.normal(size=slots * vocab)))).astype(np.float64)
+    ref = LogisticRegression(C=1 / (l2 * rows), fit_intercept=False, tol=1e-10, max_iter=10_000).fit(x, y).coef_[0]
+    ids = np.arange(1, slots * vocab + 1, dtype=np.uint64)
+    error = {}
+    for per_epoch in (True, False):
+        cfg = OptimizerConfig(name="ftrl", lr=0.5, eps=1.0, l2=0.0 if per_epoch else l2, l2_per_epoch=l2 * per_epoch)
+        t = EmbeddingTable(1, cfg, capacity=1024, init_scale=0.0)
+        for epoch in range(1, 801):
+            w = t.lookup(ids)[:, 0].astype(np.float64)
+            g = x.T @ (1 / (1 + np.exp(-x @ w)) - y) / rows
+            t.apply_gradients(ids, g[:, None].astype(np.float32), epochs_trained=epoch)
+        error[per_epoch] = np.abs(t.lookup_readonly(ids)[:, 0] - ref).max()
+    assert np.abs(ref).max() > 0.5
+    assert error[True] < 0.02, error
+    assert error[False] > 1.0, error
+
+
 def test_optimizer_fields_of_another_optimizer_are_refused():
     with pytest.raises(ValueError, match="l1/l2.*FTRL"):
         OptimizerConfig(name="adagrad", l1=0.1)
     with pytest.raises(ValueError, match="l1/l2.*>= 0"):
         OptimizerConfig(name="ftrl", l2=-1.0)
+    with pytest.raises(ValueError, match="optimizer.l2_per_epoch.*FTRL's"):
+        OptimizerConfig(name="rowwise_adagrad", l2_per_epoch=0.1)
+    with pytest.raises(ValueError, match="optimizer.l2_per_epoch.*>= 0"):
+        OptimizerConfig(name="ftrl", l2_per_epoch=-0.1)
 
 
 def test_duplicate_ids_in_batch_accumulate_before_one_adagrad_update():

@@ -43,6 +43,9 @@ def test_a_push_with_a_step_fraction_or_lr_scale_outside_0_1_is_refused_and_chan
         ({"client": 7, "seq": 1}, None, "client must be a non-empty string"),
         ({"client": "c", "seq": 1.9}, None, "seq must be an integer"),
         ({"client": "c", "seq": True}, None, "seq must be an integer"),
+        ({"client": "c", "seq": 1, "epochs_trained": -1.0}, None, "epochs_trained must be a finite number >= 0"),
+        ({"client": "c", "seq": 1, "epochs_trained": float("inf")}, None, "epochs_trained must be a finite"),
+        ({"client": "c", "seq": 1, "epochs_trained": "2"}, None, "epochs_trained must be a finite"),
         ({"client": "c", "seq": -1}, None, "seq must be an integer"),
         (
             {"client": "c", "seq": 1},

@@ -301,6 +301,12 @@ def test_the_embedding_rate_multiplier_counts_epochs_from_epoch0_and_stays_above
     assert StepRules(0, 1, 0, lr_decay=0.5).lr_scale(10**6) == 1.0  # no epoch length: one epoch
 
 
+def test_the_epochs_trained_that_ftrl_l2_grows_by_count_steps_from_epoch0():
+    rules = StepRules(staleness=0, num_workers=1, rank=0, steps_per_epoch=4, epoch0=2)
+    assert [rules.epochs_trained(s) for s in (0, 3, 4, 9)] == [2.25, 3.0, 3.25, 4.5]
+    assert StepRules(0, 1, 0).epochs_trained(10**6) == 1.0  # no epoch length: one epoch
+
+
 def _spy_pushes(monkeypatch) -> list[tuple[str, int, float]]:
     """``(table, step, lr_scale)`` of every push an in-process run makes, in order."""
     pushes: list[tuple[str, int, float]] = []
@@ -337,6 +343,40 @@ def test_the_embedding_tables_but_the_wide_one_step_at_their_epochs_decayed_rate
         assert scale == (1.0 if table == "wide" else 0.5 ** (step // per_epoch)), (table, step, scale)
     assert plain[:per_epoch] == decayed[:per_epoch]
     assert not np.allclose(plain[per_epoch:], decayed[per_epoch:], rtol=0, atol=1e-7)
+
+
+def test_every_push_carries_the_epochs_trained_by_which_the_wide_tables_l2_grows(tmp_path, monkeypatch):
+    # an in-process K = 0 run of 3 epochs with an FTRL wide table: push i of every table carries epochs_trained
+    # (i + 1) / steps per epoch; with l2_per_epoch equal to l2 the first epoch's losses are those of l2 alone bit
+    # for bit (max(l2, l2_per_epoch * e)), the later ones differ
+    data = write_dataset(str(tmp_path / "data"), rows=96)
+    seen: list[tuple[str, int, float]] = []
+    real = LocalEmbedding.push
+
+    def spy(self, table, ids, grads, *args, epochs_trained: float = 1.0, **kw):
+        seen.append((table, int(kw["step"]), epochs_trained))
+        return real(self, table, ids, grads, *args, epochs_trained=epochs_trained, **kw)
+
+    monkeypatch.setattr(LocalEmbedding, "push", spy)
+
+    def run(per_epoch: float) -> list[float]:
+        d = tiny_config(epochs=3).to_dict()
+        d["model"]["wide"] = True
+        ftrl = {"name": "ftrl", "lr": 0.5, "eps": 1.0, "l2": 0.05, "l2_per_epoch": per_epoch}
+        d["embedding"]["tables"].append({"name": "wide", "dim": 1, "init_scale": 0.0, "optimizer": ftrl})
+        cfg = RunConfig.from_dict(d)
+        backend = LocalEmbedding(cfg.embedding, num_shards=1, seed=0)
+        seen.clear()
+        return worker.run_worker(cfg, data, str(tmp_path / f"run-{per_epoch}"), backend, rank=0, world=1)["loss"]
+
+    fixed = run(0.0)
+    grown = run(0.05)
+    steps = len(grown) // 3
+    assert steps > 0 and {t for t, _, _ in seen} == {"default", "wide"}
+    for table, step, epochs in seen:
+        assert epochs == (step + 1) / steps, (table, step, epochs)
+    assert fixed[:steps] == grown[:steps]
+    assert not np.allclose(fixed[steps:], grown[steps:], rtol=0, atol=1e-7)
 
 
 def test_the_pass_over_the_validation_slice_steps_at_the_rate_after_the_kept_epoch(tmp_path, monkeypatch):
