@@ -307,14 +307,15 @@ def test_the_epochs_trained_that_ftrl_l2_grows_by_count_steps_from_epoch0():
     assert StepRules(0, 1, 0).epochs_trained(10**6) == 1.0  # no epoch length: one epoch
 
 
-def _spy_pushes(monkeypatch) -> list[tuple[str, int, float]]:
-    """``(table, step, lr_scale)`` of every push an in-process run makes, in order."""
+def _spy_pushes(monkeypatch, field: str = "lr_scale") -> list[tuple[str, int, float]]:
+    """``(table, step, value of the keyword field)`` of every push an in-process run makes, in order (a field not
+    passed: 1.0, the default of ``lr_scale`` and ``epochs_trained``)."""
     pushes: list[tuple[str, int, float]] = []
     real = LocalEmbedding.push
 
-    def spy(self, table, ids, grads, *args, lr_scale: float = 1.0, **kw):
-        pushes.append((table, int(kw.get("step", args[0] if args else 0)), lr_scale))
-        return real(self, table, ids, grads, *args, lr_scale=lr_scale, **kw)
+    def spy(self, table, ids, grads, *args, **kw):
+        pushes.append((table, int(kw.get("step", args[0] if args else 0)), kw.get(field, 1.0)))
+        return real(self, table, ids, grads, *args, **kw)
 
     monkeypatch.setattr(LocalEmbedding, "push", spy)
     return pushes
@@ -350,14 +351,7 @@ def test_every_push_carries_the_epochs_trained_by_which_the_wide_tables_l2_grows
     # (i + 1) / steps per epoch; with l2_per_epoch equal to l2 the first epoch's losses are those of l2 alone bit
     # for bit (max(l2, l2_per_epoch * e)), the later ones differ
     data = write_dataset(str(tmp_path / "data"), rows=96)
-    seen: list[tuple[str, int, float]] = []
-    real = LocalEmbedding.push
-
-    def spy(self, table, ids, grads, *args, epochs_trained: float = 1.0, **kw):
-        seen.append((table, int(kw["step"]), epochs_trained))
-        return real(self, table, ids, grads, *args, epochs_trained=epochs_trained, **kw)
-
-    monkeypatch.setattr(LocalEmbedding, "push", spy)
+    seen = _spy_pushes(monkeypatch, "epochs_trained")
 
     def run(per_epoch: float) -> list[float]:
         d = tiny_config(epochs=3).to_dict()
