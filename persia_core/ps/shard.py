@@ -87,6 +87,11 @@ def check_ids(ids: np.ndarray, what: str = "") -> np.ndarray:
     return ids
 
 
+def _is_number(x) -> bool:
+    """Whether a request's field ``x`` is an int or a float (not a bool, which Python counts as an int)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 class ParameterServerShard:
     """The tables of one shard plus push bookkeeping; the gRPC servicer calls into this (no gRPC here).
 
@@ -167,9 +172,9 @@ class ParameterServerShard:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"push: {name} must be an integer >= 0, got {v!r}")
         for name, x in (("step_fraction", fraction), ("lr_scale", lr_scale)):
-            if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0.0 < x <= 1.0:
+            if not _is_number(x) or not 0.0 < x <= 1.0:
                 raise ValueError(f"push: {name} must be in (0, 1], got {x!r}")
-        if not isinstance(epochs, (int, float)) or isinstance(epochs, bool) or not 0.0 <= epochs < float("inf"):
+        if not _is_number(epochs) or not 0.0 <= epochs < float("inf"):
             raise ValueError(f"push: epochs_trained must be a finite number >= 0, got {epochs!r}")
         check_push_arrays(table, ids, grads, finite=m > 1)  # async: apply_gradients checks finiteness itself
         with self.cond:
